@@ -1,0 +1,23 @@
+# hvdx development commands. Every target that runs code bootstraps first (idempotent).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# 2 nodes x 2 ranks on one machine: horovodrun treats the two host names as two nodes.
+HOSTS ?= localhost:2,127.0.0.1:2
+NP ?= 4
+PYTEST_ARGS ?=
+
+.PHONY: bootstrap build demo test clean
+bootstrap:
+	bash scripts/bootstrap.sh
+
+# Incremental rebuild of the op library (csrc/) after a C++/CUDA change.
+build: bootstrap
+
+demo: bootstrap
+	$(VENV)/bin/horovodrun -np $(NP) -H $(HOSTS) --gloo $(PY) examples/train_digits.py
+
+test: bootstrap
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf build hvdx/_hvdx_ops*.so *.egg-info

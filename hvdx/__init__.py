@@ -1,0 +1,14 @@
+"""hvdx: Horovod + TensorFlow extensions for clusters whose nodes are well connected inside
+and poorly connected between each other.
+
+    import hvdx
+    topo = hvdx.init()          # hvd.init() + node-local and cross-node process sets
+    print(topo)                 # rank, node, local rank, and the members of both sets
+"""
+from hvdx import ops
+from hvdx.ops import sparse_accumulate
+from hvdx.topology import Topology, TopologyError, init, shutdown, topology
+
+__version__ = "0.1.0"
+
+__all__ = ["Topology", "TopologyError", "init", "ops", "shutdown", "sparse_accumulate", "topology"]

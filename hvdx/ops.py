@@ -1,0 +1,121 @@
+"""hvdx's TensorFlow custom ops: loading the library built from csrc/, and Python wrappers.
+
+The library is loaded once, at import. Before loading it, the build facts embedded in
+the file (csrc/build_info.cc.in) are checked against the running TensorFlow, so that a
+missing or stale build fails with an ImportError that says how to rebuild, instead of an
+undefined-symbol error or a crash.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import tensorflow as tf
+
+__all__ = ["build_info", "library_path", "load_library", "sparse_accumulate"]
+
+_MARKER = b"hvdx-build-info:"
+_LIBRARY_ENV = "HVDX_OPS_LIBRARY"  # overrides where the library is looked for
+_REBUILD = (
+    "Rebuild it in this environment with `make build` from the hvdx checkout, or with "
+    "`pip install --no-build-isolation --no-deps -e .` (TensorFlow {tf} must be importable "
+    "while it builds)."
+)
+
+TensorLike = Union[tf.Tensor, Any]
+
+
+def library_path() -> Path:
+    """Where the op library is expected: $HVDX_OPS_LIBRARY, else next to this module."""
+    override = os.environ.get(_LIBRARY_ENV)
+    if override:
+        return Path(override)
+    here = Path(__file__).resolve().parent
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        candidate = here / f"_hvdx_ops{suffix}"
+        if candidate.exists():
+            return candidate
+    return here / f"_hvdx_ops{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+
+
+def read_build_info(path: Union[str, Path]) -> dict:
+    """The build facts embedded in a built op library (without loading it)."""
+    data = Path(path).read_bytes()
+    start = data.find(_MARKER)
+    if start < 0:
+        raise ValueError(f"{path} has no hvdx build information: it is not an hvdx op library")
+    start += len(_MARKER)
+    end = data.find(b"\0", start)
+    return json.loads(data[start:end].decode("utf-8"))
+
+
+def load_library(path: Union[str, Path]):
+    """Loads the op library at `path`, or raises ImportError with a rebuild hint."""
+    path = Path(path)
+    hint = _REBUILD.format(tf=tf.__version__)
+    if not path.exists():
+        raise ImportError(f"hvdx's op library is missing: {path} does not exist. {hint}")
+    try:
+        info = read_build_info(path)
+    except (OSError, ValueError) as exc:
+        raise ImportError(f"hvdx's op library {path} is unreadable ({exc}). {hint}") from exc
+    if info.get("tf_version") != tf.__version__:
+        raise ImportError(
+            f"hvdx's op library {path} was built against TensorFlow {info.get('tf_version')}, "
+            f"but TensorFlow {tf.__version__} is running. {hint}")
+    try:
+        return tf.load_op_library(str(path))
+    except (tf.errors.NotFoundError, OSError) as exc:
+        raise ImportError(f"hvdx's op library {path} failed to load: {exc}. {hint}") from exc
+
+
+_LIBRARY_PATH = library_path()
+_ops = load_library(_LIBRARY_PATH)
+_BUILD_INFO = read_build_info(_LIBRARY_PATH)
+
+
+def build_info() -> dict:
+    """How the loaded op library was built: TensorFlow version, CUDA, compiler, time."""
+    return dict(_BUILD_INFO, path=str(_LIBRARY_PATH))
+
+
+_FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
+
+
+def _sparse_accumulate(values: tf.Tensor, indices: tf.Tensor, dense: tf.Tensor,
+                       name: Optional[str] = None) -> tf.Tensor:
+    return _ops.hvdx_sparse_accumulate(values=values, indices=indices, dense=dense, name=name)
+
+
+def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, TensorLike],
+                      out: Optional[TensorLike] = None, name: Optional[str] = None) -> tf.Tensor:
+    """Dense vector of length `size`: `out` (or zeros) plus `values` added at `indices`.
+
+    Duplicate indices add up. Sums are formed in float32 for 16-bit inputs and rounded once
+    to the result's dtype, which is `out`'s dtype when given, else `values`'. This is the
+    receiving side of the sparse all-gather (shi2021, Algorithm 2, line 9).
+
+    Raises ValueError for non-float values, non-integer indices or a `size` that disagrees
+    with `out`; the op raises InvalidArgumentError for out-of-range indices (CPU) and
+    mismatched lengths.
+    """
+    values = tf.convert_to_tensor(values)
+    indices = tf.convert_to_tensor(indices)
+    if values.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"sparse_accumulate: values must be float32, float16 or bfloat16, got {values.dtype.name}")
+    if indices.dtype not in (tf.int32, tf.int64):
+        raise ValueError(f"sparse_accumulate: indices must be int32 or int64, got {indices.dtype.name}")
+    if out is None:
+        out = tf.zeros(tf.reshape(tf.cast(size, tf.int64), [1]), dtype=values.dtype)
+    else:
+        out = tf.convert_to_tensor(out)
+        if out.dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"sparse_accumulate: out must be float32, float16 or bfloat16, got {out.dtype.name}")
+        static_size = tf.get_static_value(size)
+        if out.shape.rank == 1 and out.shape[0] is not None and static_size is not None \
+                and int(static_size) != out.shape[0]:
+            raise ValueError(f"sparse_accumulate: size={int(static_size)} but out has {out.shape[0]} elements")
+    return _sparse_accumulate(values, indices, out, name=name)

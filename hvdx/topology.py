@@ -1,0 +1,151 @@
+"""The two-level topology of a run: nodes, the ranks inside a node, and their process sets.
+
+`hvdx.init()` wraps `hvd.init()` and builds, from Horovod's own `local_rank` / `local_size`:
+
+- the node-local set: the ranks of one node (fast links; reduce-scatter and all-gather of
+  HiTopKComm and 2DTAR, shi2021 Alg. 2 lines 1 and 10; DASO's node-local averaging);
+- the cross set of each local rank l: rank l of every node (slow links; the inter-node
+  all-gather of Alg. 2 line 8, one concurrent stream per local rank; DASO's groups).
+
+Nodes must be homogeneous (the same number of ranks on each). A set equal to the whole
+world is Horovod's global process set, which Horovod would not let us add twice.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import horovod.tensorflow as hvd
+
+__all__ = ["Topology", "TopologyError", "init", "shutdown", "topology"]
+
+
+class TopologyError(RuntimeError):
+    """The ranks do not form a topology hvdx supports (e.g. nodes of different sizes)."""
+
+
+@dataclass(frozen=True)
+class Topology:
+    """This rank's place in an m-node x n-rank job (m = num_nodes, n = local_size)."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node: int
+    num_nodes: int
+    node_ranks: Tuple[Tuple[int, ...], ...]
+    """Global ranks of every node, by node index, each ordered by local rank."""
+    local_set: hvd.ProcessSet
+    cross_set: hvd.ProcessSet
+
+    @property
+    def local_ranks(self) -> Tuple[int, ...]:
+        """Global ranks of this rank's node, ordered by local rank."""
+        return self.node_ranks[self.node]
+
+    @property
+    def cross_ranks(self) -> Tuple[int, ...]:
+        """Global ranks with this rank's local rank, ordered by node."""
+        return tuple(ranks[self.local_rank] for ranks in self.node_ranks)
+
+    def __str__(self) -> str:
+        return (f"rank {self.rank}/{self.size}: node {self.node}/{self.num_nodes}, "
+                f"local rank {self.local_rank}/{self.local_size}, "
+                f"local set {list(self.local_ranks)}, cross set {list(self.cross_ranks)}")
+
+
+_topology: Optional[Topology] = None
+
+
+def _node_key() -> str:
+    """What Horovod groups a node by: the launcher's host name under horovodrun (Gloo),
+    else this machine's name (MPI groups by shared memory, i.e. by machine)."""
+    return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+
+
+def _group_nodes(entries: Sequence[Tuple[int, int, int, str]]) -> Tuple[Tuple[int, ...], ...]:
+    """Global ranks of each node, ordered by local rank; nodes ordered by their lowest rank.
+
+    `entries` holds (rank, local_rank, local_size, node key) of every rank. Raises
+    TopologyError, with the same text on every rank, if the nodes are not homogeneous or
+    the keys disagree with Horovod's local ranks.
+    """
+    by_key: dict = {}
+    for rank, local_rank, local_size, key in sorted(entries):
+        by_key.setdefault(key, []).append((local_rank, rank, local_size))
+    nodes = sorted(by_key.items(), key=lambda item: min(r for _, r, _ in item[1]))
+    sizes = {len(members) for _, members in nodes}
+    if len(sizes) > 1:
+        layout = ", ".join(f"{key}: {len(m)} rank(s) {sorted(r for _, r, _ in m)}" for key, m in nodes)
+        raise TopologyError(
+            "hvdx needs homogeneous nodes (the same number of ranks on every node), got "
+            f"{layout}. Launch as many processes on every host, e.g. "
+            "`horovodrun -np 4 -H host1:2,host2:2`.")
+    node_ranks = []
+    for key, members in nodes:
+        local_ranks = sorted(lr for lr, _, _ in members)
+        if local_ranks != list(range(len(members))) or any(ls != len(members) for _, _, ls in members):
+            raise TopologyError(
+                f"Horovod's local ranks on node {key!r} are {local_ranks} with local sizes "
+                f"{sorted({ls for _, _, ls in members})}, but {len(members)} rank(s) run there: "
+                "the launcher's host names do not match Horovod's view of the nodes.")
+        node_ranks.append(tuple(r for _, r, _ in sorted(members)))
+    return tuple(node_ranks)
+
+
+def _process_set(ranks: Sequence[int], world: int) -> hvd.ProcessSet:
+    if len(ranks) == world:
+        return hvd.global_process_set
+    return hvd.add_process_set(sorted(ranks))
+
+
+def init(comm: Optional[Sequence[int]] = None) -> Topology:
+    """Initializes Horovod (with dynamic process sets) and hvdx's topology; idempotent.
+
+    Collective: every rank must call it. Returns this rank's `Topology`.
+    """
+    global _topology
+    if _topology is not None:
+        return _topology
+    if not hvd.is_initialized():
+        hvd.init(comm=comm, process_sets="dynamic")
+    rank, size = hvd.rank(), hvd.size()
+    entries = hvd.allgather_object((rank, hvd.local_rank(), hvd.local_size(), _node_key()),
+                                   name="hvdx.topology")
+    node_ranks = _group_nodes(entries)
+    local_size = len(node_ranks[0])
+    node = next(i for i, ranks in enumerate(node_ranks) if rank in ranks)
+    sets = {}
+    try:
+        # Every rank adds every set, in the same order: adding a process set is collective.
+        for i, ranks in enumerate(node_ranks):
+            sets["local", i] = _process_set(ranks, size)
+        for lr in range(local_size):
+            sets["cross", lr] = _process_set([ranks[lr] for ranks in node_ranks], size)
+    except (ValueError, NotImplementedError, RuntimeError) as exc:
+        raise TopologyError(
+            "hvdx could not add its process sets to Horovod. Call hvdx.init() instead of "
+            "hvd.init(), or initialize Horovod with hvd.init(process_sets='dynamic') and "
+            f"without the node-local or cross-node sets already added ({exc})") from exc
+    local_rank = node_ranks[node].index(rank)
+    _topology = Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
+                         node=node, num_nodes=len(node_ranks), node_ranks=node_ranks,
+                         local_set=sets["local", node], cross_set=sets["cross", local_rank])
+    return _topology
+
+
+def topology() -> Topology:
+    """This rank's `Topology`; raises if `hvdx.init()` has not been called."""
+    if _topology is None:
+        raise RuntimeError("hvdx.topology() needs hvdx.init() first")
+    return _topology
+
+
+def shutdown() -> None:
+    """Shuts Horovod down and forgets the topology (hvdx.init() may be called again)."""
+    global _topology
+    _topology = None
+    hvd.shutdown()
