@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 HOSTS ?= localhost:2,127.0.0.1:2
 NP ?= 4
 PYTEST_ARGS ?=
+# TensorFlow's start-up banners, once per rank, hide the demo's output.
+export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: bootstrap build demo test clean
 bootstrap:

@@ -7,8 +7,8 @@ and poorly connected between each other.
 """
 from hvdx import ops
 from hvdx.ops import sparse_accumulate
-from hvdx.topology import Topology, TopologyError, init, shutdown, topology
+from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "TopologyError", "init", "ops", "shutdown", "sparse_accumulate", "topology"]
+__all__ = ["Topology", "TopologyError", "barrier", "init", "ops", "shutdown", "sparse_accumulate", "topology"]

@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
+import tensorflow as tf
 
-__all__ = ["Topology", "TopologyError", "init", "shutdown", "topology"]
+__all__ = ["Topology", "TopologyError", "barrier", "init", "shutdown", "topology"]
 
 
 class TopologyError(RuntimeError):
@@ -142,6 +143,15 @@ def topology() -> Topology:
     if _topology is None:
         raise RuntimeError("hvdx.topology() needs hvdx.init() first")
     return _topology
+
+
+def barrier(process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
+    """Blocks until every rank of `process_set` arrives (a one-element allreduce).
+
+    End multi-rank scripts with it: a rank that exits while others still communicate
+    shuts Horovod down under them.
+    """
+    hvd.allreduce(tf.zeros([1], tf.int32), op=hvd.Sum, name="hvdx.barrier", process_set=process_set)
 
 
 def shutdown() -> None:

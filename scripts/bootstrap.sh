@@ -82,11 +82,17 @@ EOF
 fi
 
 # --- 4. hvdx itself: editable install, op library built by CMake (incremental) ------
+mkdir -p "$ROOT/build"
+build_log=$ROOT/build/bootstrap-hvdx.log
 if "$PY" -m pip show -q hvdx >/dev/null 2>&1; then
-  (cd "$ROOT" && "$PY" setup.py -q build_ext --inplace)
+  build=("$PY" setup.py build_ext --inplace)      # incremental: CMake reuses build/cmake
 else
   log "installing hvdx (editable) and building the op library"
-  "$PY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e "$ROOT"
+  build=("$PY" -m pip install --disable-pip-version-check --no-build-isolation --no-deps -e "$ROOT")
+fi
+if ! (cd "$ROOT" && "${build[@]}") >"$build_log" 2>&1; then
+  tail -n 60 "$build_log" >&2
+  die "building hvdx failed; the whole log is in $build_log"
 fi
 
 log "ready in $(( $(date +%s) - t0 )) s: $VENV (TensorFlow $TF_VERSION, Horovod $HOROVOD_VERSION)"

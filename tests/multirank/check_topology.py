@@ -1,0 +1,61 @@
+"""Each rank checks its own view of an m-node x n-rank job launched by tests/test_topology.py.
+
+horovodrun places ranks host by host, so rank r runs on node r // n as local rank r % n.
+With --expect-heterogeneous, every rank must instead get hvdx's TopologyError.
+"""
+import argparse
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+import hvdx
+from tests.multirank.rank import run
+
+
+def check(nodes: int, per_node: int) -> dict:
+    topo = hvdx.init()
+    rank = topo.rank
+    node, local_rank = divmod(rank, per_node)
+    assert (topo.size, topo.num_nodes, topo.local_size) == (nodes * per_node, nodes, per_node), topo
+    assert (topo.node, topo.local_rank) == (node, local_rank), topo
+    assert (topo.rank, topo.local_rank) == (hvd.rank(), hvd.local_rank()), topo
+    assert (topo.num_nodes, topo.node) == (hvd.cross_size(), hvd.cross_rank()), topo
+    node_ranks = tuple(tuple(range(j * per_node, (j + 1) * per_node)) for j in range(nodes))
+    assert topo.node_ranks == node_ranks, topo.node_ranks
+    local_members = list(node_ranks[node])
+    cross_members = [j * per_node + local_rank for j in range(nodes)]
+    assert list(topo.local_ranks) == local_members and list(topo.cross_ranks) == cross_members, topo
+    assert topo.local_set.ranks == local_members, topo.local_set
+    assert topo.cross_set.ranks == cross_members, topo.cross_set
+    world = list(range(topo.size))
+    for pset, members in ((topo.local_set, local_members), (topo.cross_set, cross_members)):
+        # A set equal to the world must be Horovod's global set, never a duplicate of it.
+        assert (pset is hvd.global_process_set) == (members == world), (pset, members)
+        assert pset.included() and pset.size() == len(members) and pset.rank() == members.index(rank)
+    # The sets work: sums over them see exactly their members.
+    local_sum = hvd.allreduce(tf.constant(rank), op=hvd.Sum, process_set=topo.local_set, name="local")
+    cross_sum = hvd.allreduce(tf.constant(rank), op=hvd.Sum, process_set=topo.cross_set, name="cross")
+    assert int(local_sum) == sum(local_members), (int(local_sum), local_members)
+    assert int(cross_sum) == sum(cross_members), (int(cross_sum), cross_members)
+    assert hvdx.init() is topo and hvdx.topology() is topo  # idempotent
+    return {"topology": str(topo)}
+
+
+def expect_heterogeneous() -> dict:
+    try:
+        hvdx.init()
+    except hvdx.TopologyError as exc:
+        return {"error": str(exc)}
+    raise AssertionError("hvdx.init() accepted nodes of different sizes")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--ranks-per-node", type=int, default=1)
+    parser.add_argument("--expect-heterogeneous", action="store_true")
+    args = parser.parse_args()
+    if args.expect_heterogeneous:
+        run(expect_heterogeneous)
+    else:
+        run(lambda: check(args.nodes, args.ranks_per_node))

@@ -1,0 +1,34 @@
+"""Rank side of the multi-rank test harness (tests/harness.py)."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Callable, Optional
+
+
+def run(main: Callable[[], Optional[dict]]) -> None:
+    """Runs `main` on this rank, records its result or traceback, and ends with a barrier.
+
+    The result is written before the barrier, so a hang there still leaves it behind.
+    """
+    result: dict = {"rank": int(os.environ.get("HOROVOD_RANK", "0")), "ok": False}
+    try:
+        result.update(ok=True, data=main() or {})
+    except BaseException as exc:  # noqa: B902 - report anything, including SystemExit
+        result["error"] = "".join(traceback.format_exception(exc))
+    import horovod.tensorflow as hvd
+
+    if hvd.is_initialized():
+        result["rank"] = hvd.rank()
+    out_dir = Path(os.environ.get("HVDX_RESULT_DIR", "."))
+    tmp = out_dir / f".rank-{result['rank']}.json"
+    tmp.write_text(json.dumps(result, default=str))
+    tmp.rename(out_dir / f"rank-{result['rank']}.json")
+    if hvd.is_initialized():
+        import hvdx
+
+        hvdx.barrier()
+    sys.exit(0 if result["ok"] else 1)

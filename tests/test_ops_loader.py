@@ -1,0 +1,53 @@
+"""The op library loads once, and a missing or stale build says how to rebuild."""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import tensorflow as tf
+
+import hvdx
+from hvdx import ops
+from tests import harness
+
+
+def test_loaded_library_matches_running_tensorflow():
+    info = ops.build_info()
+    assert info["tf_version"] == tf.__version__
+    assert ops.read_build_info(info["path"]) == {k: v for k, v in info.items() if k != "path"}
+
+
+def test_missing_library_explains_how_to_rebuild(tmp_path):
+    with pytest.raises(ImportError, match=r"missing.*does not exist.*make build"):
+        ops.load_library(tmp_path / "_hvdx_ops.so")
+
+
+def test_library_built_against_other_tensorflow_is_refused_before_loading(tmp_path):
+    fake = tmp_path / "_hvdx_ops.so"
+    fake.write_bytes(b"\x7fELF junk hvdx-build-info:" + b'{"tf_version": "0.0.1", "cuda": false}' + b"\0 junk")
+    with pytest.raises(ImportError, match=r"built against TensorFlow 0\.0\.1.*Rebuild"):
+        ops.load_library(fake)
+
+
+def test_file_that_is_no_hvdx_library_is_refused(tmp_path):
+    fake = tmp_path / "_hvdx_ops.so"
+    fake.write_bytes(b"\x7fELF not ours")
+    with pytest.raises(ImportError, match="not an hvdx op library"):
+        ops.load_library(fake)
+
+
+def test_import_hvdx_fails_with_the_hint_when_library_is_missing(tmp_path):
+    env = harness.test_env(str(tmp_path))
+    env["HVDX_OPS_LIBRARY"] = str(tmp_path / "nowhere.so")
+    proc = subprocess.run([sys.executable, "-c", "import hvdx"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode != 0
+    assert "ImportError: hvdx's op library is missing" in proc.stderr and "make build" in proc.stderr
+
+
+def test_cuda_kernels_were_compiled_when_nvcc_is_present():
+    """CI compiles the .cu.cc sources wherever nvcc is installed (nothing runs them here)."""
+    if not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")):
+        pytest.skip("no nvcc on this machine: the library was built without CUDA kernels")
+    assert ops.build_info()["cuda"] is True, ops.build_info()

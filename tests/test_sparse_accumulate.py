@@ -1,0 +1,67 @@
+"""sparse_accumulate adds sparse entries into a dense vector, like np.add.at."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hvdx
+
+DTYPES = [tf.float32, tf.float16, tf.bfloat16]
+
+
+def reference(values, indices, size, out=None):
+    acc = np.zeros(size, np.float64) if out is None else np.asarray(out, np.float64).copy()
+    np.add.at(acc, indices, np.asarray(values, np.float64))
+    return acc
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64], ids=lambda d: d.name)
+@pytest.mark.parametrize("size,nnz", [(1, 0), (1, 5), (10, 30), (100_000, 5_000)])
+def test_matches_np_add_at(dtype, index_dtype, size, nnz):
+    rng = np.random.default_rng(size + nnz)
+    values = rng.integers(-8, 8, nnz).astype(np.float32)  # exact in every dtype
+    indices = rng.integers(0, size, nnz)
+    got = hvdx.sparse_accumulate(tf.constant(values, dtype), tf.constant(indices, index_dtype), size)
+    assert got.dtype == dtype and got.shape == (size,)
+    np.testing.assert_array_equal(got.numpy().astype(np.float64), reference(values, indices, size))
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES, ids=lambda d: d.name)
+def test_adds_onto_out_and_accumulates_16_bit_in_float32(out_dtype):
+    # 2048 + 1 + 1 + ... in float16 would stay at 2048 if rounded after every add.
+    size, nnz = 8, 1024
+    values = tf.ones([nnz], tf.float16)
+    indices = tf.zeros([nnz], tf.int32)
+    out = tf.constant([2048.0] + [1.0] * (size - 1), out_dtype)
+    got = hvdx.sparse_accumulate(values, indices, size, out=out)
+    assert got.dtype == out_dtype
+    np.testing.assert_allclose(got.numpy().astype(np.float64), [2048.0 + nnz] + [1.0] * (size - 1),
+                               rtol=2 ** -7)
+    np.testing.assert_array_equal(out.numpy()[0], 2048.0)  # the input is not modified
+
+
+def test_out_of_range_and_mismatched_lengths_raise():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="out of range"):
+        hvdx.sparse_accumulate(tf.ones([2]), tf.constant([0, 4]), 4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="out of range"):
+        hvdx.sparse_accumulate(tf.ones([1]), tf.constant([-1]), 4)
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError)):
+        hvdx.sparse_accumulate(tf.ones([2]), tf.constant([0, 1, 2]), 4)
+
+
+def test_bad_types_and_sizes_raise_value_error():
+    with pytest.raises(ValueError, match="values must be"):
+        hvdx.sparse_accumulate(tf.ones([2], tf.int32), tf.constant([0, 1]), 4)
+    with pytest.raises(ValueError, match="indices must be"):
+        hvdx.sparse_accumulate(tf.ones([2]), tf.constant([0.0, 1.0]), 4)
+    with pytest.raises(ValueError, match="size=5 but out has 4"):
+        hvdx.sparse_accumulate(tf.ones([2]), tf.constant([0, 1]), 5, out=tf.zeros([4]))
+
+
+def test_works_inside_tf_function():
+    @tf.function(jit_compile=False)
+    def f(values, indices):
+        return hvdx.sparse_accumulate(values, indices, 6)
+
+    got = f(tf.constant([1.0, 2.0, 3.0]), tf.constant([5, 0, 5]))
+    np.testing.assert_array_equal(got.numpy(), [2, 0, 0, 0, 0, 4])
