@@ -6,9 +6,9 @@ and poorly connected between each other.
     print(topo)                 # rank, node, local rank, and the members of both sets
 """
 from hvdx import ops
-from hvdx.ops import sparse_accumulate
+from hvdx.ops import mstopk, sparse_accumulate
 from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "TopologyError", "barrier", "init", "ops", "shutdown", "sparse_accumulate", "topology"]
+__all__ = ["Topology", "TopologyError", "barrier", "init", "mstopk", "ops", "shutdown", "sparse_accumulate", "topology"]

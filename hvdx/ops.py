@@ -15,7 +15,7 @@ from typing import Any, Optional, Union
 
 import tensorflow as tf
 
-__all__ = ["build_info", "library_path", "load_library", "sparse_accumulate"]
+__all__ = ["build_info", "library_path", "load_library", "mstopk", "sparse_accumulate"]
 
 _MARKER = b"hvdx-build-info:"
 _LIBRARY_ENV = "HVDX_OPS_LIBRARY"  # overrides where the library is looked for
@@ -83,6 +83,50 @@ def build_info() -> dict:
 
 
 _FLOAT_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
+
+
+def _mstopk(x: tf.Tensor, k: tf.Tensor, num_samplings: int, seed: Optional[int],
+            index_dtype: tf.DType, name: Optional[str] = None):
+    """The raw op: (values, indices, thresholds[2] = (thres1, thres2)) in float64."""
+    seed1, seed2 = tf.compat.v1.random.get_seed(seed)
+    return _ops.hvdx_mstopk(x=x, k=k, num_samplings=num_samplings, seed=seed1 or 0,
+                            seed2=seed2 or 0, Tidx=index_dtype, name=name)
+
+
+def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
+           seed: Optional[int] = None, name: Optional[str] = None):
+    """MSTopK (shi2021, Algorithm 1): exactly min(k, d) elements of large magnitude.
+
+    N = `num_samplings` rounds of bisection on a ratio in [0, 1] place the threshold
+    mean(|x|) + ratio * (max(|x|) - mean(|x|)); every element at or above the best round
+    with at most k elements (thres1) is selected, and the rest come from one contiguous
+    window, at a random offset, of the elements between thres2 (the best round with more
+    than k) and thres1, in index order. NaN and Inf rank above every finite value.
+
+    Args:
+      x: 1-D float32, float16 or bfloat16 tensor of length d.
+      k: how many to select (int or int scalar tensor, >= 0); k >= d selects everything.
+      num_samplings: N >= 1, the number of bisection rounds.
+      seed: makes the window offsets reproducible (with tf.random.set_seed), as in tf.random.
+
+    Returns:
+      (values, indices): values in x's dtype; indices int32, or int64 when d >= 2**31.
+    """
+    x = tf.convert_to_tensor(x)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"mstopk: x must be float32, float16 or bfloat16, got {x.dtype.name}")
+    if x.shape.rank is not None and x.shape.rank != 1:
+        raise ValueError(f"mstopk: x must be 1-D, got shape {x.shape}")
+    if not isinstance(num_samplings, int) or num_samplings < 1:
+        raise ValueError(f"mstopk: num_samplings must be an int >= 1, got {num_samplings!r}")
+    static_k = tf.get_static_value(k)
+    if static_k is not None and int(static_k) < 0:
+        raise ValueError(f"mstopk: k must be >= 0, got {int(static_k)}")
+    k = tf.cast(k, tf.int64)
+    d = x.shape[0] if x.shape.rank == 1 else None
+    index_dtype = tf.int64 if d is not None and d >= 2 ** 31 else tf.int32
+    values, indices, _ = _mstopk(x, k, num_samplings, seed, index_dtype, name=name)
+    return values, indices
 
 
 def _sparse_accumulate(values: tf.Tensor, indices: tf.Tensor, dense: tf.Tensor,

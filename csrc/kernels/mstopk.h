@@ -1,0 +1,95 @@
+// MSTopK (shi2021, Algorithm 1): approximate top-k by bisection on a threshold ratio.
+// Shared by the CPU (mstopk.cc) and CUDA (mstopk.cu.cc) kernels. The semantics, with the
+// fixes to Algorithm 1's edge cases, are specified by tests/mstopk_reference.py.
+#ifndef HVDX_KERNELS_MSTOPK_H_
+#define HVDX_KERNELS_MSTOPK_H_
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define HVDX_HOST_DEVICE __host__ __device__
+#else
+#define HVDX_HOST_DEVICE
+#endif
+
+namespace hvdx {
+namespace mstopk {
+
+// Algorithm 1, lines 4-24, one round at a time: the caller counts nnz(|x| >= Threshold())
+// however it likes (one pass per round, or many rounds from one histogram) and reports it.
+// Thresholds are computed in float64 as mean + ratio * (max - mean) with plain adds and
+// multiplies, so every implementation gets bit-identical thresholds for the same stats.
+struct Bisection {
+  double mean, span;          // span = max - mean >= 0
+  double lo = 0.0, hi = 1.0;  // the ratio interval [l, r]
+  int64_t k, k1 = 0, k2;
+  double thres1, thres2 = 0.0;  // thres1 = +inf while no round qualified
+  bool has_thres1 = false, has_thres2 = false;
+
+  HVDX_HOST_DEVICE Bisection(double mean_, double max_, int64_t k_, int64_t d)
+      : mean(mean_), span(max_ - mean_), k(k_), k2(d), thres1(HUGE_VAL) {}
+
+  HVDX_HOST_DEVICE double Ratio() const { return lo + (hi - lo) / 2; }
+  HVDX_HOST_DEVICE double ThresholdAt(double ratio) const { return Add(mean, Mul(ratio, span)); }
+  HVDX_HOST_DEVICE double Threshold() const { return ThresholdAt(Ratio()); }
+
+  // Lines 10-23 for the current round, given nnz = count(|x| >= Threshold()).
+  HVDX_HOST_DEVICE void Update(int64_t nnz) {
+    const double ratio = Ratio(), thres = ThresholdAt(ratio);
+    if (nnz <= k) {
+      hi = ratio;
+      if (nnz > k1) { k1 = nnz; thres1 = thres; has_thres1 = true; }
+    } else {
+      lo = ratio;
+      if (nnz < k2) { k2 = nnz; thres2 = thres; has_thres2 = true; }
+    }
+  }
+
+ private:
+  // No fused multiply-add: the thresholds must equal the reference's bit for bit.
+#if defined(__CUDA_ARCH__)
+  __device__ static double Add(double a, double b) { return __dadd_rn(a, b); }
+  __device__ static double Mul(double a, double b) { return __dmul_rn(a, b); }
+#else
+  static double Add(double a, double b) { volatile double s = a + b; return s; }
+  static double Mul(double a, double b) { volatile double p = a * b; return p; }
+#endif
+};
+
+// The smallest float f with f >= t, so that for every float a: a >= t  <=>  a >= f.
+HVDX_HOST_DEVICE inline float FloatCeil(double t) {
+  if (!(t <= 3.4028234663852886e38)) return INFINITY;
+  float f = static_cast<float>(t);
+  if (static_cast<double>(f) < t) f = nextafterf(f, INFINITY);
+  return f;
+}
+
+// Where a window of `need` elements starts among `count`: uniform over 0..count-need
+// (multiply-shift of a 64-bit random word; the bias is below 2^-40 for any real size).
+HVDX_HOST_DEVICE inline int64_t WindowOffset(uint64_t random, int64_t count, int64_t need) {
+  const uint64_t starts = static_cast<uint64_t>(count - need) + 1;
+#if defined(__CUDA_ARCH__)
+  return static_cast<int64_t>(__umul64hi(random, starts));
+#else
+  return static_cast<int64_t>((static_cast<unsigned __int128>(random) * starts) >> 64);
+#endif
+}
+
+}  // namespace mstopk
+
+namespace functor {
+
+// Selects exactly k of the d elements of x (0 < k < d): writes values[k], indices[k]
+// (above set in index order, then the band window) and thresholds[2] = {thres1, thres2}.
+// `random` is a uniform 64-bit word that places the band window.
+template <typename Device, typename T, typename Tidx>
+struct MsTopK {
+  void operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                  uint64_t random, T* values, Tidx* indices, double* thresholds);
+};
+
+}  // namespace functor
+}  // namespace hvdx
+
+#endif  // HVDX_KERNELS_MSTOPK_H_
