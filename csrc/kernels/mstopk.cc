@@ -1,13 +1,13 @@
 // CPU kernel of HvdxMstopk: Algorithm 1 of shi2021 in three multi-threaded passes over x.
 //
-//   1. stats:     sum and max of the finite |x| (Algorithm 1 lines 1-3);
-//   2. histogram: the first b = min(N, 11) rounds query only the 2^b thresholds at ratios
-//                 j / 2^b, so one histogram with exactly those edges answers them all;
-//   3. collect:   the elements at or above the lower edge of the bin where the bisection
-//                 ended (a few more than k for small densities), in index order.
-// The remaining N - b rounds count over that short list, shrinking it as the interval
-// narrows, and the selection reads it. Every count is exact against the same float64
-// thresholds as the one-pass-per-round reference, so the selected set is identical.
+//   1. stats:   sum and max of the finite |x| (Algorithm 1 lines 1-3);
+//   2. count:   the first b = min(N, 4) rounds query only the 16 thresholds at ratios
+//               j / 16, so one pass counting every element against all 16 answers them;
+//   3. collect: the elements at or above the interval where the bisection then is (for
+//               small densities a small multiple of k), with their indices, in order.
+// The remaining N - b rounds count over that list, shrinking it as the interval narrows,
+// and the selection reads it. Every count is exact against the same float64 thresholds as
+// the one-pass-per-round reference (tests/mstopk_reference.py), so the result is identical.
 #define EIGEN_USE_THREADS
 #if GOOGLE_CUDA
 #define EIGEN_USE_GPU
@@ -33,9 +33,10 @@ namespace hvdx {
 namespace {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
-constexpr int kMaxHistogramBits = 11;
-constexpr int64_t kSumBlock = 4096;  // see RangeStats
-constexpr int kSumLanes = 16;
+constexpr int kCoarseBits = 4;  // rounds answered by the counting pass
+constexpr int kCoarse = 1 << kCoarseBits;
+using mstopk::kSumBlock;
+using mstopk::kSumLanes;
 
 // |x| as float; NaN and +-Inf become +inf (they rank above every finite value).
 template <typename T>
@@ -66,52 +67,112 @@ void ParallelRanges(const CPUDevice& dev, const Ranges& ranges, double cycles_pe
   });
 }
 
+// Hot loops work on float blocks (half and bfloat16 are converted block by block), and
+// are compiled twice, for AVX2 and for the baseline, with the CPU choosing at load time.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define HVDX_MULTIVERSION __attribute__((target_clones("avx2", "default")))
+#else
+#define HVDX_MULTIVERSION
+#endif
+
 // The sum of the finite magnitudes is formed in a fixed order that does not depend on the
 // number of threads, so that mean(|x|) is reproducible bit for bit (and equals the
 // reference's): blocks of kSumBlock elements, each summed in kSumLanes interleaved float64
 // lanes (lane l takes the elements i = l mod kSumLanes, in order), lanes added in order,
 // block sums added in order.
-
 struct Stats {
   float max = 0;
   int64_t nonfinite = 0;
 };
 
-// Stats of x[begin, end) (begin a multiple of kSumBlock); writes each block's sum.
-template <typename T>
-Stats RangeStats(const T* x, int64_t begin, int64_t end, double* block_sums) {
+// Sum of the finite |x| of one block (n <= kSumBlock) in the order above; updates stats.
+HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
+  double sum[kSumLanes] = {};
   float max[kSumLanes] = {};
   int32_t bad[kSumLanes] = {};
-  for (int64_t b = begin; b < end; b += kSumBlock) {
-    double sum[kSumLanes] = {};
-    const int64_t e = std::min(end, b + kSumBlock);
-    int64_t i = b;
-    for (; i + kSumLanes <= e; i += kSumLanes) {
-      for (int l = 0; l < kSumLanes; ++l) {
-        const float a = std::fabs(static_cast<float>(x[i + l]));
-        const bool finite = a <= FLT_MAX;
-        sum[l] += finite ? a : 0.0f;
-        max[l] = std::max(max[l], finite ? a : 0.0f);
-        bad[l] += finite ? 0 : 1;
-      }
-    }
-    for (int l = 0; i < e; ++i, ++l) {
-      const float a = std::fabs(static_cast<float>(x[i]));
+  int64_t i = 0;
+  for (; i + kSumLanes <= n; i += kSumLanes) {
+    for (int l = 0; l < kSumLanes; ++l) {
+      const float a = std::fabs(x[i + l]);
       const bool finite = a <= FLT_MAX;
-      sum[l] += finite ? a : 0.0f;
-      max[l] = std::max(max[l], finite ? a : 0.0f);
+      const float m = finite ? a : 0.0f;
+      sum[l] += static_cast<double>(m);
+      max[l] = max[l] > m ? max[l] : m;
       bad[l] += finite ? 0 : 1;
     }
-    double block = 0;
-    for (int l = 0; l < kSumLanes; ++l) block += sum[l];
-    block_sums[b / kSumBlock] = block;
   }
-  Stats stats;
+  for (int l = 0; i < n; ++i, ++l) {
+    const float a = std::fabs(x[i]);
+    const bool finite = a <= FLT_MAX;
+    const float m = finite ? a : 0.0f;
+    sum[l] += static_cast<double>(m);
+    max[l] = max[l] > m ? max[l] : m;
+    bad[l] += finite ? 0 : 1;
+  }
+  double block = 0;
   for (int l = 0; l < kSumLanes; ++l) {
-    stats.max = std::max(stats.max, max[l]);
-    stats.nonfinite += bad[l];
+    block += sum[l];
+    stats->max = std::max(stats->max, max[l]);
+    stats->nonfinite += bad[l];
   }
-  return stats;
+  return block;
+}
+
+// Magnitude as used by every count: |v|, with NaN and +-Inf as +inf.
+inline float Mag(float v) {
+  const float a = std::fabs(v);
+  return a <= FLT_MAX ? a : INFINITY;
+}
+
+// at_least[j] += count(|x[i]| >= edge[j]) for the kCoarse edges (compares vectorize).
+HVDX_MULTIVERSION void CountAtLeast(const float* x, int64_t n, const float* edge, int64_t* at_least) {
+  int32_t count[kCoarse] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = Mag(x[i]);
+    for (int j = 0; j < kCoarse; ++j) count[j] += a >= edge[j] ? 1 : 0;
+  }
+  for (int j = 0; j < kCoarse; ++j) at_least[j] += count[j];
+}
+
+// Appends (offset + i, |x[i]|) for every |x[i]| >= lowest, in order. Hits are rare: each
+// group of 16 is tested at once and only groups with a hit are looked at one by one.
+HVDX_MULTIVERSION void CollectAtLeast(const float* x, int64_t n, float lowest, int64_t offset,
+                                      std::vector<int64_t>* index, std::vector<float>* mag) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    int hit = 0;
+    for (int l = 0; l < 16; ++l) hit |= Mag(x[i + l]) >= lowest ? 1 : 0;
+    if (!hit) continue;
+    for (int l = 0; l < 16; ++l) {
+      const float a = Mag(x[i + l]);
+      if (a >= lowest) {
+        index->push_back(offset + i + l);
+        mag->push_back(a);
+      }
+    }
+  }
+  for (; i < n; ++i) {
+    const float a = Mag(x[i]);
+    if (a >= lowest) {
+      index->push_back(offset + i);
+      mag->push_back(a);
+    }
+  }
+}
+
+// x[begin, end) as float blocks of at most kSumBlock elements: f(offset, block, n).
+template <typename T, typename F>
+void ForFloatBlocks(const T* x, int64_t begin, int64_t end, F f) {
+  float buffer[kSumBlock];
+  for (int64_t b = begin; b < end; b += kSumBlock) {
+    const int64_t n = std::min(end - b, kSumBlock);
+    if constexpr (std::is_same_v<T, float>) {
+      f(b, x + b, n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) buffer[i] = static_cast<float>(x[b + i]);
+      f(b, static_cast<const float*>(buffer), n);
+    }
+  }
 }
 
 // Per-range lists of (index, |x|) in index order.
@@ -185,7 +246,7 @@ namespace functor {
 template <typename T, typename Tidx>
 struct MsTopK<CPUDevice, T, Tidx> {
   void operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                  uint64_t random, T* values, Tidx* indices, double* thresholds) {
+                  uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
     thresholds[0] = HUGE_VAL;
     thresholds[1] = 0.0;
     if (k >= d) {  // everything, in index order
@@ -201,7 +262,9 @@ struct MsTopK<CPUDevice, T, Tidx> {
     std::vector<Stats> part(ranges.count);
     std::vector<double> block_sums((d + kSumBlock - 1) / kSumBlock);
     ParallelRanges(dev, ranges, 2, [&](int64_t c, int64_t b, int64_t e) {
-      part[c] = RangeStats(x, b, e, block_sums.data());
+      ForFloatBlocks(x, b, e, [&](int64_t offset, const float* block, int64_t n) {
+        block_sums[offset / kSumBlock] = BlockStats(block, n, &part[c]);
+      });
     });
     Stats all;
     for (const Stats& s : part) {
@@ -233,49 +296,33 @@ struct MsTopK<CPUDevice, T, Tidx> {
       for (int64_t n : count) nnz += n;
       for (int r = 0; r < num_samplings; ++r) bis.Update(nnz);
     } else {
-      // Pass 2: one histogram answers the first b rounds.
-      const int bits = std::min(num_samplings, kMaxHistogramBits);
-      const int64_t bins = int64_t{1} << bits;
-      std::vector<float> edge(bins);
+      // Pass 2: the first b = min(N, 4) rounds query only ratios j / 16: count every
+      // element against those 16 thresholds at once.
+      const int bits = std::min(num_samplings, kCoarseBits);
+      const int64_t bins = kCoarse;
+      float edge[kCoarse];
       for (int64_t j = 0; j < bins; ++j)
         edge[j] = mstopk::FloatCeil(bis.ThresholdAt(static_cast<double>(j) / bins));
-      const double scale = static_cast<double>(bins) / bis.span;
-      std::vector<std::vector<int64_t>> hist(ranges.count);
-      ParallelRanges(dev, ranges, 4, [&](int64_t c, int64_t b, int64_t e) {
-        std::vector<int64_t>& h = hist[c];
-        h.assign(bins, 0);
-        const float lowest = edge[1];  // bin 0 is never queried: ratios are > 0
-        for (int64_t i = b; i < e; ++i) {
-          const float a = Magnitude(x[i]);
-          if (a < lowest) continue;
-          double guess = (static_cast<double>(a) - mean) * scale;
-          int64_t j = guess >= static_cast<double>(bins - 1) ? bins - 1 : static_cast<int64_t>(guess);
-          j = std::max<int64_t>(j, 1);
-          while (j + 1 < bins && a >= edge[j + 1]) ++j;
-          while (a < edge[j]) --j;
-          ++h[j];
-        }
+      std::vector<std::vector<int64_t>> part_counts(ranges.count, std::vector<int64_t>(bins));
+      ParallelRanges(dev, ranges, 3, [&](int64_t c, int64_t b, int64_t e) {
+        ForFloatBlocks(x, b, e, [&](int64_t, const float* block, int64_t n) {
+          CountAtLeast(block, n, edge, part_counts[c].data());
+        });
       });
-      std::vector<int64_t> at_least(bins + 1, 0);  // at_least[j] = count(a >= edge[j]), j >= 1
-      for (int64_t j = bins - 1; j >= 1; --j) {
-        int64_t n = 0;
-        for (const auto& h : hist) n += h[j];
-        at_least[j] = at_least[j + 1] + n;
-      }
+      std::vector<int64_t> at_least(bins, 0);  // count(a >= edge[j])
+      for (const auto& counts : part_counts)
+        for (int64_t j = 0; j < bins; ++j) at_least[j] += counts[j];
       for (int r = 0; r < bits; ++r)
         bis.Update(at_least[static_cast<int64_t>(bis.Ratio() * bins)]);
 
-      // Pass 3: collect every element at or above the bin the bisection ended in.
+      // Pass 3: collect every element at or above the interval the bisection is in (a few
+      // more than k for small densities), in index order.
       const float floor_edge = edge[static_cast<int64_t>(bis.lo * bins)];
       Candidates cand(ranges.count);
       ParallelRanges(dev, ranges, 1, [&](int64_t c, int64_t b, int64_t e) {
-        for (int64_t i = b; i < e; ++i) {
-          const float a = Magnitude(x[i]);
-          if (a >= floor_edge) {
-            cand.index[c].push_back(i);
-            cand.magnitude[c].push_back(a);
-          }
-        }
+        ForFloatBlocks(x, b, e, [&](int64_t offset, const float* block, int64_t n) {
+          CollectAtLeast(block, n, floor_edge, offset, &cand.index[c], &cand.magnitude[c]);
+        });
       });
 
       // Rounds b+1..N over the shrinking set of magnitudes inside the interval.
@@ -387,16 +434,23 @@ class MsTopKOp : public OpKernel {
       std::lock_guard<std::mutex> lock(mu_);
       random = rng_();
     }
-    if (k == 0) {
-      if constexpr (std::is_same_v<Device, CPUDevice>) {
+    void* scratch_ptr = nullptr;
+    Tensor scratch;
+    if constexpr (std::is_same_v<Device, CPUDevice>) {
+      if (k == 0) {
         thresholds->flat<double>()(0) = HUGE_VAL;
         thresholds->flat<double>()(1) = 0.0;
         return;
       }
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
+                                             TensorShape({mstopk::GpuScratchBytes(d)}), &scratch));
+      scratch_ptr = scratch.flat<::tensorflow::int8>().data();
     }
     functor::MsTopK<Device, T, Tidx>()(ctx->eigen_device<Device>(), x.flat<T>().data(), d, k,
                                        num_samplings_, random, values->flat<T>().data(),
-                                       indices->flat<Tidx>().data(), thresholds->flat<double>().data());
+                                       indices->flat<Tidx>().data(), thresholds->flat<double>().data(),
+                                       scratch_ptr);
   }
 
  private:

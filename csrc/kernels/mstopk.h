@@ -21,12 +21,13 @@ namespace mstopk {
 // Thresholds are computed in float64 as mean + ratio * (max - mean) with plain adds and
 // multiplies, so every implementation gets bit-identical thresholds for the same stats.
 struct Bisection {
-  double mean, span;          // span = max - mean >= 0
+  double mean = 0, span = 0;  // span = max - mean >= 0
   double lo = 0.0, hi = 1.0;  // the ratio interval [l, r]
-  int64_t k, k1 = 0, k2;
-  double thres1, thres2 = 0.0;  // thres1 = +inf while no round qualified
+  int64_t k = 0, k1 = 0, k2 = 0;
+  double thres1 = HUGE_VAL, thres2 = 0.0;  // thres1 = +inf while no round qualified
   bool has_thres1 = false, has_thres2 = false;
 
+  Bisection() = default;
   HVDX_HOST_DEVICE Bisection(double mean_, double max_, int64_t k_, int64_t d)
       : mean(mean_), span(max_ - mean_), k(k_), k2(d), thres1(HUGE_VAL) {}
 
@@ -76,17 +77,39 @@ HVDX_HOST_DEVICE inline int64_t WindowOffset(uint64_t random, int64_t count, int
 #endif
 }
 
+// Blocks of the fixed-order sum of |x| (see BlockStats in mstopk.cc): kSumBlock elements
+// in kSumLanes interleaved float64 lanes. The CUDA kernel uses the same order.
+constexpr int64_t kSumBlock = 4096;
+constexpr int kSumLanes = 16;
+
+// Device-side state of the CUDA kernel, at the start of its scratch buffer.
+struct GpuState {
+  Bisection bis;
+  unsigned long long nnz, nonfinite;
+  unsigned int max_bits;
+  int above_is_band;
+  int64_t k1, band, need, offset;
+};
+
+// Bytes of scratch the CUDA kernel needs for d elements (the CPU kernel needs none).
+inline int64_t GpuScratchBytes(int64_t d) {
+  const int64_t blocks = (d + kSumBlock - 1) / kSumBlock;
+  const int64_t state = (static_cast<int64_t>(sizeof(GpuState)) + 255) / 256 * 256;
+  return state + blocks * kSumLanes * 8 + 2 * blocks * 8;
+}
+
 }  // namespace mstopk
 
 namespace functor {
 
-// Selects exactly k of the d elements of x (0 < k < d): writes values[k], indices[k]
-// (above set in index order, then the band window) and thresholds[2] = {thres1, thres2}.
-// `random` is a uniform 64-bit word that places the band window.
+// Selects exactly min(k, d) of the d elements of x: writes values, indices (above set in
+// index order, then the band window; everything in index order when k >= d) and
+// thresholds[2] = {thres1, thres2}. `random` is a uniform 64-bit word that places the
+// window. `scratch` holds mstopk::GpuScratchBytes(d) bytes for the GPU (nullptr on CPU).
 template <typename Device, typename T, typename Tidx>
 struct MsTopK {
   void operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                  uint64_t random, T* values, Tidx* indices, double* thresholds);
+                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
 };
 
 }  // namespace functor
