@@ -153,7 +153,8 @@ def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, 
     if indices.dtype not in (tf.int32, tf.int64):
         raise ValueError(f"sparse_accumulate: indices must be int32 or int64, got {indices.dtype.name}")
     if out is None:
-        out = tf.zeros(tf.reshape(tf.cast(size, tf.int64), [1]), dtype=values.dtype)
+        return _ops.hvdx_sparse_scatter(values=values, indices=indices, size=tf.cast(size, tf.int64),
+                                        Tout=values.dtype, name=name)
     else:
         out = tf.convert_to_tensor(out)
         if out.dtype not in _FLOAT_DTYPES:

@@ -45,13 +45,14 @@ struct SparseAccumulate<CPUDevice, T, Tidx, Tout> {
       for (Eigen::Index s = first; s < last; ++s) {
         const int64_t lo = size * s / shards, hi = size * (s + 1) / shards;
         if constexpr (std::is_same_v<Tout, float>) {
-          if (dense != out) std::copy(dense + lo, dense + hi, out + lo);
+          if (dense == nullptr) std::fill(out + lo, out + hi, 0.0f);
+          else if (dense != out) std::copy(dense + lo, dense + hi, out + lo);
           for (int64_t j = 0; j < nnz; ++j) {
             const int64_t i = static_cast<int64_t>(indices[j]);
             if (i >= lo && i < hi) out[i] += static_cast<float>(values[j]);
           }
         } else {
-          for (int64_t i = lo; i < hi; ++i) scratch[i] = static_cast<float>(dense[i]);
+          for (int64_t i = lo; i < hi; ++i) scratch[i] = dense ? static_cast<float>(dense[i]) : 0.0f;
           for (int64_t j = 0; j < nnz; ++j) {
             const int64_t i = static_cast<int64_t>(indices[j]);
             if (i >= lo && i < hi) scratch[i] += static_cast<float>(values[j]);
@@ -65,7 +66,9 @@ struct SparseAccumulate<CPUDevice, T, Tidx, Tout> {
 
 }  // namespace functor
 
-template <typename Device, typename T, typename Tidx, typename Tout>
+// kHasDense: HvdxSparseAccumulate (input 2 is the dense vector); otherwise
+// HvdxSparseScatter (input 2 is the size, the dense vector is zeros).
+template <typename Device, typename T, typename Tidx, typename Tout, bool kHasDense>
 class SparseAccumulateOp : public OpKernel {
  public:
   explicit SparseAccumulateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
@@ -73,7 +76,17 @@ class SparseAccumulateOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& values = ctx->input(0);
     const Tensor& indices = ctx->input(1);
-    const Tensor& dense = ctx->input(2);
+    Tensor dense;
+    if constexpr (kHasDense) {
+      dense = ctx->input(2);
+    } else {
+      const Tensor& size = ctx->input(2);
+      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(size.shape()),
+                  errors::InvalidArgument("size must be a scalar, got shape ", size.shape().DebugString()));
+      const int64_t n = size.scalar<::tensorflow::int64>()();
+      OP_REQUIRES(ctx, n >= 0, errors::InvalidArgument("size must be >= 0, got ", n));
+      dense = Tensor(DataTypeToEnum<Tout>::value, TensorShape({n}));  // shape only: never read
+    }
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(values.shape()),
                 errors::InvalidArgument("values must be 1-D, got shape ", values.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
@@ -94,7 +107,11 @@ class SparseAccumulateOp : public OpKernel {
       }
     }
     Tensor* output = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({2}, 0, dense.shape(), &output));
+    if constexpr (kHasDense) {
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({2}, 0, dense.shape(), &output));
+    } else {
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, dense.shape(), &output));
+    }
     Tensor scratch;
     float* scratch_ptr = nullptr;
     if (!std::is_same_v<Tout, float>) {
@@ -102,8 +119,8 @@ class SparseAccumulateOp : public OpKernel {
       scratch_ptr = scratch.flat<float>().data();
     }
     functor::SparseAccumulate<Device, T, Tidx, Tout>()(
-        ctx->eigen_device<Device>(), values.flat<T>().data(), idx, nnz, dense.flat<Tout>().data(),
-        output->flat<Tout>().data(), size, scratch_ptr);
+        ctx->eigen_device<Device>(), values.flat<T>().data(), idx, nnz,
+        kHasDense ? dense.flat<Tout>().data() : nullptr, output->flat<Tout>().data(), size, scratch_ptr);
   }
 };
 
@@ -113,7 +130,14 @@ class SparseAccumulateOp : public OpKernel {
                               .TypeConstraint<T>("T")                                         \
                               .TypeConstraint<TIDX>("Tidx")                                   \
                               .TypeConstraint<TOUT>("Tout"),                                  \
-                          SparseAccumulateOp<DEVICE, T, TIDX, TOUT>);
+                          SparseAccumulateOp<DEVICE, T, TIDX, TOUT, true>);                   \
+  REGISTER_KERNEL_BUILDER(Name("HvdxSparseScatter")                                           \
+                              .Device(::tensorflow::DEVICE_##DEV)                             \
+                              .HostMemory("size")                                             \
+                              .TypeConstraint<T>("T")                                         \
+                              .TypeConstraint<TIDX>("Tidx")                                   \
+                              .TypeConstraint<TOUT>("Tout"),                                  \
+                          SparseAccumulateOp<DEVICE, T, TIDX, TOUT, false>);
 #define HVDX_REGISTER_FOR_OUT(DEV, DEVICE, T, TIDX)                     \
   HVDX_REGISTER_SPARSE_ACCUMULATE(DEV, DEVICE, T, TIDX, float)          \
   HVDX_REGISTER_SPARSE_ACCUMULATE(DEV, DEVICE, T, TIDX, Eigen::half)    \

@@ -55,11 +55,16 @@ struct SparseAccumulate<Eigen::GpuDevice, T, Tidx, Tout> {
     float* acc;
     if constexpr (std::is_same_v<Tout, float>) {
       acc = out;
-      if (dense != out)
+      if (dense == nullptr)
+        cudaMemsetAsync(out, 0, size * sizeof(float), stream);
+      else if (dense != out)
         cudaMemcpyAsync(out, dense, size * sizeof(float), cudaMemcpyDeviceToDevice, stream);
     } else {
       acc = scratch;
-      ToFloat<<<Blocks(size), kThreads, 0, stream>>>(dense, acc, size);
+      if (dense == nullptr)
+        cudaMemsetAsync(acc, 0, size * sizeof(float), stream);
+      else
+        ToFloat<<<Blocks(size), kThreads, 0, stream>>>(dense, acc, size);
     }
     if (nnz > 0) ScatterAdd<<<Blocks(nnz), kThreads, 0, stream>>>(values, indices, nnz, acc, size);
     if constexpr (!std::is_same_v<Tout, float>) {

@@ -9,7 +9,7 @@ namespace hvdx {
 namespace functor {
 
 // out = dense + values[j] added at indices[j] for j < nnz. `dense` may alias `out` (the
-// input buffer was forwarded); otherwise it is copied first. When Tout is a 16-bit type, `scratch` is a float32 buffer of `size` elements used to
+// input buffer was forwarded), is copied first otherwise, and means zeros when nullptr. When Tout is a 16-bit type, `scratch` is a float32 buffer of `size` elements used to
 // accumulate before rounding once; it is nullptr when Tout is float.
 // Entries whose index is outside [0, size) are skipped: the CPU kernel rejects them
 // before calling the functor; on the GPU they are ignored, as TensorFlow's GPU scatters do.

@@ -35,4 +35,28 @@ indices: 1-D, same length as values, each in [0, len(dense)).
 dense: 1-D, the vector added onto; its buffer is reused for output when possible.
 )doc");
 
+REGISTER_OP("HvdxSparseScatter")
+    .Input("values: T")
+    .Input("indices: Tidx")
+    .Input("size: int64")
+    .Output("output: Tout")
+    .Attr("T: {half, bfloat16, float}")
+    .Attr("Tidx: {int32, int64} = DT_INT32")
+    .Attr("Tout: {half, bfloat16, float}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle values, indices, size;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &values));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &indices));
+      TF_RETURN_IF_ERROR(c->Merge(values, indices, &values));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &size));
+      ::tensorflow::shape_inference::DimensionHandle dim;
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &dim));
+      c->set_output(0, c->Vector(dim));
+      return ::tensorflow::OkStatus();
+    })
+    .Doc(R"doc(
+output = zeros(size) + sum of values[j] at indices[j]: HvdxSparseAccumulate onto zeros,
+without materializing them first.
+)doc");
+
 }  // namespace hvdx
