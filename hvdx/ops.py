@@ -153,7 +153,8 @@ def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, 
     if indices.dtype not in (tf.int32, tf.int64):
         raise ValueError(f"sparse_accumulate: indices must be int32 or int64, got {indices.dtype.name}")
     if out is None:
-        return _ops.hvdx_sparse_scatter(values=values, indices=indices, size=tf.cast(size, tf.int64),
+        size = tf.constant(size, tf.int64) if isinstance(size, int) else tf.cast(size, tf.int64)
+        return _ops.hvdx_sparse_scatter(values=values, indices=indices, size=size,
                                         Tout=values.dtype, name=name)
     else:
         out = tf.convert_to_tensor(out)

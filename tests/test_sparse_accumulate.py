@@ -65,3 +65,23 @@ def test_works_inside_tf_function():
 
     got = f(tf.constant([1.0, 2.0, 3.0]), tf.constant([5, 0, 5]))
     np.testing.assert_array_equal(got.numpy(), [2, 0, 0, 0, 0, 4])
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+
+@settings(max_examples=80, deadline=None)
+@given(size=st.one_of(st.integers(1, 100), st.integers(101, 10**6)), nnz=st.integers(0, 3000),
+       dtype=st.sampled_from(DTYPES), index_dtype=st.sampled_from([tf.int32, tf.int64]),
+       with_out=st.booleans(), seed=st.integers(0, 2**31))
+def test_property_matches_np_add_at(size, nnz, dtype, index_dtype, with_out, seed):
+    rng = np.random.default_rng(seed)
+    values = rng.integers(-4, 5, nnz).astype(np.float32)  # exact sums in every dtype
+    indices = rng.integers(0, min(size, 50) if seed % 2 else size, nnz)  # many duplicates, or few
+    out = rng.integers(-4, 5, size).astype(np.float32) if with_out else None
+    got = hvdx.sparse_accumulate(tf.constant(values, dtype), tf.constant(indices, index_dtype), size,
+                                 out=None if out is None else tf.constant(out, dtype))
+    expected = reference(values, indices, size, out)
+    if dtype != tf.float32:  # float32 sums, one rounding to the 16-bit result
+        expected = tf.constant(expected, tf.float32).numpy().astype(dtype.as_numpy_dtype)
+    np.testing.assert_array_equal(got.numpy().astype(np.float64), np.asarray(expected, np.float64))

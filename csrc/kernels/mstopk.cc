@@ -77,9 +77,9 @@ void ParallelRanges(const CPUDevice& dev, const Ranges& ranges, double cycles_pe
 
 // The sum of the finite magnitudes is formed in a fixed order that does not depend on the
 // number of threads, so that mean(|x|) is reproducible bit for bit (and equals the
-// reference's): blocks of kSumBlock elements, each summed in kSumLanes interleaved float64
-// lanes (lane l takes the elements i = l mod kSumLanes, in order), lanes added in order,
-// block sums added in order.
+// reference's): blocks of kSumBlock elements, each summed in kSumLanes interleaved float32
+// lanes (lane l takes the elements i = l mod kSumLanes, in order; these vectorize), the
+// lanes added in float64 in order, then the block sums in float64 in order.
 struct Stats {
   float max = 0;
   int64_t nonfinite = 0;
@@ -87,7 +87,7 @@ struct Stats {
 
 // Sum of the finite |x| of one block (n <= kSumBlock) in the order above; updates stats.
 HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
-  double sum[kSumLanes] = {};
+  float sum[kSumLanes] = {};
   float max[kSumLanes] = {};
   int32_t bad[kSumLanes] = {};
   int64_t i = 0;
@@ -96,7 +96,7 @@ HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
       const float a = std::fabs(x[i + l]);
       const bool finite = a <= FLT_MAX;
       const float m = finite ? a : 0.0f;
-      sum[l] += static_cast<double>(m);
+      sum[l] += m;
       max[l] = max[l] > m ? max[l] : m;
       bad[l] += finite ? 0 : 1;
     }
@@ -105,13 +105,13 @@ HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
     const float a = std::fabs(x[i]);
     const bool finite = a <= FLT_MAX;
     const float m = finite ? a : 0.0f;
-    sum[l] += static_cast<double>(m);
+    sum[l] += m;
     max[l] = max[l] > m ? max[l] : m;
     bad[l] += finite ? 0 : 1;
   }
   double block = 0;
   for (int l = 0; l < kSumLanes; ++l) {
-    block += sum[l];
+    block += static_cast<double>(sum[l]);
     stats->max = std::max(stats->max, max[l]);
     stats->nonfinite += bad[l];
   }

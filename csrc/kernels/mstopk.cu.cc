@@ -1,7 +1,7 @@
 // CUDA kernel of HvdxMstopk (shi2021, Algorithm 1), same semantics as the CPU kernel.
 //
 // Everything stays on the device; the host only enqueues kernels on TensorFlow's stream:
-//   stats   one thread per (sum block, lane): the fixed-order float64 sum of BlockStats,
+//   stats   one thread per (sum block, lane): the fixed-order sum of BlockStats (mstopk.cc),
 //           max and non-finite count; one thread then folds the lanes and blocks in order;
 //   rounds  N x (count |x| >= threshold, one thread updates the Bisection), as Algorithm 1
 //           is written: on a GPU a pass is cheap and the state never leaves the device;
@@ -42,7 +42,7 @@ __device__ inline float Mag(float v) {
 template <typename T>
 __global__ void LaneStats(const T* x, int64_t d, int64_t lanes, double* lane_sums, GpuState* st) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
-  double sum = 0;
+  float sum = 0;
   float max = 0;
   unsigned long long bad = 0;
   if (t < lanes) {
@@ -52,11 +52,11 @@ __global__ void LaneStats(const T* x, int64_t d, int64_t lanes, double* lane_sum
       const float a = fabsf(static_cast<float>(x[i]));
       const bool finite = a <= FLT_MAX;
       const float m = finite ? a : 0.0f;
-      sum = __dadd_rn(sum, static_cast<double>(m));
+      sum = __fadd_rn(sum, m);
       max = fmaxf(max, m);
       bad += finite ? 0 : 1;
     }
-    lane_sums[t] = sum;
+    lane_sums[t] = static_cast<double>(sum);
   }
   using ReduceF = cub::BlockReduce<float, kThreads>;
   using ReduceU = cub::BlockReduce<unsigned long long, kThreads>;

@@ -78,7 +78,7 @@ HVDX_HOST_DEVICE inline int64_t WindowOffset(uint64_t random, int64_t count, int
 }
 
 // Blocks of the fixed-order sum of |x| (see BlockStats in mstopk.cc): kSumBlock elements
-// in kSumLanes interleaved float64 lanes. The CUDA kernel uses the same order.
+// in kSumLanes interleaved float32 lanes, folded in float64. The CUDA kernel does the same.
 constexpr int64_t kSumBlock = 4096;
 constexpr int kSumLanes = 16;
 
