@@ -1,0 +1,20 @@
+"""The benchmark scripts run end to end (tiny sizes; timings are never asserted)."""
+import json
+import subprocess
+import sys
+
+from tests import harness
+
+
+def test_topk_benchmark_writes_json_plot_and_table(tmp_path):
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "topk.py"), "--sizes", "65536",
+                           "100003", "--repeats", "1", "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "topk.json").read_text())
+    assert [row["d"] for row in result["topk_seconds"]] == [65536, 100003]
+    assert all(row["mstopk"] > 0 and row["tf_top_k"] > 0 for row in result["topk_seconds"])
+    assert (tmp_path / "topk.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- topk:begin -->" in text and "| 100,003 | 100 |" in text
