@@ -41,7 +41,8 @@ def make_input(pattern: str, d: int, dtype: tf.DType, seed: int) -> np.ndarray:
         x[rng.integers(0, d)] = 1e4
     elif pattern == "heavy_tail":
         x = rng.standard_cauchy(d)
-    return tf.constant(x, dtype).numpy()  # rounded to the dtype, as the op sees it
+    with np.errstate(over="ignore"):  # large values become Inf in 16 bits: part of the test
+        return tf.constant(x, dtype).numpy()  # rounded to the dtype, as the op sees it
 
 
 def run_op(x: np.ndarray, k: int, num_samplings: int, dtype: tf.DType):

@@ -108,18 +108,26 @@ __global__ void UpdateRound(GpuState* st) {
   st->nnz = 0;
 }
 
+// This thread's kPerThread consecutive elements of its chunk: how many are above (a >= f1)
+// and how many in the band (f2 <= a < f1).
+template <typename T>
+__device__ void CountMine(const T* x, int64_t d, int64_t start, float f1, float f2, int* na, int* nb) {
+  *na = 0;
+  *nb = 0;
+  for (int j = 0; j < kPerThread && start + j < d; ++j) {
+    const float a = Mag(static_cast<float>(x[start + j]));
+    *na += a >= f1;
+    *nb += a >= f2 && a < f1;
+  }
+}
+
 // Per chunk of kSumBlock elements: how many are above (a >= f1) and in the band.
 template <typename T>
 __global__ void SelectCount(const T* x, int64_t d, const GpuState* st, int64_t* above, int64_t* band) {
   const float f1 = mstopk::FloatCeil(st->bis.thres1), f2 = mstopk::FloatCeil(st->bis.thres2);
   const int64_t start = blockIdx.x * kSumBlock + threadIdx.x * static_cast<int64_t>(kPerThread);
-  int na = 0, nb = 0;
-  for (int j = 0; j < kPerThread; ++j) {
-    if (start + j >= d) break;
-    const float a = Mag(static_cast<float>(x[start + j]));
-    na += a >= f1;
-    nb += a >= f2 && a < f1;
-  }
+  int na, nb;
+  CountMine(x, d, start, f1, f2, &na, &nb);
   using Reduce = cub::BlockReduce<int, kThreads>;
   __shared__ typename Reduce::TempStorage ta, tb;
   const int total_a = Reduce(ta).Sum(na);
@@ -155,13 +163,8 @@ __global__ void SelectWrite(const T* x, int64_t d, const GpuState* st, const int
                             const int64_t* band_start, T* values, Tidx* indices) {
   const float f1 = mstopk::FloatCeil(st->bis.thres1), f2 = mstopk::FloatCeil(st->bis.thres2);
   const int64_t start = blockIdx.x * kSumBlock + threadIdx.x * static_cast<int64_t>(kPerThread);
-  int na = 0, nb = 0;
-  for (int j = 0; j < kPerThread; ++j) {
-    if (start + j >= d) break;
-    const float a = Mag(static_cast<float>(x[start + j]));
-    na += a >= f1;
-    nb += a >= f2 && a < f1;
-  }
+  int na, nb;
+  CountMine(x, d, start, f1, f2, &na, &nb);
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage ta, tb;
   int ra, rb;
