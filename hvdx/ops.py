@@ -135,12 +135,13 @@ def _sparse_accumulate(values: tf.Tensor, indices: tf.Tensor, dense: tf.Tensor,
 
 
 def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, TensorLike],
-                      out: Optional[TensorLike] = None, name: Optional[str] = None) -> tf.Tensor:
+                      out: Optional[TensorLike] = None, name: Optional[str] = None,
+                      dtype: Optional[tf.DType] = None) -> tf.Tensor:
     """Dense vector of length `size`: `out` (or zeros) plus `values` added at `indices`.
 
     Duplicate indices add up. Sums are formed in float32 for 16-bit inputs and rounded once
-    to the result's dtype, which is `out`'s dtype when given, else `values`'. This is the
-    receiving side of the sparse all-gather (shi2021, Algorithm 2, line 9).
+    to the result's dtype: `out`'s dtype when given, else `dtype` (default: `values`'). This
+    is the receiving side of the sparse all-gather (shi2021, Algorithm 2, line 9).
 
     Raises ValueError for non-float values, non-integer indices or a `size` that disagrees
     with `out`; the op raises InvalidArgumentError for out-of-range indices (CPU) and
@@ -153,9 +154,11 @@ def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, 
     if indices.dtype not in (tf.int32, tf.int64):
         raise ValueError(f"sparse_accumulate: indices must be int32 or int64, got {indices.dtype.name}")
     if out is None:
+        dtype = tf.as_dtype(dtype or values.dtype)
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"sparse_accumulate: dtype must be float32, float16 or bfloat16, got {dtype.name}")
         size = tf.constant(size, tf.int64) if isinstance(size, int) else tf.cast(size, tf.int64)
-        return _ops.hvdx_sparse_scatter(values=values, indices=indices, size=size,
-                                        Tout=values.dtype, name=name)
+        return _ops.hvdx_sparse_scatter(values=values, indices=indices, size=size, Tout=dtype, name=name)
     else:
         out = tf.convert_to_tensor(out)
         if out.dtype not in _FLOAT_DTYPES:

@@ -1,0 +1,147 @@
+"""Every rank checks the aggregation strategies of hvdx.comm (shi2021 Algorithms 1-2).
+
+- dense strategies, and the sparse ones at density 1.0, equal hvd.allreduce's average;
+- HiTopK and SparseAllgather equal a NumPy simulation of Algorithms 1-2 run on all ranks'
+  buffers and residuals (gathered to every rank), step by step, residuals included. The
+  window offsets MSTopK drew are read off each rank's selection, which must itself be
+  exactly the reference's selection for that offset.
+Buffers hold multiples of 1/8 below 2^10, so every sum is exact in any order.
+"""
+import argparse
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+import hvdx
+from hvdx import comm
+from tests import mstopk_reference as ref
+from tests.multirank.rank import run
+
+
+def gather_rows(t: tf.Tensor, name: str) -> np.ndarray:
+    """Every rank's 1-D tensor, stacked by rank."""
+    return hvd.allgather(tf.reshape(t, [1, -1]), name=name).numpy()
+
+
+def window_offset(expected: ref.Selection, chosen: np.ndarray) -> int:
+    band_part = chosen[expected.above.size:] if expected.above.size <= chosen.size else chosen
+    if band_part.size == 0:
+        return 0
+    return int(np.searchsorted(expected.band, band_part[0]))
+
+
+def simulate_selection(acc: np.ndarray, density: float, chosen: np.ndarray):
+    """Algorithm 1 on acc with the offset the op drew; returns (selected, residual)."""
+    k = max(1, int(round(density * acc.size)))
+    expected = ref.mstopk(acc, k, 30, offset=0)
+    if expected.indices.size and expected.offset is not None:
+        expected = ref.mstopk(acc, k, 30, offset=window_offset(expected, chosen))
+    np.testing.assert_array_equal(np.sort(chosen), np.sort(expected.indices))
+    residual = acc.copy()
+    residual[expected.indices] = 0
+    return expected.indices, residual
+
+
+def check_dense_equivalence(topo, d: int, step: int) -> None:
+    rng = np.random.default_rng(100 * step + topo.rank)
+    grads = tf.constant(rng.integers(-8000, 8000, d) / 8, tf.float32)
+    want = hvd.allreduce(grads, op=hvd.Average, name=f"want.{d}.{step}").numpy()
+    for strategy in (comm.Allreduce(), comm.Hierarchical(), comm.HiTopK(density=1.0),
+                     comm.SparseAllgather(density=1.0)):
+        got = strategy(grads, name=f"dense{d}s{step}").numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=repr(strategy))
+
+
+def check_hitopk_simulation(topo, d: int, density: float, steps: int) -> None:
+    strategy = comm.HiTopK(density=density)
+    n, m, size = topo.local_size, topo.num_nodes, topo.size
+    slice_len = -(-d // n)
+    for step in range(steps):
+        rng = np.random.default_rng(1000 * step + topo.rank)
+        grads = rng.integers(-8000, 8000, d) / 8
+        all_grads = gather_rows(tf.constant(grads, tf.float32), f"hg{d}.{step}")
+        residual = strategy.variables.get("h") if step else None
+        before = gather_rows(residual.value() if residual is not None else tf.zeros([slice_len]),
+                             f"hr{d}.{step}")
+        got = strategy(tf.constant(grads, tf.float32), name="h").numpy()
+        chosen = gather_rows(strategy.last_indices, f"hi{d}.{step}")
+        after = gather_rows(strategy.variables["h"].value(), f"ha{d}.{step}")
+        padded = np.zeros((size, n * slice_len))
+        padded[:, :d] = all_grads
+        total = np.zeros(n * slice_len)
+        for node, ranks in enumerate(topo.node_ranks):
+            for j, r in enumerate(ranks):  # local rank j owns slice j (Alg. 2 line 1)
+                piece = slice(j * slice_len, (j + 1) * slice_len)
+                acc = padded[list(ranks), piece].sum(axis=0) + before[r]
+                selected, residual_sim = simulate_selection(acc, density, chosen[r])
+                np.testing.assert_array_equal(after[r], residual_sim, err_msg=f"residual of rank {r}")
+                total[piece][selected] += acc[selected]
+        np.testing.assert_allclose(got, total[:d] / size, rtol=1e-6, atol=1e-7)
+
+
+def check_naiveag_simulation(topo, d: int, density: float, steps: int) -> None:
+    strategy = comm.SparseAllgather(density=density)
+    for step in range(steps):
+        rng = np.random.default_rng(2000 * step + topo.rank)
+        grads = rng.integers(-8000, 8000, d) / 8
+        residual = strategy.variables.get("s") if step else None
+        before = gather_rows(residual.value() if residual is not None else tf.zeros([d]), f"sr{d}.{step}")
+        all_grads = gather_rows(tf.constant(grads, tf.float32), f"sg{d}.{step}")
+        got = strategy(tf.constant(grads, tf.float32), name="s").numpy()
+        chosen = gather_rows(strategy.last_indices, f"si{d}.{step}")
+        after = gather_rows(strategy.variables["s"].value(), f"sa{d}.{step}")
+        total = np.zeros(d)
+        for r in range(topo.size):
+            acc = all_grads[r] + before[r]
+            selected, residual_sim = simulate_selection(acc, density, chosen[r])
+            np.testing.assert_array_equal(after[r], residual_sim, err_msg=f"residual of rank {r}")
+            np.add.at(total, selected, acc[selected])
+        np.testing.assert_allclose(got, total / topo.size, rtol=1e-6, atol=1e-7)
+
+
+def check_wire_fp16(topo, d: int) -> None:
+    """16-bit values on the wire: the result is the fp16-rounded sum, the rounding error
+    stays in the residual."""
+    rng = np.random.default_rng(topo.rank)
+    grads = tf.constant(rng.standard_normal(d), tf.float32)
+    exact = comm.HiTopK(density=1.0)(grads, name="w32").numpy()
+    half = comm.HiTopK(density=1.0, wire_dtype=tf.float16)
+    got = half(grads, name="w16").numpy()
+    np.testing.assert_allclose(got, exact, rtol=2e-3, atol=2e-3)
+    assert np.abs(half.variables["w16"].numpy()).max() < 1e-2  # only rounding errors kept
+
+
+def check_bad_input() -> None:
+    for bad in (0, -0.1, 1.5, "0.1", True):
+        try:
+            comm.HiTopK(density=bad)
+        except ValueError as exc:
+            assert "density" in str(exc)
+        else:
+            raise AssertionError(f"density={bad!r} accepted")
+    try:
+        comm.get("ring")
+    except ValueError as exc:
+        assert "unknown communication strategy 'ring'" in str(exc)
+    else:
+        raise AssertionError("unknown strategy accepted")
+    assert isinstance(comm.get("2dtar"), comm.Hierarchical)
+    assert isinstance(comm.get("hitopk", density=0.5), comm.HiTopK)
+
+
+def main() -> dict:
+    topo = hvdx.init()
+    check_bad_input()
+    for d in (64 * topo.local_size, 1000 * topo.local_size + 1):  # divisible by n, and not
+        for step in range(2):
+            check_dense_equivalence(topo, d, step)
+        check_hitopk_simulation(topo, d, density=0.05, steps=3)
+        check_naiveag_simulation(topo, d, density=0.05, steps=3)
+    check_wire_fp16(topo, 999)
+    return {"topology": str(topo)}
+
+
+if __name__ == "__main__":
+    argparse.ArgumentParser().parse_args()
+    run(main)
