@@ -22,7 +22,10 @@ import hvdx
 
 
 def shard(x: np.ndarray, y: np.ndarray, rank: int, size: int):
-    return x[rank::size], y[rank::size]
+    """Every size-th example from `rank`, cut to the same length on every rank, so that
+    every rank runs the same number of steps (and collectives) per epoch."""
+    per_rank = len(x) // size
+    return x[rank::size][:per_rank], y[rank::size][:per_rank]
 
 
 def build_model(seed: int) -> tf.keras.Model:

@@ -5,10 +5,11 @@ and poorly connected between each other.
     topo = hvdx.init()          # hvd.init() + node-local and cross-node process sets
     print(topo)                 # rank, node, local rank, and the members of both sets
 """
-from hvdx import ops
+from hvdx import callbacks, comm, ops
 from hvdx.ops import mstopk, sparse_accumulate
+from hvdx.optimizer import DistributedGradientTape, DistributedOptimizer
 from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
 
 __version__ = "0.1.0"
 
-__all__ = ["Topology", "TopologyError", "barrier", "init", "mstopk", "ops", "shutdown", "sparse_accumulate", "topology"]
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "Topology", "TopologyError", "barrier", "callbacks", "comm", "init", "mstopk", "ops", "shutdown", "sparse_accumulate", "topology"]
