@@ -93,7 +93,12 @@ def _group_nodes(entries: Sequence[Tuple[int, int, int, str]]) -> Tuple[Tuple[in
                 f"Horovod's local ranks on node {key!r} are {local_ranks} with local sizes "
                 f"{sorted({ls for _, _, ls in members})}, but {len(members)} rank(s) run there: "
                 "the launcher's host names do not match Horovod's view of the nodes.")
-        node_ranks.append(tuple(r for _, r, _ in sorted(members)))
+        ranks = tuple(r for _, r, _ in sorted(members))
+        if list(ranks) != sorted(ranks):
+            # Horovod orders a process set by global rank; slices of a node's buffer are
+            # owned by set rank, and cross sets group equal local ranks: the two must agree.
+            raise TopologyError(f"local ranks on node {key!r} do not follow global rank order: {ranks}")
+        node_ranks.append(ranks)
     return tuple(node_ranks)
 
 

@@ -98,27 +98,64 @@ class SparseAllgather(_TopKStrategy):
 class HiTopK(_TopKStrategy):
     """HiTopKComm (shi2021, Algorithm 2).
 
-    1. reduce-scatter inside the node: local rank j holds the node's sum of slice j (eq. 4);
-    2. error feedback + MSTopK on that d/n slice with k = density * d/n (eq. 5);
+    1. reduce-scatter inside the node: local rank j holds the node's sum of slice j (eq. 4,
+       lines 2-4);
+    2. error feedback + MSTopK on that d/n slice with k = density * d/n (eq. 5, lines 5-8);
     3. all-gather of the (value, index) pairs in the cross set of local rank j: the n cross
-       sets are independent streams over the slow links (eq. 6), then sparse_accumulate;
-    4. all-gather of the averaged slices inside the node.
+       sets are independent streams over the slow links (eq. 6, lines 11-14);
+    4. all-gather inside the node of the m k pairs each rank received (eq. 10 counts these
+       rho d m / n elements, not the dense slice), then one sparse_accumulate of all of them
+       into the d-vector (lines 15-22), divided by the number of ranks.
     The buffer is zero-padded to a multiple of n, so every slice has the same length.
+    Set `record_times = True` to keep each step's wall time (eager mode) in `last_times`.
     """
 
     key = "hitopk"
+    STEPS = ("reduce_scatter", "mstopk", "inter_allgather", "intra_allgather")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.record_times = False
+        self.last_times: Dict[str, float] = {}
 
     def aggregate(self, buffer: tf.Tensor, name: str) -> tf.Tensor:
         topo = self.topology
         d = int(buffer.shape[0])
         n = topo.local_size
-        padded = tf.pad(buffer, [[0, padded_length(d, n) - d]])
         slice_length = padded_length(d, n) // n
+        clock = _StepClock(self.record_times)
+        padded = tf.pad(buffer, [[0, padded_length(d, n) - d]])
         mine = hvd.reducescatter(padded, op=hvd.Sum, process_set=topo.local_set,
                                  name=f"hvdx.hitopk.rs.{name}")
         mine = tf.ensure_shape(mine, [slice_length])
+        clock.lap("reduce_scatter")
         values, indices, k = self._select(mine, name)
+        clock.lap("mstopk")
         values, indices = self._exchange(values, indices, k, topo.cross_set, f"hvdx.hitopk.ag.{name}")
-        total = ops.sparse_accumulate(values, indices, slice_length, dtype=buffer.dtype)
-        averaged = total / tf.cast(topo.size, total.dtype)
-        return hvd.allgather(averaged, process_set=topo.local_set, name=f"hvdx.hitopk.ag2.{name}")[:d]
+        clock.lap("inter_allgather")
+        offset = topo.local_set.rank() * slice_length  # this rank's slice in the d-vector
+        values, indices = self._exchange(values, indices + offset, topo.num_nodes * k, topo.local_set,
+                                         f"hvdx.hitopk.ag2.{name}")
+        total = ops.sparse_accumulate(values, indices, n * slice_length, dtype=buffer.dtype)
+        clock.lap("intra_allgather")
+        if self.record_times:
+            self.last_times = clock.times
+        return total[:d] / tf.cast(topo.size, total.dtype)
+
+
+class _StepClock:
+    """Wall time per step of an eager call (eager CPU ops run synchronously)."""
+
+    def __init__(self, enabled: bool) -> None:
+        import time
+
+        self._now = time.perf_counter
+        self.enabled = enabled
+        self.times: Dict[str, float] = {}
+        self._last = self._now() if enabled else 0.0
+
+    def lap(self, step: str) -> None:
+        if self.enabled:
+            now = self._now()
+            self.times[step] = now - self._last
+            self._last = now
