@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import statistics
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdx  # noqa: E402
+from report import update_readme  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [2**18, 2**20, 2**22, 2**24, 25_000_000, 2**26, 2**27]
@@ -146,18 +146,6 @@ def plot(topk_rows: List[dict], acc_rows: List[dict], path: Path) -> None:
     right.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-
-
-def update_readme(section: str, body: str, readme: Path) -> None:
-    """Replaces the text between the section's markers in benchmarks/README.md."""
-    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
-    text = readme.read_text() if readme.exists() else "# hvdx benchmarks\n"
-    block = f"{begin}\n{body}\n{end}"
-    if begin in text:
-        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    readme.write_text(text)
 
 
 def main() -> None:

@@ -18,3 +18,19 @@ def test_topk_benchmark_writes_json_plot_and_table(tmp_path):
     assert (tmp_path / "topk.png").stat().st_size > 10_000
     text = readme.read_text()
     assert "<!-- topk:begin -->" in text and "| 100,003 | 100 |" in text
+
+
+def test_comm_benchmark_launches_itself_and_writes_results(tmp_path):
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "comm.py"), "--sizes", "10000",
+                           "30001", "--breakdown-sizes", "20000", "--repeats", "1", "--out", str(tmp_path),
+                           "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "comm.json").read_text())
+    assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
+    assert [row["d"] for row in result["aggregate_seconds"]] == [10000, 30001]
+    steps = result["hitopk_breakdown_seconds"][0]["steps"]
+    assert sorted(steps) == sorted(["reduce_scatter", "mstopk", "inter_allgather", "intra_allgather"])
+    assert (tmp_path / "comm.png").stat().st_size > 10_000
+    assert "<!-- comm:begin -->" in readme.read_text()
