@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from hvdx.topology import Topology, topology
 
-__all__ = ["Strategy", "ResidualMemory", "check_density", "padded_length"]
+__all__ = ["Strategy", "ResidualMemory", "check_density", "node_reduce_scatter", "padded_length"]
 
 
 def check_density(density: float) -> float:
@@ -29,6 +29,25 @@ def padded_length(d: int, parts: int) -> int:
     """d rounded up to a multiple of `parts`: buffers are zero-padded so that the node's
     ranks own equal slices (padding is never sent by sparse strategies: it stays zero)."""
     return -(-d // parts) * parts
+
+
+def node_reduce_scatter(padded: tf.Tensor, topo: Topology, name: str) -> tf.Tensor:
+    """The node's sum of this rank's slice of `padded` (length a multiple of local_size):
+    slice j belongs to the j-th rank of the node-local set.
+
+    Under Gloo, Horovod 0.28's reducescatter is slower than an allreduce of the whole
+    buffer (measured on 2 x 2 ranks, 25M floats: 0.56 s against 0.17 s), so there the node
+    allreduces and each rank keeps its slice; elsewhere (MPI, NCCL) the native one runs.
+    """
+    import horovod.tensorflow as hvd
+
+    n = topo.local_size
+    if not hvd.gloo_enabled():
+        return hvd.reducescatter(padded, op=hvd.Sum, process_set=topo.local_set, name=f"{name}.rs")
+    length = int(padded.shape[0]) // n
+    total = hvd.allreduce(padded, op=hvd.Sum, process_set=topo.local_set, name=f"{name}.ar")
+    start = topo.local_set.rank() * length
+    return total[start:start + length]
 
 
 class ResidualMemory:

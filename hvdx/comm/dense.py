@@ -4,7 +4,7 @@ from __future__ import annotations
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvdx.comm.base import Strategy, padded_length
+from hvdx.comm.base import Strategy, node_reduce_scatter, padded_length
 
 __all__ = ["Allreduce", "Hierarchical"]
 
@@ -33,8 +33,7 @@ class Hierarchical(Strategy):
         d = int(buffer.shape[0])
         n = topo.local_size
         padded = tf.pad(buffer, [[0, padded_length(d, n) - d]])
-        mine = hvd.reducescatter(padded, op=hvd.Sum, process_set=topo.local_set,
-                                 name=f"hvdx.2dtar.rs.{name}")
+        mine = node_reduce_scatter(padded, topo, f"hvdx.2dtar.rs.{name}")
         total = hvd.allreduce(mine, op=hvd.Sum, process_set=topo.cross_set, name=f"hvdx.2dtar.ar.{name}")
         averaged = total / tf.cast(topo.size, total.dtype)
         return hvd.allgather(averaged, process_set=topo.local_set, name=f"hvdx.2dtar.ag.{name}")[:d]

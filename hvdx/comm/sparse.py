@@ -12,7 +12,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import ops
-from hvdx.comm.base import ResidualMemory, Strategy, check_density, padded_length
+from hvdx.comm.base import ResidualMemory, Strategy, check_density, node_reduce_scatter, padded_length
 from hvdx.topology import Topology
 
 __all__ = ["HiTopK", "SparseAllgather"]
@@ -125,9 +125,7 @@ class HiTopK(_TopKStrategy):
         slice_length = padded_length(d, n) // n
         clock = _StepClock(self.record_times)
         padded = tf.pad(buffer, [[0, padded_length(d, n) - d]])
-        mine = hvd.reducescatter(padded, op=hvd.Sum, process_set=topo.local_set,
-                                 name=f"hvdx.hitopk.rs.{name}")
-        mine = tf.ensure_shape(mine, [slice_length])
+        mine = tf.ensure_shape(node_reduce_scatter(padded, topo, f"hvdx.hitopk.rs.{name}"), [slice_length])
         clock.lap("reduce_scatter")
         values, indices, k = self._select(mine, name)
         clock.lap("mstopk")
