@@ -13,7 +13,7 @@ import tensorflow as tf
 
 from hvdx import comm
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "GradientAggregator"]
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "shared_aggregator"]
 
 _KERAS_OPTIMIZERS = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
 
@@ -201,9 +201,26 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         return cls(**config)
 
 
+_SHARED_AGGREGATORS: dict = {}
+
+
+def shared_aggregator(communication: Union[str, comm.Strategy] = "hitopk", **options) -> GradientAggregator:
+    """The process-wide aggregator for this configuration, so that a tape created anew at
+    every step still finds last step's residuals (error feedback)."""
+    key = (communication if isinstance(communication, str) else id(communication),
+           tuple(sorted((k, str(v)) for k, v in options.items())))
+    if key not in _SHARED_AGGREGATORS:
+        _SHARED_AGGREGATORS[key] = GradientAggregator(communication, **options)
+    return _SHARED_AGGREGATORS[key]
+
+
 class DistributedGradientTape(tf.GradientTape):
     """A tf.GradientTape whose gradient() returns gradients averaged over all ranks by an
-    hvdx.comm strategy (the custom-training-loop counterpart of DistributedOptimizer)."""
+    hvdx.comm strategy (the custom-training-loop counterpart of DistributedOptimizer).
+
+    Tapes created with the same options share one aggregator (and its residuals) for the
+    life of the process; pass `aggregator=` to manage it yourself (e.g. to checkpoint it).
+    """
 
     def __init__(self, persistent: bool = False, watch_accessed_variables: bool = True,
                  communication: Union[str, comm.Strategy] = "hitopk", density: float = 0.01,
@@ -211,7 +228,7 @@ class DistributedGradientTape(tf.GradientTape):
                  bucket_bytes: Optional[int] = None,
                  aggregator: Optional[GradientAggregator] = None) -> None:
         super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
-        self.aggregator = aggregator or GradientAggregator(
+        self.aggregator = aggregator or shared_aggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes)
 
