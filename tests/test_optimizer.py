@@ -6,8 +6,10 @@ from tests import harness
 pytestmark = pytest.mark.multirank
 
 
-def test_distributed_optimizer_on_2_nodes_x_2_ranks():
-    job = harness.launch("check_optimizer.py", np=4, hosts=harness.hosts(2, 2), timeout=420)
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2)], ids=lambda v: str(v))
+def test_distributed_optimizer(nodes, per_node):
+    job = harness.launch("check_optimizer.py", np=nodes * per_node, hosts=harness.hosts(nodes, per_node),
+                         timeout=480)
     data = job.check()
     accuracy = data[0]["accuracy"]
     print("test accuracy by strategy:", accuracy)
