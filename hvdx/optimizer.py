@@ -57,7 +57,6 @@ class GradientAggregator(tf.Module):
                 break
         else:
             self._strategies.append(strategy)
-            self._residual_variables = [v for s in self._strategies for v in s.variables.values()]
         self._strategy = strategy
 
     def _buckets(self, sizes: Sequence[int]) -> List[List[int]]:
@@ -83,11 +82,14 @@ class GradientAggregator(tf.Module):
             averaged = self._strategy(flat, name=f"bucket{b}")
             for i, piece in zip(bucket, tf.split(averaged, [sizes[i] for i in bucket])):
                 out[present[i]] = tf.cast(tf.reshape(piece, dense[i].shape), dense[i].dtype)
-        self._residual_variables = [v for s in self._strategies for v in s.variables.values()]
+        # Residuals are created on a strategy's first call; an attribute list makes them
+        # part of every checkpoint that holds this aggregator.
+        self._residual_variables = self.residuals
         return out
 
     @property
     def residuals(self) -> List[tf.Variable]:
+        """Every strategy's error-feedback residuals (per rank state)."""
         return [v for s in self._strategies for v in s.variables.values()]
 
 

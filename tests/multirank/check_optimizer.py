@@ -96,16 +96,13 @@ def check_checkpoint(optimizer: hvdx.DistributedOptimizer, model: tf.keras.Model
 
 
 def check_bad_input() -> None:
-    for bad, match in [((object(),), "wraps a tf.keras optimizer"),
-                       ((tf.keras.optimizers.SGD(),), None)]:
-        if match is None:
-            continue
+    for bad in (object(), tf.compat.v1.train.GradientDescentOptimizer(0.1)):
         try:
-            hvdx.DistributedOptimizer(*bad)
+            hvdx.DistributedOptimizer(bad)
         except ValueError as exc:
-            assert match in str(exc), exc
+            assert "wraps a tf.keras optimizer" in str(exc), exc
         else:
-            raise AssertionError("a non-Keras optimizer was accepted")
+            raise AssertionError(f"a non-Keras optimizer was accepted: {bad!r}")
     for kwargs, match in [({"communication": "ring"}, "unknown communication strategy"),
                           ({"density": 0.0}, "density"), ({"density": 2}, "density"),
                           ({"bucket_bytes": -1}, "bucket_bytes")]:
