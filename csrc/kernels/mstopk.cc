@@ -118,17 +118,11 @@ HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
   return block;
 }
 
-// Magnitude as used by every count: |v|, with NaN and +-Inf as +inf.
-inline float Mag(float v) {
-  const float a = std::fabs(v);
-  return a <= FLT_MAX ? a : INFINITY;
-}
-
 // at_least[j] += count(|x[i]| >= edge[j]) for the kCoarse edges (compares vectorize).
 HVDX_MULTIVERSION void CountAtLeast(const float* x, int64_t n, const float* edge, int64_t* at_least) {
   int32_t count[kCoarse] = {};
   for (int64_t i = 0; i < n; ++i) {
-    const float a = Mag(x[i]);
+    const float a = Magnitude(x[i]);
     for (int j = 0; j < kCoarse; ++j) count[j] += a >= edge[j] ? 1 : 0;
   }
   for (int j = 0; j < kCoarse; ++j) at_least[j] += count[j];
@@ -141,10 +135,10 @@ HVDX_MULTIVERSION void CollectAtLeast(const float* x, int64_t n, float lowest, i
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     int hit = 0;
-    for (int l = 0; l < 16; ++l) hit |= Mag(x[i + l]) >= lowest ? 1 : 0;
+    for (int l = 0; l < 16; ++l) hit |= Magnitude(x[i + l]) >= lowest ? 1 : 0;
     if (!hit) continue;
     for (int l = 0; l < 16; ++l) {
-      const float a = Mag(x[i + l]);
+      const float a = Magnitude(x[i + l]);
       if (a >= lowest) {
         index->push_back(offset + i + l);
         mag->push_back(a);
@@ -152,7 +146,7 @@ HVDX_MULTIVERSION void CollectAtLeast(const float* x, int64_t n, float lowest, i
     }
   }
   for (; i < n; ++i) {
-    const float a = Mag(x[i]);
+    const float a = Magnitude(x[i]);
     if (a >= lowest) {
       index->push_back(offset + i);
       mag->push_back(a);

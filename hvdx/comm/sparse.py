@@ -6,6 +6,7 @@ sparse_accumulate, and keep what they did not send in a residual for the next st
 """
 from __future__ import annotations
 
+import time
 from typing import Dict, Optional
 
 import horovod.tensorflow as hvd
@@ -145,15 +146,12 @@ class _StepClock:
     """Wall time per step of an eager call (eager CPU ops run synchronously)."""
 
     def __init__(self, enabled: bool) -> None:
-        import time
-
-        self._now = time.perf_counter
         self.enabled = enabled
         self.times: Dict[str, float] = {}
-        self._last = self._now() if enabled else 0.0
+        self._last = time.perf_counter() if enabled else 0.0
 
     def lap(self, step: str) -> None:
         if self.enabled:
-            now = self._now()
+            now = time.perf_counter()
             self.times[step] = now - self._last
             self._last = now
