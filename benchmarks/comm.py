@@ -59,14 +59,22 @@ def slowest(seconds: float, name: str) -> float:
 
 
 def measure(strategy, buffer, repeats: int, tag: str, steps: bool = False):
+    """Median over repeats of the slowest rank's time, and of each recorded step's.
+
+    Totals run the strategy in a tf.function, as a Keras train step does; the step
+    breakdown needs eager execution (each step's wall time is taken between its ops).
+    """
+    import tensorflow as tf
+
     import hvdx
 
+    call = (lambda b: strategy(b, name=tag)) if steps else tf.function(lambda b: strategy(b, name=tag))
     totals: List[float] = []
     per_step: Dict[str, List[float]] = {}
     for r in range(repeats + 1):  # the first call is the warm-up (and builds residuals)
         hvdx.barrier()
         start = time.perf_counter()
-        strategy(buffer, name=tag)
+        call(buffer)
         elapsed = slowest(time.perf_counter() - start, f"{tag}.t{r}")
         step_times = {k: slowest(v, f"{tag}.{k}.{r}") for k, v in strategy.last_times.items()} if steps else {}
         if r:

@@ -6,12 +6,15 @@ traceback) to $HVDX_RESULT_DIR/rank-<r>.json, then meets the others at a final b
 `Launch.check()` fails with the ranks that failed or wrote nothing, and why.
 
 On one machine, horovodrun treats `localhost`, `127.0.0.1` and this machine's host name
-as three nodes: `hosts(2, 2)` gives a real 2-node x 2-rank topology.
+as three nodes: `hosts(2, 2)` gives a real 2-node x 2-rank topology. `launch_on_cluster()`
+runs the same scripts on the emulated cluster of benchmarks/cluster.py instead (one network
+namespace per node, shaped links between them).
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,6 +116,35 @@ def launch(script: str, *args: str, np: int, hosts: str, timeout: float = 180,
     horovodrun = Path(sys.executable).parent / "horovodrun"
     script_path = str(MULTIRANK / script)
     command = [str(horovodrun), "-np", str(np), "-H", hosts, "--gloo", sys.executable, script_path, *args]
+    return _run(command, script_path, np, timeout, env)
+
+
+def launch_on_cluster(script: str, *args: str, nodes: int, ranks_per_node: int, rate: str = "1gbit",
+                      timeout: float = 180, env: Optional[Dict[str, str]] = None) -> Launch:
+    """Runs tests/multirank/<script> on the emulated cluster (benchmarks/cluster.py): one
+    network namespace per node, links shaped to `rate`. Needs root; see `cluster_unavailable`."""
+    script_path = str(MULTIRANK / script)
+    command = [sys.executable, str(ROOT / "benchmarks" / "cluster.py"), "--nodes", str(nodes),
+               "--ranks-per-node", str(ranks_per_node), "--rate", rate, "--timeout", str(timeout),
+               "--", sys.executable, script_path, *args]
+    return _run(command, script_path, nodes * ranks_per_node, timeout + 30, env)
+
+
+def cluster_unavailable() -> Optional[str]:
+    """Why the emulated cluster cannot be built here (None when it can)."""
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (network namespaces and tc)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "the emulated cluster needs iproute2's ip and tc"
+    probe = f"hvdx-probe-{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(command: List[str], script_path: str, np: int, timeout: float, env: Optional[Dict[str, str]]) -> Launch:
     with tempfile.TemporaryDirectory(prefix="hvdx-ranks-") as result_dir:
         full_env = test_env(result_dir)
         full_env.update(env or {})

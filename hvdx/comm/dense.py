@@ -32,8 +32,9 @@ class Hierarchical(Strategy):
         topo = self.topology
         d = int(buffer.shape[0])
         n = topo.local_size
-        padded = tf.pad(buffer, [[0, padded_length(d, n) - d]])
+        padded = buffer if d % n == 0 else tf.pad(buffer, [[0, padded_length(d, n) - d]])
         mine = node_reduce_scatter(padded, topo, f"hvdx.2dtar.rs.{name}")
         total = hvd.allreduce(mine, op=hvd.Sum, process_set=topo.cross_set, name=f"hvdx.2dtar.ar.{name}")
         averaged = total / tf.cast(topo.size, total.dtype)
-        return hvd.allgather(averaged, process_set=topo.local_set, name=f"hvdx.2dtar.ag.{name}")[:d]
+        gathered = hvd.allgather(averaged, process_set=topo.local_set, name=f"hvdx.2dtar.ag.{name}")
+        return gathered if d % n == 0 else gathered[:d]

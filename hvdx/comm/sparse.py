@@ -7,13 +7,13 @@ sparse_accumulate, and keep what they did not send in a residual for the next st
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import ops
-from hvdx.comm.base import ResidualMemory, Strategy, check_density, node_reduce_scatter, padded_length
+from hvdx.comm.base import ResidualMemory, Strategy, check_density, node_reduce_scatter_parts, padded_length
 from hvdx.topology import Topology
 
 __all__ = ["HiTopK", "SparseAllgather"]
@@ -56,17 +56,19 @@ class _TopKStrategy(Strategy):
     def variables(self) -> Dict[str, tf.Variable]:
         return self._memory.variables
 
-    def _select(self, grads: tf.Tensor, name: str):
-        """Error feedback around MSTopK: (values, indices) of acc = grads + residual, and
-        residual <- acc with the selected entries zeroed."""
-        length = int(grads.shape[0])
-        residual = self._memory.get(name, length, grads.dtype)
-        acc = grads + residual
+    def _select(self, grads: List[tf.Tensor], name: str):
+        """Error feedback around MSTopK: (values, indices) of acc = sum(grads) + residual,
+        and residual <- acc with the selected entries zeroed (one pass makes acc)."""
+        length = int(grads[0].shape[0])
+        residual = self._memory.get(name, length, grads[0].dtype)
+        acc = tf.add_n([*grads, residual])
         k = max(1, int(round(self.density * length)))
         values, indices = ops.mstopk(acc, k, num_samplings=self.num_samplings)
         sent = tf.cast(tf.cast(values, self.wire_dtype), values.dtype)
-        # What was not sent stays: unselected entries whole, and the wire's rounding error.
-        residual.assign(tf.tensor_scatter_nd_update(acc, indices[:, None], values - sent))
+        # What was not sent stays: unselected entries whole, and the wire's rounding error
+        # (acc[i] - sent[i] at the selected i). sparse_accumulate updates acc in place when
+        # nothing else holds it (in a tf.function): no copy of the d-vector.
+        residual.assign(ops.sparse_accumulate(-sent, indices, length, out=acc))
         self.last_indices = indices
         return values, indices, k
 
@@ -89,11 +91,11 @@ class SparseAllgather(_TopKStrategy):
     def aggregate(self, buffer: tf.Tensor, name: str) -> tf.Tensor:
         topo = self.topology
         d = int(buffer.shape[0])
-        values, indices, k = self._select(buffer, name)
+        values, indices, k = self._select([buffer], name)
         values, indices = self._exchange(values, indices, k, hvd.global_process_set,
                                          f"hvdx.naiveag.ag.{name}")
-        total = ops.sparse_accumulate(values, indices, d, dtype=buffer.dtype)
-        return total / tf.cast(topo.size, total.dtype)
+        values = tf.cast(values, buffer.dtype) / tf.cast(topo.size, buffer.dtype)
+        return ops.sparse_accumulate(values, indices, d)
 
 
 class HiTopK(_TopKStrategy):
@@ -125,21 +127,25 @@ class HiTopK(_TopKStrategy):
         n = topo.local_size
         slice_length = padded_length(d, n) // n
         clock = _StepClock(self.record_times)
-        padded = tf.pad(buffer, [[0, padded_length(d, n) - d]])
-        mine = tf.ensure_shape(node_reduce_scatter(padded, topo, f"hvdx.hitopk.rs.{name}"), [slice_length])
-        clock.lap("reduce_scatter")
-        values, indices, k = self._select(mine, name)
+        padded = buffer if d % n == 0 else tf.pad(buffer, [[0, padded_length(d, n) - d]])
+        parts = node_reduce_scatter_parts(padded, topo, f"hvdx.hitopk.rs.{name}")
+        clock.lap("reduce_scatter")  # (the n parts are added to the residual in the next step)
+        values, indices, k = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name)
         clock.lap("mstopk")
         values, indices = self._exchange(values, indices, k, topo.cross_set, f"hvdx.hitopk.ag.{name}")
         clock.lap("inter_allgather")
         offset = topo.local_set.rank() * slice_length  # this rank's slice in the d-vector
         values, indices = self._exchange(values, indices + offset, topo.num_nodes * k, topo.local_set,
                                          f"hvdx.hitopk.ag2.{name}")
-        total = ops.sparse_accumulate(values, indices, n * slice_length, dtype=buffer.dtype)
+        # Averaging the m n k pairs rather than the d-vector saves a pass over d elements.
+        values = tf.cast(values, buffer.dtype) / tf.cast(topo.size, buffer.dtype)
+        total = ops.sparse_accumulate(values, indices, n * slice_length)
+        if n * slice_length != d:  # padding (zeros) may be selected when few entries are nonzero
+            total = total[:d]
         clock.lap("intra_allgather")
         if self.record_times:
             self.last_times = clock.times
-        return total[:d] / tf.cast(topo.size, total.dtype)
+        return total
 
 
 class _StepClock:

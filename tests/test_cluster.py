@@ -1,0 +1,156 @@
+"""The emulated cluster (benchmarks/cluster.py): nodes as network namespaces behind shaped
+links, a Horovod job across them without ssh, and nothing left behind afterwards."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from benchmarks import cluster
+from tests import harness
+
+CLUSTER_PY = str(harness.ROOT / "benchmarks" / "cluster.py")
+UNAVAILABLE = harness.cluster_unavailable()
+needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
+
+
+def system_state() -> dict:
+    """What the cluster may touch: namespaces, root-namespace links and qdiscs, /etc/netns."""
+    def run(*cmd):
+        return subprocess.run(cmd, capture_output=True, text=True).stdout
+
+    return {"netns": sorted(cluster.namespaces()),
+            "links": sorted(line.split(":")[1].strip() for line in run("ip", "-o", "link").splitlines()),
+            "qdiscs": sorted(run("tc", "qdisc", "show").splitlines()),
+            "etc_netns": sorted(os.listdir("/etc/netns")) if os.path.isdir("/etc/netns") else []}
+
+
+@pytest.fixture
+def leaves_nothing_behind():
+    before = system_state()
+    yield
+    after = system_state()
+    assert after == before, f"left behind: {after} (before: {before})"
+
+
+def launcher(*args: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, CLUSTER_PY, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=harness.test_env(), **kwargs)
+
+
+# -- without namespaces: specs and the environment each rank gets -------------------------
+
+def test_rates_and_delays_parse_like_tc():
+    assert cluster.parse_rate("1gbit") == 10**9
+    assert cluster.parse_rate("100mbit") == 10**8
+    assert cluster.parse_rate("2.5gbit") == 25 * 10**8
+    assert cluster.parse_time("0.1ms") == pytest.approx(1e-4)
+    for bad in ("1gbps", "fast", "-1mbit", "0bit"):
+        with pytest.raises(cluster.ClusterError, match="bad rate"):
+            cluster.parse_rate(bad)
+    with pytest.raises(cluster.ClusterError, match="bad delay"):
+        cluster.LinkSpec(delay="soon")
+    with pytest.raises(cluster.ClusterError, match="bad loss"):
+        cluster.LinkSpec(loss="0.1")
+    with pytest.raises(cluster.ClusterError, match="nodes"):
+        cluster.Cluster(0)
+
+
+def test_bad_command_line_fails_with_a_reason():
+    proc = subprocess.run([sys.executable, CLUSTER_PY, "--rate", "1gbps", "--", "true"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "bad rate '1gbps'" in proc.stderr, proc.stderr
+    proc = subprocess.run([sys.executable, CLUSTER_PY], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "give a command after --" in proc.stderr, proc.stderr
+
+
+def test_every_rank_gets_horovodruns_environment():
+    envs, plan = cluster.rank_environments(cluster.Cluster(3), ranks_per_node=2, rendezvous_port=1234)
+    assert [int(e["HOROVOD_RANK"]) for e in envs] == list(range(6))
+    for rank, env in enumerate(envs):
+        node, local = divmod(rank, 2)
+        assert env["HOROVOD_HOSTNAME"] == f"node{node}"
+        assert (env["HOROVOD_LOCAL_RANK"], env["HOROVOD_LOCAL_SIZE"]) == (str(local), "2")
+        assert (env["HOROVOD_CROSS_RANK"], env["HOROVOD_CROSS_SIZE"]) == (str(node), "3")
+        assert env["HOROVOD_SIZE"] == "6" and env["HOROVOD_GLOO_IFACE"] == "eth0"
+        assert (env["HOROVOD_GLOO_RENDEZVOUS_ADDR"], env["HOROVOD_GLOO_RENDEZVOUS_PORT"]) == ("10.77.0.254", "1234")
+        assert json.loads(env["HVDX_CLUSTER"])["ranks_per_node"] == 2
+    assert len(plan) == 6
+
+
+# -- with namespaces -------------------------------------------------------------------------
+
+@needs_namespaces
+@pytest.mark.multirank
+def test_two_by_two_job_sees_a_real_topology(leaves_nothing_behind):
+    job = harness.launch_on_cluster("check_cluster.py", "--nodes", "2", "--ranks-per-node", "2",
+                                    nodes=2, ranks_per_node=2, rate="1gbit", timeout=180)
+    data = job.check()
+    assert [data[r]["address"] for r in range(4)] == ["10.77.0.1", "10.77.0.1", "10.77.0.2", "10.77.0.2"]
+    assert data[0]["cluster"]["rate_bps"] == 10**9
+    for rank in range(4):  # every rank's output, prefixed with its rank as horovodrun does
+        assert f"[{rank}]<stdout>:rank {rank} on node{rank // 2}" in job.output, job.output[-3000:]
+
+
+@needs_namespaces
+def test_links_run_at_the_configured_rate_and_nodes_inside_are_fast(leaves_nothing_behind):
+    rate = 200 * 10**6
+    with cluster.Cluster(2, cluster.LinkSpec(rate="200mbit", delay=None)) as c:
+        there = cluster.throughput(c, 0, 1, nbytes=8 << 20)
+        back = cluster.throughput(c, 1, 0, nbytes=8 << 20)
+        inside = cluster.throughput(c, 0, 0, nbytes=64 << 20)
+    for measured in (there, back):
+        assert 0.8 * rate <= measured <= 1.2 * rate, (there, back)
+    assert inside > 5 * max(there, back), (inside, there, back)
+
+
+@needs_namespaces
+def test_a_failing_rank_stops_the_job_and_everything_is_removed(leaves_nothing_behind):
+    script = ("import os, sys, time; r = int(os.environ['HOROVOD_RANK']); print('up', r, flush=True); "
+              "sys.exit(3) if r == 1 else time.sleep(120)")
+    start = time.monotonic()
+    proc = launcher("--nodes", "2", "--ranks-per-node", "2", "--", sys.executable, "-c", script)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 3, output
+    assert "rank 1 (node 0) exited with status 3; stopping the other ranks" in output, output
+    assert all(f"[{r}]<stdout>:up {r}" in output for r in range(4)), output
+    assert time.monotonic() - start < 60  # the sleeping ranks were killed, not waited for
+
+
+@needs_namespaces
+def test_a_job_past_its_timeout_is_killed(leaves_nothing_behind):
+    proc = launcher("--nodes", "2", "--ranks-per-node", "1", "--timeout", "2", "--", "sleep", "120")
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 124 and "timed out after 2 s; rank(s) [0, 1] still running" in output, output
+
+
+@needs_namespaces
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_interrupting_the_launcher_removes_everything(sig, leaves_nothing_behind):
+    before = set(cluster.namespaces())
+    proc = launcher("--nodes", "2", "--ranks-per-node", "1", "--", "sleep", "120")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and len(set(cluster.namespaces()) - before) < 3:
+        time.sleep(0.1)
+    assert len(set(cluster.namespaces()) - before) == 3, "the cluster never came up"
+    time.sleep(1)  # the ranks are starting
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode in (130, 128 + sig), output
+
+
+@needs_namespaces
+def test_cleanup_removes_what_a_killed_launcher_left(leaves_nothing_behind):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"hvdx-{dead.pid}-1-n0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        proc = subprocess.run([sys.executable, CLUSTER_PY, "--cleanup"], capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0 and stale in proc.stdout, proc.stdout + proc.stderr
+        assert stale not in cluster.namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True)
