@@ -3,16 +3,18 @@
 Figure 7: Allreduce (dense), Hierarchical (2DTAR), SparseAllgather (NaiveAG) and HiTopK
 (HiTopKComm) on d-element float32 buffers at density 0.01, as ratios to Allreduce from the
 same run. Figure 8: HiTopK's four steps (reduce-scatter, MSTopK, inter-node all-gather,
-intra-node all-gather) at d = 25M and 110M. A time is the slowest rank's, median of
-repeats after a warm-up.
+intra-node all-gather). A time is the slowest rank's, median of repeats after a warm-up.
 
-    python benchmarks/comm.py            # launches itself on 2 nodes x 2 ranks (loopback)
-    horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python benchmarks/comm.py   # the same
+    python benchmarks/comm.py                    # 2 nodes x 2 ranks over loopback (horovodrun)
+    python benchmarks/comm.py --cluster          # on the emulated cluster: 1 Gbit/s between nodes
+    python benchmarks/cluster.py --rate 1gbit -- python benchmarks/comm.py    # the same
 
-Over loopback every link is equally fast, so this measures the algorithms' own costs, not
-the intra/inter-node bandwidth gap the paper exploits: the emulated-cluster launcher
-(shaped links between network namespaces) is the setting for the paper's speed-ups.
-Writes <out>/comm.json, <out>/comm.png and the tables of benchmarks/README.md.
+Over loopback every link is equally fast, so that run measures the algorithms' own costs,
+not the intra/inter-node bandwidth gap the paper exploits. On the emulated cluster
+(benchmarks/cluster.py: a network namespace per node, links shaped with tc) the run also
+measures alpha and beta of eqs. 3, 7, 9 and 10 on the links, by least squares over
+all-gathers of several sizes, and sets the model of eqs. 7-10 beside the measured steps.
+Writes <out>/comm[_cluster].json, .png and the tables of benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -24,13 +26,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [1_000_000, 4_000_000, 16_000_000, 25_000_000, 64_000_000, 100_000_000]
 BREAKDOWN_SIZES = [25_000_000, 110_000_000]
+CLUSTER_SIZES = [1_000_000, 4_000_000, 25_000_000, 100_000_000]
+CLUSTER_BREAKDOWN_SIZES = [25_000_000]
+FIT_BYTES = [4 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]  # per-rank all-gather sizes for alpha, beta
+GOALS = {"allreduce": 5.0, "hierarchical": 2.0}   # HiTopK speed-up asked for at d = 25M
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
 LABELS = {"allreduce": "Allreduce (dense)", "hierarchical": "Hierarchical (2DTAR)",
           "sparse_allgather": "SparseAllgather (NaiveAG)", "hitopk": "HiTopK (HiTopKComm)"}
@@ -40,13 +46,23 @@ def under_launcher() -> bool:
     return any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
 
 
-def relaunch(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(HERE.parent))
-    from tests.harness import hosts  # the emulated-node host list
+def cluster_description() -> Optional[dict]:
+    """The emulated network this rank runs on (set by benchmarks/cluster.py), or None."""
+    text = os.environ.get("HVDX_CLUSTER")
+    return json.loads(text) if text else None
 
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    command = [str(horovodrun), "-np", str(args.nodes * args.ranks_per_node),
-               "-H", hosts(args.nodes, args.ranks_per_node), "--gloo", sys.executable, __file__, *sys.argv[1:]]
+
+def relaunch(args: argparse.Namespace) -> int:
+    if args.cluster:
+        command = [sys.executable, str(HERE / "cluster.py"), "--nodes", str(args.nodes), "--ranks-per-node",
+                   str(args.ranks_per_node), "--rate", args.rate, "--", sys.executable, __file__, *sys.argv[1:]]
+    else:
+        sys.path.insert(0, str(HERE.parent))
+        from tests.harness import hosts  # the emulated-node host list
+
+        horovodrun = Path(sys.executable).parent / "horovodrun"
+        command = [str(horovodrun), "-np", str(args.nodes * args.ranks_per_node),
+                   "-H", hosts(args.nodes, args.ranks_per_node), "--gloo", sys.executable, __file__, *sys.argv[1:]]
     print("launching:", " ".join(command), flush=True)
     return subprocess.call(command, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
 
@@ -132,6 +148,111 @@ def plot(rows: List[dict], breakdown: List[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def fit_link(process_set, p: int, repeats: int, tag: str) -> dict:
+    """alpha (s) and beta (s/byte) of eq. 3, t = alpha log2 p + (p - 1) B beta, by least squares
+    over all-gathers of B bytes per rank. Every rank gathers in its own set at once, so the n
+    cross sets share each node's link as HiTopK's n streams do (beta is per stream)."""
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    import hvdx
+
+    times = []
+    for nbytes in FIT_BYTES:
+        x = tf.ones([nbytes // 4], tf.float32)
+        runs = []
+        for r in range(max(repeats, 5) + 1):
+            hvdx.barrier()
+            start = time.perf_counter()
+            hvd.allgather(x, process_set=process_set, name=f"fit.{tag}")
+            if r:
+                runs.append(slowest(time.perf_counter() - start, f"fit.{tag}.{nbytes}.{r}"))
+        times.append(statistics.median(runs))
+    design = np.array([[np.log2(p), (p - 1) * b] for b in FIT_BYTES], dtype=np.float64)
+    (alpha, beta), *_ = np.linalg.lstsq(design, np.array(times), rcond=None)
+    return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "bytes_per_rank": FIT_BYTES,
+            "seconds": times, "ranks": p}
+
+
+def mstopk_alone(length: int, density: float, repeats: int) -> float:
+    """Slowest rank's median time of MSTopK on `length` elements, every rank at once."""
+    import numpy as np
+    import tensorflow as tf
+
+    import hvdx
+
+    x = tf.constant(np.random.default_rng(hvdx.topology().rank).standard_normal(length).astype(np.float32))
+    k = max(1, round(density * length))
+    runs = []
+    for r in range(repeats + 1):
+        hvdx.barrier()
+        start = time.perf_counter()
+        hvdx.mstopk(x, k)[0].numpy()
+        if r:
+            runs.append(slowest(time.perf_counter() - start, f"mstopk.alone.{length}.{r}"))
+    return statistics.median(runs)
+
+
+def model_steps(d: int, m: int, n: int, density: float, links: dict, t2: float) -> Dict[str, float]:
+    """Eqs. 7-10 of shi2021 with the measured alpha, beta. hvdx sends a (value, int32 index)
+    pair per selected element in one all-gather, so eqs. 9-10 count 8 bytes per element."""
+    import math
+
+    ai, bi = max(links["intra"]["alpha_s"], 0.0), max(links["intra"]["beta_s_per_byte"], 0.0)
+    ae, be = max(links["inter"]["alpha_s"], 0.0), max(links["inter"]["beta_s_per_byte"], 0.0)
+    return {"reduce_scatter": (n - 1) * ai + 4 * (n - 1) * d / n * bi,                      # eq. 7
+            "mstopk": t2,                                                                     # eq. 8
+            "inter_allgather": ae * math.log2(m) + 8 * (m - 1) * density * d / n * be,        # eq. 9
+            "intra_allgather": ai * math.log2(n) + 8 * (n - 1) * density * d * m / n * bi}    # eq. 10
+
+
+def model_table(d: int, measured: Dict[str, float], model: Dict[str, float], links: dict) -> str:
+    from hvdx.comm import HiTopK
+
+    equations = {"reduce_scatter": "eq. 7", "mstopk": "eq. 8 (MSTopK alone on d/n elements)",
+                 "inter_allgather": "eq. 9", "intra_allgather": "eq. 10"}
+    lines = [f"| step (d = {d:,}) | model | model (ms) | measured (ms) | measured / model |",
+             "| --- | --- | ---: | ---: | ---: |"]
+    for step in HiTopK.STEPS:
+        lines.append(f"| {step} | {equations[step]} | {model[step] * 1e3:.1f} | {measured[step] * 1e3:.1f} | "
+                     f"{measured[step] / model[step]:.1f} |")
+    lines.append(f"| total | | {sum(model.values()) * 1e3:.1f} | {sum(measured.values()) * 1e3:.1f} | "
+                 f"{sum(measured.values()) / sum(model.values()):.1f} |")
+    link_lines = []
+    for where in ("inter", "intra"):
+        fit = links[where]
+        rate = (f" ({8 / fit['beta_s_per_byte'] / 1e6:.0f} Mbit/s per stream)" if fit["beta_s_per_byte"] > 0
+                else " (below the noise: taken as 0)")
+        link_lines.append(f"alpha_{where} = {fit['alpha_s'] * 1e3:.1f} ms, beta_{where} = "
+                          f"{fit['beta_s_per_byte'] * 1e9:.2f} ns/byte{rate}")
+    return "\n".join(lines) + "\n\nFitted on all-gathers of " + ", ".join(
+        f"{b // 1024:,} KiB" for b in FIT_BYTES) + " per rank: " + "; ".join(link_lines) + "."
+
+
+def goals_text(rows: List[dict], breakdown: List[dict], d: int = 25_000_000) -> str:
+    """The issue's goals at d = 25M, met or by how much missed, and why when missed."""
+    row = next((r for r in rows if r["d"] == d), None)
+    if row is None:
+        return ""
+    parts, missed = [], False
+    for base, goal in GOALS.items():
+        speedup = row[base] / row["hitopk"]
+        missed |= speedup < goal
+        verdict = "met" if speedup >= goal else f"missed by {(1 - speedup / goal):.0%}"
+        parts.append(f"HiTopK is **{speedup:.2f}x** faster than {LABELS[base]} (goal >= {goal:g}x: {verdict})")
+    text = f"At d = {d:,}: " + "; ".join(parts) + "."
+    steps = next((b["steps"] for b in breakdown if b["d"] == d), None)
+    if missed and steps:
+        share = steps["inter_allgather"] / sum(steps.values())
+        text += (f" Why: Allreduce is bound by the 1 Gbit/s links, but HiTopK is not: its one step on them "
+                 f"(inter_allgather) is {share:.0%} of its time. The rest is CPU and memory work of 4 ranks "
+                 "sharing 2 cores and one memory bus (the paper's ranks each have a GPU), and the intra-node "
+                 "reduce-scatter runs over TCP on loopback rather than NVLink. At d = 100M, where the links "
+                 "weigh more, the ratio is higher (table below).")
+    return text
+
+
 def run_ranks(args: argparse.Namespace) -> None:
     import numpy as np
     import tensorflow as tf
@@ -140,6 +261,7 @@ def run_ranks(args: argparse.Namespace) -> None:
     from report import update_readme
 
     topo = hvdx.init()
+    network = cluster_description()
     rows, breakdown = [], []
     for d in args.sizes:
         buffer = tf.constant(np.random.default_rng(topo.rank).standard_normal(d).astype(np.float32))
@@ -158,43 +280,89 @@ def run_ranks(args: argparse.Namespace) -> None:
         breakdown.append({"d": d, "total": total, "steps": steps})
         if topo.rank == 0:
             print(json.dumps(breakdown[-1]), flush=True)
+    models = []
+    if network is not None:
+        links = {"inter": fit_link(topo.cross_set, topo.num_nodes, args.repeats, "inter"),
+                 "intra": fit_link(topo.local_set, topo.local_size, args.repeats, "intra")}
+        for entry in breakdown:
+            d = entry["d"]
+            t2 = mstopk_alone(-(-d // topo.local_size), args.density, args.repeats)
+            models.append({"d": d, "links": links,
+                           "model": model_steps(d, topo.num_nodes, topo.local_size, args.density, links, t2),
+                           "measured": entry["steps"]})
+        if topo.rank == 0:
+            print(json.dumps(links), flush=True)
     if topo.rank == 0:
-        args.out.mkdir(parents=True, exist_ok=True)
-        result = {"figures": "shi2021 Figures 7 and 8", "density": args.density, "repeats": args.repeats,
-                  "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
-                  "network": "loopback (no link shaping)", "aggregate_seconds": rows,
-                  "hitopk_breakdown_seconds": breakdown}
-        (args.out / "comm.json").write_text(json.dumps(result, indent=2))
-        plot(rows, breakdown, args.out / "comm.png")
-        print(fig7_table(rows))
-        print(fig8_table(breakdown))
-        readme = args.readme or (HERE / "README.md" if args.out == HERE / "results" else None)
-        if readme is not None:
-            body = (f"Measured by `python benchmarks/comm.py`: {topo.num_nodes} nodes x {topo.local_size} "
-                    f"ranks over loopback on {os.cpu_count()} CPU cores, density {args.density}, float32; "
-                    f"the slowest rank's time, median of {args.repeats} repeats after a warm-up. Over "
-                    "loopback inter- and intra-node links are equally fast, so this is not the setting "
-                    "of the paper's speed-ups (see the emulated-cluster runs). Plot: `results/comm.png`, "
-                    "raw times: `results/comm.json`.\n\nAggregation time (Figure 7), ratios to Allreduce "
-                    "(below 1: faster than Allreduce):\n\n" + fig7_table(rows) +
-                    "\n\nHiTopK's four steps (Figure 8), share of its time:\n\n" + fig8_table(breakdown))
-            update_readme("comm", body, readme)
+        report(args, topo, network, rows, breakdown, models, update_readme)
     hvdx.barrier()
+
+
+def report(args, topo, network: Optional[dict], rows, breakdown, models, update_readme) -> None:
+    stem = "comm" if network is None else "comm_cluster"
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {"figures": "shi2021 Figures 7 and 8", "density": args.density, "repeats": args.repeats,
+              "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
+              "network": network or "loopback (no link shaping)", "aggregate_seconds": rows,
+              "hitopk_breakdown_seconds": breakdown, "model_eqs_7_10": models}
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(rows, breakdown, args.out / f"{stem}.png")
+    print(fig7_table(rows))
+    print(fig8_table(breakdown))
+    for entry in models:
+        print(model_table(entry["d"], entry["measured"], entry["model"], entry["links"]))
+    readme = args.readme or (HERE / "README.md" if args.out == HERE / "results" else None)
+    if readme is None:
+        return
+    common = (f"density {args.density}, float32; the slowest rank's time, median of {args.repeats} repeats "
+              f"after a warm-up, strategies run in a tf.function as in a Keras train step. Plot: "
+              f"`results/{stem}.png`, raw times: `results/{stem}.json`.")
+    tables = ("\n\nAggregation time (Figure 7), ratios to Allreduce (below 1: faster than Allreduce):\n\n"
+              + fig7_table(rows) + "\n\nHiTopK's four steps (Figure 8; eager, a barrier before each step), "
+              "share of their sum:\n\n" + fig8_table(breakdown))
+    if network is None:
+        body = (f"Measured by `python benchmarks/comm.py`: {topo.num_nodes} nodes x {topo.local_size} ranks over "
+                f"loopback on {os.cpu_count()} CPU cores, " + common + " Over loopback inter- and intra-node links "
+                "are equally fast, so this is not the setting of the paper's speed-ups (see the emulated-cluster "
+                "run below)." + tables)
+        update_readme("comm", body, readme)
+        return
+    delay = (f"delay {network['delay']}" if network["delay_applied"] else
+             "no added delay (this kernel has no netem)")
+    body = (f"Measured by `python benchmarks/comm.py --cluster`: {topo.num_nodes} nodes x {topo.local_size} ranks "
+            f"on the emulated cluster of `benchmarks/cluster.py` (one network namespace per node; each node's "
+            f"link shaped to {network['rate']} each way with tbf, {delay}; ranks of a node talk over its "
+            f"loopback), all {topo.size} ranks on {os.cpu_count()} CPU cores, " + common + "\n\n"
+            + goals_text(rows, breakdown) + tables)
+    for entry in models:
+        body += ("\n\nThe time model of eqs. 7-10 with alpha and beta measured on the emulated links, beside "
+                 "the measured steps:\n\n" + model_table(entry["d"], entry["measured"], entry["model"],
+                                                         entry["links"]))
+    update_readme("comm-cluster", body, readme)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES)
-    parser.add_argument("--breakdown-sizes", type=int, nargs="*", default=BREAKDOWN_SIZES)
+    parser.add_argument("--sizes", type=int, nargs="+", default=None,
+                        help=f"buffer sizes d (default {DEFAULT_SIZES}; on a cluster {CLUSTER_SIZES})")
+    parser.add_argument("--breakdown-sizes", type=int, nargs="*", default=None,
+                        help=f"d for Figure 8 (default {BREAKDOWN_SIZES}; on a cluster {CLUSTER_BREAKDOWN_SIZES})")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)
+    parser.add_argument("--cluster", action="store_true",
+                        help="run on the emulated cluster (benchmarks/cluster.py; needs root)")
+    parser.add_argument("--rate", default="1gbit", help="inter-node link rate with --cluster (tc syntax)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--readme", type=Path, default=None)
     args = parser.parse_args()
     if not under_launcher():
         raise SystemExit(relaunch(args))
+    on_cluster = cluster_description() is not None
+    if args.sizes is None:
+        args.sizes = CLUSTER_SIZES if on_cluster else DEFAULT_SIZES
+    if args.breakdown_sizes is None:
+        args.breakdown_sizes = CLUSTER_BREAKDOWN_SIZES if on_cluster else BREAKDOWN_SIZES
     run_ranks(args)
 
 

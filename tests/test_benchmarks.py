@@ -3,6 +3,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests import harness
 
 
@@ -34,3 +36,23 @@ def test_comm_benchmark_launches_itself_and_writes_results(tmp_path):
     assert sorted(steps) == sorted(["reduce_scatter", "mstopk", "inter_allgather", "intra_allgather"])
     assert (tmp_path / "comm.png").stat().st_size > 10_000
     assert "<!-- comm:begin -->" in readme.read_text()
+
+
+@pytest.mark.skipif(harness.cluster_unavailable() is not None, reason=str(harness.cluster_unavailable()))
+def test_comm_benchmark_on_the_emulated_cluster_fits_the_model(tmp_path):
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "comm.py"), "--cluster", "--rate", "1gbit",
+                           "--sizes", "30001", "--breakdown-sizes", "40000", "--repeats", "1", "--out", str(tmp_path),
+                           "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=400, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "comm_cluster.json").read_text())
+    assert result["network"]["rate_bps"] == 10**9 and result["topology"] == {"nodes": 2, "ranks_per_node": 2}
+    (model,) = result["model_eqs_7_10"]
+    assert model["d"] == 40000
+    assert sorted(model["model"]) == sorted(model["measured"]) == sorted(
+        ["reduce_scatter", "mstopk", "inter_allgather", "intra_allgather"])
+    for where in ("inter", "intra"):
+        assert len(model["links"][where]["seconds"]) == len(model["links"][where]["bytes_per_rank"]) > 2
+    text = readme.read_text()
+    assert "<!-- comm-cluster:begin -->" in text and "| reduce_scatter | eq. 7 |" in text

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm.base import ResidualMemory, Strategy, check_density, node_reduce_scatter_parts, padded_length
-from hvdx.topology import Topology
+from hvdx.topology import Topology, barrier
 
 __all__ = ["HiTopK", "SparseAllgather"]
 
@@ -110,7 +110,8 @@ class HiTopK(_TopKStrategy):
        rho d m / n elements, not the dense slice), then one sparse_accumulate of all of them
        into the d-vector (lines 15-22), divided by the number of ranks.
     The buffer is zero-padded to a multiple of n, so every slice has the same length.
-    Set `record_times = True` to keep each step's wall time (eager mode) in `last_times`.
+    Set `record_times = True` to keep each step's wall time (eager mode, a barrier of all
+    ranks before each step) in `last_times`.
     """
 
     key = "hitopk"
@@ -149,15 +150,21 @@ class HiTopK(_TopKStrategy):
 
 
 class _StepClock:
-    """Wall time per step of an eager call (eager CPU ops run synchronously)."""
+    """Wall time of each step of an eager call, for Figure 8. Recording puts a barrier of all
+    ranks before every step, so a step's time is its own, not a wait for a slower rank's
+    previous step (eager CPU ops run synchronously)."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.times: Dict[str, float] = {}
-        self._last = time.perf_counter() if enabled else 0.0
+        self._last = self._sync() if enabled else 0.0
+
+    @staticmethod
+    def _sync() -> float:
+        barrier()
+        return time.perf_counter()
 
     def lap(self, step: str) -> None:
         if self.enabled:
-            now = time.perf_counter()
-            self.times[step] = now - self._last
-            self._last = now
+            self.times[step] = time.perf_counter() - self._last
+            self._last = self._sync()
