@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -74,6 +74,20 @@ def slowest(seconds: float, name: str) -> float:
     return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
 
 
+def repeated(call: Callable[[], object], repeats: int, tag: str) -> Iterator[float]:
+    """The slowest rank's time of each of `repeats` calls of `call`, after one warm-up call
+    (which also builds residuals); a barrier before each call, so the ranks start together."""
+    import hvdx
+
+    for r in range(repeats + 1):
+        hvdx.barrier()
+        start = time.perf_counter()
+        call()
+        elapsed = slowest(time.perf_counter() - start, f"{tag}.t{r}")
+        if r:
+            yield elapsed
+
+
 def measure(strategy, buffer, repeats: int, tag: str, steps: bool = False):
     """Median over repeats of the slowest rank's time, and of each recorded step's.
 
@@ -82,21 +96,13 @@ def measure(strategy, buffer, repeats: int, tag: str, steps: bool = False):
     """
     import tensorflow as tf
 
-    import hvdx
-
     call = (lambda b: strategy(b, name=tag)) if steps else tf.function(lambda b: strategy(b, name=tag))
     totals: List[float] = []
     per_step: Dict[str, List[float]] = {}
-    for r in range(repeats + 1):  # the first call is the warm-up (and builds residuals)
-        hvdx.barrier()
-        start = time.perf_counter()
-        call(buffer)
-        elapsed = slowest(time.perf_counter() - start, f"{tag}.t{r}")
-        step_times = {k: slowest(v, f"{tag}.{k}.{r}") for k, v in strategy.last_times.items()} if steps else {}
-        if r:
-            totals.append(elapsed)
-            for k, v in step_times.items():
-                per_step.setdefault(k, []).append(v)
+    for elapsed in repeated(lambda: call(buffer), repeats, tag):
+        totals.append(elapsed)
+        for k, v in (strategy.last_times.items() if steps else ()):
+            per_step.setdefault(k, []).append(slowest(v, f"{tag}.{k}.{len(totals)}"))
     return statistics.median(totals), {k: statistics.median(v) for k, v in per_step.items()}
 
 
@@ -156,19 +162,11 @@ def fit_link(process_set, p: int, repeats: int, tag: str) -> dict:
     import numpy as np
     import tensorflow as tf
 
-    import hvdx
-
     times = []
     for nbytes in FIT_BYTES:
         x = tf.ones([nbytes // 4], tf.float32)
-        runs = []
-        for r in range(max(repeats, 5) + 1):
-            hvdx.barrier()
-            start = time.perf_counter()
-            hvd.allgather(x, process_set=process_set, name=f"fit.{tag}")
-            if r:
-                runs.append(slowest(time.perf_counter() - start, f"fit.{tag}.{nbytes}.{r}"))
-        times.append(statistics.median(runs))
+        gather = lambda: hvd.allgather(x, process_set=process_set, name=f"fit.{tag}")  # noqa: E731
+        times.append(statistics.median(repeated(gather, max(repeats, 5), f"fit.{tag}.{nbytes}")))
     design = np.array([[np.log2(p), (p - 1) * b] for b in FIT_BYTES], dtype=np.float64)
     (alpha, beta), *_ = np.linalg.lstsq(design, np.array(times), rcond=None)
     return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "bytes_per_rank": FIT_BYTES,
@@ -184,14 +182,7 @@ def mstopk_alone(length: int, density: float, repeats: int) -> float:
 
     x = tf.constant(np.random.default_rng(hvdx.topology().rank).standard_normal(length).astype(np.float32))
     k = max(1, round(density * length))
-    runs = []
-    for r in range(repeats + 1):
-        hvdx.barrier()
-        start = time.perf_counter()
-        hvdx.mstopk(x, k)[0].numpy()
-        if r:
-            runs.append(slowest(time.perf_counter() - start, f"mstopk.alone.{length}.{r}"))
-    return statistics.median(runs)
+    return statistics.median(repeated(lambda: hvdx.mstopk(x, k)[0].numpy(), repeats, f"mstopk.alone.{length}"))
 
 
 def model_steps(d: int, m: int, n: int, density: float, links: dict, t2: float) -> Dict[str, float]:

@@ -7,6 +7,8 @@ import pytest
 
 from tests import harness
 
+CLUSTER_UNAVAILABLE = harness.cluster_unavailable()
+
 
 def test_topk_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"
@@ -38,7 +40,7 @@ def test_comm_benchmark_launches_itself_and_writes_results(tmp_path):
     assert "<!-- comm:begin -->" in readme.read_text()
 
 
-@pytest.mark.skipif(harness.cluster_unavailable() is not None, reason=str(harness.cluster_unavailable()))
+@pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
 def test_comm_benchmark_on_the_emulated_cluster_fits_the_model(tmp_path):
     readme = tmp_path / "README.md"
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "comm.py"), "--cluster", "--rate", "1gbit",
