@@ -108,11 +108,16 @@ def test_links_run_at_the_configured_rate_and_nodes_inside_are_fast(leaves_nothi
 
 
 @needs_namespaces
-def test_a_failing_rank_stops_the_job_and_everything_is_removed(leaves_nothing_behind):
-    script = ("import os, sys, time; r = int(os.environ['HOROVOD_RANK']); print('up', r, flush=True); "
+def test_a_failing_rank_stops_the_job_and_everything_is_removed(leaves_nothing_behind, tmp_path):
+    # Every rank says it is up (a file each: namespaces share the file system); rank 1 fails
+    # only once all four are up, so the job's output holds every rank's line.
+    script = ("import os, sys, time, pathlib; r = int(os.environ['HOROVOD_RANK']); d = pathlib.Path(sys.argv[1]); "
+              "print('up', r, flush=True); (d / f'up{r}').touch(); "
+              "t = time.monotonic() + 60\n"
+              "while r == 1 and len(list(d.glob('up*'))) < 4 and time.monotonic() < t: time.sleep(0.05)\n"
               "sys.exit(3) if r == 1 else time.sleep(120)")
     start = time.monotonic()
-    proc = launcher("--nodes", "2", "--ranks-per-node", "2", "--", sys.executable, "-c", script)
+    proc = launcher("--nodes", "2", "--ranks-per-node", "2", "--", sys.executable, "-c", script, str(tmp_path))
     output, _ = proc.communicate(timeout=120)
     assert proc.returncode == 3, output
     assert "rank 1 (node 0) exited with status 3; stopping the other ranks" in output, output
