@@ -3,7 +3,8 @@
 Figure 7: Allreduce (dense), Hierarchical (2DTAR), SparseAllgather (NaiveAG) and HiTopK
 (HiTopKComm) on d-element float32 buffers at density 0.01, as ratios to Allreduce from the
 same run. Figure 8: HiTopK's four steps (reduce-scatter, MSTopK, inter-node all-gather,
-intra-node all-gather). A time is the slowest rank's, median of repeats after a warm-up.
+intra-node all-gather). A time is the slowest rank's, median of rounds after a warm-up round;
+the strategies take turns within a round, and speed-ups are medians of per-round ratios.
 
     python benchmarks/comm.py                    # 2 nodes x 2 ranks over loopback (horovodrun)
     python benchmarks/comm.py --cluster          # on the emulated cluster: 1 Gbit/s between nodes
@@ -74,45 +75,84 @@ def slowest(seconds: float, name: str) -> float:
     return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
 
 
-def repeated(call: Callable[[], object], repeats: int, tag: str) -> Iterator[float]:
-    """The slowest rank's time of each of `repeats` calls of `call`, after one warm-up call
-    (which also builds residuals); a barrier before each call, so the ranks start together."""
+def repeated(calls: Dict[str, Callable[[], object]], repeats: int, tag: str) -> Iterator[Dict[str, float]]:
+    """For each of `repeats` rounds, the slowest rank's time of every call, by key. The calls
+    take turns within a round, so a slow spell of the shared machine hits all of them alike
+    and their per-round ratios stay fair. One warm-up round first (it also builds residuals
+    and traces tf.functions); a barrier before each call, so the ranks start together."""
     import hvdx
 
     for r in range(repeats + 1):
-        hvdx.barrier()
-        start = time.perf_counter()
-        call()
-        elapsed = slowest(time.perf_counter() - start, f"{tag}.t{r}")
+        times = {}
+        for key, call in calls.items():
+            hvdx.barrier()
+            start = time.perf_counter()
+            call()
+            times[key] = slowest(time.perf_counter() - start, f"{tag}.{key}.t{r}")
         if r:
-            yield elapsed
+            yield times
 
 
-def measure(strategy, buffer, repeats: int, tag: str, steps: bool = False):
-    """Median over repeats of the slowest rank's time, and of each recorded step's.
+def median_time(call: Callable[[], object], repeats: int, tag: str) -> float:
+    """Median over `repeats` of the slowest rank's time of `call` (see `repeated`)."""
+    return statistics.median(t["call"] for t in repeated({"call": call}, repeats, tag))
 
-    Totals run the strategy in a tf.function, as a Keras train step does; the step
-    breakdown needs eager execution (each step's wall time is taken between its ops).
-    """
+
+def aggregate_times(strategies: Dict[str, object], buffer, repeats: int, tag: str) -> Dict[str, List[float]]:
+    """The slowest rank's time of each strategy on `buffer`, per round, the strategies taking
+    turns. Each runs in a tf.function, as in a Keras train step."""
     import tensorflow as tf
 
-    call = (lambda b: strategy(b, name=tag)) if steps else tf.function(lambda b: strategy(b, name=tag))
+    def compiled(key, strategy):
+        def run(b):
+            return strategy(b, name=f"{tag}.{key}")
+        function = tf.function(run, autograph=False)  # plain Python: nothing to convert
+        return lambda: function(buffer)
+
+    calls = {key: compiled(key, strategy) for key, strategy in strategies.items()}
+    rounds = list(repeated(calls, repeats, tag))
+    return {key: [r[key] for r in rounds] for key in strategies}
+
+
+def hitopk_steps(strategy, buffer, repeats: int, tag: str):
+    """Figure 8: median total and median of each step of an eager HiTopK call (recording puts
+    a barrier before each step; eager, since a step's wall time is taken between its ops)."""
+    strategy.record_times = True
     totals: List[float] = []
     per_step: Dict[str, List[float]] = {}
-    for elapsed in repeated(lambda: call(buffer), repeats, tag):
-        totals.append(elapsed)
-        for k, v in (strategy.last_times.items() if steps else ()):
+    for times in repeated({"call": lambda: strategy(buffer, name=tag)}, repeats, tag):
+        totals.append(times["call"])
+        for k, v in strategy.last_times.items():
             per_step.setdefault(k, []).append(slowest(v, f"{tag}.{k}.{len(totals)}"))
     return statistics.median(totals), {k: statistics.median(v) for k, v in per_step.items()}
 
 
+def speedups(per_round: Dict[str, List[float]]) -> Dict[str, List[float]]:
+    """base / HiTopK of each round, for every other strategy."""
+    return {base: [b / h for b, h in zip(times, per_round["hitopk"])]
+            for base, times in per_round.items() if base != "hitopk"}
+
+
+def speedup_range(row: dict, base: str):
+    """HiTopK's speed-up over `base`: (median, lowest, highest) of the per-round ratios."""
+    ratios = speedups(row["rounds_seconds"])[base]
+    return statistics.median(ratios), min(ratios), max(ratios)
+
+
+def speedup_text(row: dict, base: str) -> str:
+    median, low, high = speedup_range(row, base)
+    return f"{median:.2f}x ({low:.2f}-{high:.2f})"
+
+
 def fig7_table(rows: List[dict]) -> str:
-    lines = ["| d | Allreduce (ms) | Hierarchical / Allreduce | NaiveAG / Allreduce | HiTopK / Allreduce | Allreduce / HiTopK |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| d | Allreduce (ms) | Hierarchical / Allreduce | NaiveAG / Allreduce | HiTopK / Allreduce "
+             "| HiTopK speed-up over Allreduce | over Hierarchical |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         base = r["allreduce"]
         lines.append(f"| {r['d']:,} | {base * 1e3:.1f} | {r['hierarchical'] / base:.2f} | "
-                     f"{r['sparse_allgather'] / base:.2f} | {r['hitopk'] / base:.2f} | {base / r['hitopk']:.2f}x |")
+                     f"{r['sparse_allgather'] / base:.2f} | {r['hitopk'] / base:.2f} | "
+                     f"{speedup_text(r, 'allreduce')} | {speedup_text(r, 'hierarchical')} |")
     return "\n".join(lines)
 
 
@@ -166,7 +206,7 @@ def fit_link(process_set, p: int, repeats: int, tag: str) -> dict:
     for nbytes in FIT_BYTES:
         x = tf.ones([nbytes // 4], tf.float32)
         gather = lambda: hvd.allgather(x, process_set=process_set, name=f"fit.{tag}")  # noqa: E731
-        times.append(statistics.median(repeated(gather, max(repeats, 5), f"fit.{tag}.{nbytes}")))
+        times.append(median_time(gather, max(repeats, 5), f"fit.{tag}.{nbytes}"))
     design = np.array([[np.log2(p), (p - 1) * b] for b in FIT_BYTES], dtype=np.float64)
     (alpha, beta), *_ = np.linalg.lstsq(design, np.array(times), rcond=None)
     return {"alpha_s": float(alpha), "beta_s_per_byte": float(beta), "bytes_per_rank": FIT_BYTES,
@@ -182,7 +222,7 @@ def mstopk_alone(length: int, density: float, repeats: int) -> float:
 
     x = tf.constant(np.random.default_rng(hvdx.topology().rank).standard_normal(length).astype(np.float32))
     k = max(1, round(density * length))
-    return statistics.median(repeated(lambda: hvdx.mstopk(x, k)[0].numpy(), repeats, f"mstopk.alone.{length}"))
+    return median_time(lambda: hvdx.mstopk(x, k)[0].numpy(), repeats, f"mstopk.alone.{length}")
 
 
 def model_steps(d: int, m: int, n: int, density: float, links: dict, t2: float) -> Dict[str, float]:
@@ -228,10 +268,11 @@ def goals_text(rows: List[dict], breakdown: List[dict], d: int = 25_000_000) -> 
         return ""
     parts, missed = [], False
     for base, goal in GOALS.items():
-        speedup = row[base] / row["hitopk"]
+        speedup, low, high = speedup_range(row, base)
         missed |= speedup < goal
         verdict = "met" if speedup >= goal else f"missed by {(1 - speedup / goal):.0%}"
-        parts.append(f"HiTopK is **{speedup:.2f}x** faster than {LABELS[base]} (goal >= {goal:g}x: {verdict})")
+        parts.append(f"HiTopK is **{speedup:.2f}x** faster than {LABELS[base]} (goal >= {goal:g}x: {verdict}; "
+                     f"rounds ranged {low:.2f}-{high:.2f}x)")
     text = f"At d = {d:,}: " + "; ".join(parts) + "."
     steps = next((b["steps"] for b in breakdown if b["d"] == d), None)
     if missed and steps:
@@ -256,18 +297,16 @@ def run_ranks(args: argparse.Namespace) -> None:
     rows, breakdown = [], []
     for d in args.sizes:
         buffer = tf.constant(np.random.default_rng(topo.rank).standard_normal(d).astype(np.float32))
-        row = {"d": d}
-        for key in STRATEGIES:
-            strategy = hvdx.comm.get(key, density=args.density)
-            row[key], _ = measure(strategy, buffer, args.repeats, f"{key}{d}")
+        per_round = aggregate_times({key: hvdx.comm.get(key, density=args.density) for key in STRATEGIES},
+                                    buffer, args.repeats, f"agg{d}")
+        row = {"d": d, **{key: statistics.median(t) for key, t in per_round.items()},
+               "rounds_seconds": per_round}
         rows.append(row)
         if topo.rank == 0:
             print(json.dumps(row), flush=True)
     for d in args.breakdown_sizes:
         buffer = tf.constant(np.random.default_rng(topo.rank).standard_normal(d).astype(np.float32))
-        strategy = hvdx.comm.HiTopK(density=args.density)
-        strategy.record_times = True
-        total, steps = measure(strategy, buffer, args.repeats, f"bd{d}", steps=True)
+        total, steps = hitopk_steps(hvdx.comm.HiTopK(density=args.density), buffer, args.repeats, f"bd{d}")
         breakdown.append({"d": d, "total": total, "steps": steps})
         if topo.rank == 0:
             print(json.dumps(breakdown[-1]), flush=True)
@@ -304,8 +343,10 @@ def report(args, topo, network: Optional[dict], rows, breakdown, models, update_
     readme = args.readme or (HERE / "README.md" if args.out == HERE / "results" else None)
     if readme is None:
         return
-    common = (f"density {args.density}, float32; the slowest rank's time, median of {args.repeats} repeats "
-              f"after a warm-up, strategies run in a tf.function as in a Keras train step. Plot: "
+    common = (f"density {args.density}, float32; the slowest rank's time, median of {args.repeats} rounds "
+              f"after a warm-up round; in each round the strategies take turns, each in a tf.function as in a "
+              f"Keras train step, and a speed-up is the median of the per-round ratios (their range in "
+              f"parentheses). Plot: "
               f"`results/{stem}.png`, raw times: `results/{stem}.json`.")
     tables = ("\n\nAggregation time (Figure 7), ratios to Allreduce (below 1: faster than Allreduce):\n\n"
               + fig7_table(rows) + "\n\nHiTopK's four steps (Figure 8; eager, a barrier before each step), "

@@ -34,10 +34,14 @@ def test_comm_benchmark_launches_itself_and_writes_results(tmp_path):
     result = json.loads((tmp_path / "comm.json").read_text())
     assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
     assert [row["d"] for row in result["aggregate_seconds"]] == [10000, 30001]
+    for row in result["aggregate_seconds"]:  # one time per round per strategy; the median is the row's
+        assert sorted(row["rounds_seconds"]) == sorted(["allreduce", "hierarchical", "sparse_allgather", "hitopk"])
+        assert all(row[key] == times[0] > 0 for key, times in row["rounds_seconds"].items())
     steps = result["hitopk_breakdown_seconds"][0]["steps"]
     assert sorted(steps) == sorted(["reduce_scatter", "mstopk", "inter_allgather", "intra_allgather"])
     assert (tmp_path / "comm.png").stat().st_size > 10_000
-    assert "<!-- comm:begin -->" in readme.read_text()
+    text = readme.read_text()
+    assert "<!-- comm:begin -->" in text and "| HiTopK speed-up over Allreduce | over Hierarchical |" in text
 
 
 @pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
