@@ -62,3 +62,34 @@ def test_comm_benchmark_on_the_emulated_cluster_fits_the_model(tmp_path):
         assert len(model["links"][where]["seconds"]) == len(model["links"][where]["bytes_per_rank"]) > 2
     text = readme.read_text()
     assert "<!-- comm-cluster:begin -->" in text and "| reduce_scatter | eq. 7 |" in text
+
+
+# -- the reporting of comm.py, on made-up numbers (no launch) --------------------------------
+
+def test_link_fit_recovers_alpha_and_beta_and_never_goes_negative():
+    import numpy as np
+
+    from benchmarks import comm
+
+    design = np.array([[1.0, b] for b in comm.FIT_BYTES])
+    alpha, beta = comm.nonnegative_fit(design, design @ np.array([2e-3, 8e-9]))
+    assert alpha == pytest.approx(2e-3) and beta == pytest.approx(8e-9)
+    # Times that a straight line would meet below zero: alpha is held at 0, beta still fits.
+    alpha, beta = comm.nonnegative_fit(design, design @ np.array([-3e-3, 8e-9]) + 1e-4)
+    assert alpha == 0.0 and beta > 0
+
+
+def test_goals_are_judged_on_paired_rounds_and_a_miss_says_why():
+    from benchmarks import comm
+
+    rounds = {"allreduce": [1.6, 2.0, 1.2], "hierarchical": [1.2, 1.4, 1.05],
+              "sparse_allgather": [0.4, 0.4, 0.4], "hitopk": [0.4, 0.4, 0.3]}
+    row = {"d": 25_000_000, **{k: sorted(v)[1] for k, v in rounds.items()}, "rounds_seconds": rounds}
+    assert comm.speedup_range(row, "allreduce") == (pytest.approx(4.0), pytest.approx(4.0), pytest.approx(5.0))
+    steps = {"reduce_scatter": 0.1, "mstopk": 0.1, "inter_allgather": 0.05, "intra_allgather": 0.05}
+    links = {w: {"seconds": [0.03, 0.05]} for w in ("inter", "intra")}
+    text = comm.goals_text([row], [{"d": 25_000_000, "steps": steps}], {"rate": "1gbit"}, links, ranks=4)
+    assert "**4.00x** faster than Allreduce (dense) (goal >= 5x: missed by 20%; rounds ranged 4.00-5.00x)" in text
+    assert "**3.50x** faster than Hierarchical (2DTAR) (goal >= 2x: met; rounds ranged 3.00-3.50x)" in text
+    assert "(inter_allgather) is 17% of its time" in text and "a 4 KiB all-gather takes 30 ms" in text
+    assert "| 25,000,000 | 1600.0 | 0.75 | 0.25 | 0.25 | 4.00x (4.00-5.00) | 3.50x (3.00-3.50) |" in comm.fig7_table([row])
