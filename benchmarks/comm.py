@@ -247,8 +247,8 @@ def model_steps(d: int, m: int, n: int, density: float, links: dict, t2: float) 
     pair per selected element in one all-gather, so eqs. 9-10 count 8 bytes per element."""
     import math
 
-    ai, bi = max(links["intra"]["alpha_s"], 0.0), max(links["intra"]["beta_s_per_byte"], 0.0)
-    ae, be = max(links["inter"]["alpha_s"], 0.0), max(links["inter"]["beta_s_per_byte"], 0.0)
+    ai, bi = links["intra"]["alpha_s"], links["intra"]["beta_s_per_byte"]  # both >= 0 (nonnegative_fit)
+    ae, be = links["inter"]["alpha_s"], links["inter"]["beta_s_per_byte"]
     return {"reduce_scatter": (n - 1) * ai + 4 * (n - 1) * d / n * bi,                      # eq. 7
             "mstopk": t2,                                                                     # eq. 8
             "inter_allgather": ae * math.log2(m) + 8 * (m - 1) * density * d / n * be,        # eq. 9
