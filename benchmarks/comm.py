@@ -31,6 +31,11 @@ from typing import Callable, Dict, Iterator, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
+    from report import markdown_table, update_readme
+except ImportError:
+    from benchmarks.report import markdown_table, update_readme
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [1_000_000, 4_000_000, 16_000_000, 25_000_000, 64_000_000, 100_000_000]
 BREAKDOWN_SIZES = [25_000_000, 110_000_000]
@@ -145,27 +150,20 @@ def speedup_text(row: dict, base: str) -> str:
 
 
 def fig7_table(rows: List[dict]) -> str:
-    lines = ["| d | Allreduce (ms) | Hierarchical / Allreduce | NaiveAG / Allreduce | HiTopK / Allreduce "
-             "| HiTopK speed-up over Allreduce | over Hierarchical |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        base = r["allreduce"]
-        lines.append(f"| {r['d']:,} | {base * 1e3:.1f} | {r['hierarchical'] / base:.2f} | "
-                     f"{r['sparse_allgather'] / base:.2f} | {r['hitopk'] / base:.2f} | "
-                     f"{speedup_text(r, 'allreduce')} | {speedup_text(r, 'hierarchical')} |")
-    return "\n".join(lines)
+    header = ["d", "Allreduce (ms)", "Hierarchical / Allreduce", "NaiveAG / Allreduce", "HiTopK / Allreduce",
+              "HiTopK speed-up over Allreduce", "over Hierarchical"]
+    return markdown_table(header, ([f"{r['d']:,}", f"{r['allreduce'] * 1e3:.1f}",
+                                    *(f"{r[key] / r['allreduce']:.2f}" for key in STRATEGIES[1:]),
+                                    speedup_text(r, "allreduce"), speedup_text(r, "hierarchical")] for r in rows))
 
 
 def fig8_table(rows: List[dict]) -> str:
     from hvdx.comm import HiTopK
 
-    lines = ["| d | HiTopK total (ms) | " + " | ".join(f"{s} share" for s in HiTopK.STEPS) + " |",
-             "| ---: | ---: | " + " | ".join("---:" for _ in HiTopK.STEPS) + " |"]
-    for r in rows:
-        total = sum(r["steps"].values())
-        lines.append(f"| {r['d']:,} | {r['total'] * 1e3:.1f} | "
-                     + " | ".join(f"{r['steps'][s] / total:.0%}" for s in HiTopK.STEPS) + " |")
-    return "\n".join(lines)
+    header = ["d", "HiTopK total (ms)", *(f"{s} share" for s in HiTopK.STEPS)]
+    return markdown_table(header, ([f"{r['d']:,}", f"{r['total'] * 1e3:.1f}",
+                                    *(f"{r['steps'][s] / sum(r['steps'].values()):.0%}" for s in HiTopK.STEPS)]
+                                   for r in rows))
 
 
 def plot(rows: List[dict], breakdown: List[dict], path: Path) -> None:
@@ -260,13 +258,12 @@ def model_table(d: int, measured: Dict[str, float], model: Dict[str, float], lin
 
     equations = {"reduce_scatter": "eq. 7", "mstopk": "eq. 8 (MSTopK alone on d/n elements)",
                  "inter_allgather": "eq. 9", "intra_allgather": "eq. 10"}
-    lines = [f"| step (d = {d:,}) | model | model (ms) | measured (ms) | measured / model |",
-             "| --- | --- | ---: | ---: | ---: |"]
-    for step in HiTopK.STEPS:
-        lines.append(f"| {step} | {equations[step]} | {model[step] * 1e3:.1f} | {measured[step] * 1e3:.1f} | "
-                     f"{measured[step] / model[step]:.1f} |")
-    lines.append(f"| total | | {sum(model.values()) * 1e3:.1f} | {sum(measured.values()) * 1e3:.1f} | "
-                 f"{sum(measured.values()) / sum(model.values()):.1f} |")
+    cells = [[step, equations[step], f"{model[step] * 1e3:.1f}", f"{measured[step] * 1e3:.1f}",
+              f"{measured[step] / model[step]:.1f}"] for step in HiTopK.STEPS]
+    cells.append(["total", "", f"{sum(model.values()) * 1e3:.1f}", f"{sum(measured.values()) * 1e3:.1f}",
+                  f"{sum(measured.values()) / sum(model.values()):.1f}"])
+    table = markdown_table([f"step (d = {d:,})", "model", "model (ms)", "measured (ms)", "measured / model"],
+                           cells, text_columns=2)
     link_lines = []
     for where in ("inter", "intra"):
         fit = links[where]
@@ -274,7 +271,7 @@ def model_table(d: int, measured: Dict[str, float], model: Dict[str, float], lin
                 else " (below the noise: taken as 0)")
         link_lines.append(f"alpha_{where} = {fit['alpha_s'] * 1e3:.1f} ms, beta_{where} = "
                           f"{fit['beta_s_per_byte'] * 1e9:.2f} ns/byte{rate}")
-    return "\n".join(lines) + "\n\nFitted on all-gathers of " + ", ".join(
+    return table + "\n\nFitted on all-gathers of " + ", ".join(
         f"{b // 1024:,} KiB" for b in FIT_BYTES) + " per rank: " + "; ".join(link_lines) + "."
 
 
@@ -317,7 +314,6 @@ def run_ranks(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
     import hvdx
-    from report import update_readme
 
     topo = hvdx.init()
     network = cluster_description()
@@ -350,11 +346,11 @@ def run_ranks(args: argparse.Namespace) -> None:
         if topo.rank == 0:
             print(json.dumps(links), flush=True)
     if topo.rank == 0:
-        report(args, topo, network, rows, breakdown, models, update_readme)
+        report(args, topo, network, rows, breakdown, models)
     hvdx.barrier()
 
 
-def report(args, topo, network: Optional[dict], rows, breakdown, models, update_readme) -> None:
+def report(args, topo, network: Optional[dict], rows, breakdown, models) -> None:
     stem = "comm" if network is None else "comm_cluster"
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"figures": "shi2021 Figures 7 and 8", "density": args.density, "repeats": args.repeats,

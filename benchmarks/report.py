@@ -3,6 +3,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Iterable, Sequence
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], text_columns: int = 0) -> str:
+    """A Markdown table: the first `text_columns` columns left-aligned, the others (numbers) right."""
+    align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in [header, align, *rows])
 
 
 def update_readme(section: str, body: str, readme: Path) -> None:

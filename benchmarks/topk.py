@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdx  # noqa: E402
-from report import update_readme  # noqa: E402
+from report import markdown_table, update_readme  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [2**18, 2**20, 2**22, 2**24, 25_000_000, 2**26, 2**27]
@@ -102,24 +102,23 @@ def bench_accumulate(d: int, repeats: int, rng: np.random.Generator) -> Dict[str
 
 
 def topk_table(rows: List[dict]) -> str:
-    lines = ["| d | k | floor (ms) | MSTopK / floor | tf.math.top_k / MSTopK | DGC / MSTopK | argpartition / MSTopK |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        m = r["mstopk"]
-        lines.append(f"| {r['d']:,} | {r['k']:,} | {r['floor_reduce_max_abs'] * 1e3:.2f} | "
-                     f"{m / r['floor_reduce_max_abs']:.2f}x | {r['tf_top_k'] / m:.1f}x | "
-                     f"{r['dgc_double_sampling'] / m:.1f}x | {r['np_argpartition'] / m:.1f}x |")
-    return "\n".join(lines)
+    header = ["d", "k", "floor (ms)", "MSTopK / floor", "tf.math.top_k / MSTopK", "DGC / MSTopK",
+              "argpartition / MSTopK"]
+    return markdown_table(header, ([f"{r['d']:,}", f"{r['k']:,}", f"{r['floor_reduce_max_abs'] * 1e3:.2f}",
+                                    f"{r['mstopk'] / r['floor_reduce_max_abs']:.2f}x",
+                                    *(f"{r[key] / r['mstopk']:.1f}x"
+                                      for key in ("tf_top_k", "dgc_double_sampling", "np_argpartition"))]
+                                   for r in rows))
 
 
 def accumulate_table(rows: List[dict]) -> str:
-    lines = ["| d | nnz | sparse_accumulate (ms) | unsorted_segment_sum / ours | scatter_nd / ours | tensor_scatter_nd_add / ours (with out) |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        s = r["sparse_accumulate"]
-        lines.append(f"| {r['d']:,} | {r['nnz']:,} | {s * 1e3:.2f} | {r['unsorted_segment_sum'] / s:.1f}x | "
-                     f"{r['scatter_nd'] / s:.1f}x | {r['tensor_scatter_nd_add'] / r['sparse_accumulate_out']:.1f}x |")
-    return "\n".join(lines)
+    header = ["d", "nnz", "sparse_accumulate (ms)", "unsorted_segment_sum / ours", "scatter_nd / ours",
+              "tensor_scatter_nd_add / ours (with out)"]
+    return markdown_table(header, ([f"{r['d']:,}", f"{r['nnz']:,}", f"{r['sparse_accumulate'] * 1e3:.2f}",
+                                    f"{r['unsorted_segment_sum'] / r['sparse_accumulate']:.1f}x",
+                                    f"{r['scatter_nd'] / r['sparse_accumulate']:.1f}x",
+                                    f"{r['tensor_scatter_nd_add'] / r['sparse_accumulate_out']:.1f}x"]
+                                   for r in rows))
 
 
 def plot(topk_rows: List[dict], acc_rows: List[dict], path: Path) -> None:
