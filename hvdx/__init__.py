@@ -4,12 +4,21 @@ and poorly connected between each other.
     import hvdx
     topo = hvdx.init()          # hvd.init() + node-local and cross-node process sets
     print(topo)                 # rank, node, local rank, and the members of both sets
+    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk")
+
+`hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
 """
 from hvdx import callbacks, comm, ops
+from hvdx.aggregator import GradientAggregator
+from hvdx.layout import RankMismatchError
+from hvdx.loading import load_model
 from hvdx.ops import mstopk, sparse_accumulate
-from hvdx.optimizer import DistributedGradientTape, DistributedOptimizer
+from hvdx.optimizer import DistributedOptimizer, PartialDistributedOptimizer
+from hvdx.tape import DistributedGradientTape
 from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "Topology", "TopologyError", "barrier", "callbacks", "comm", "init", "mstopk", "ops", "shutdown", "sparse_accumulate", "topology"]
+__all__ = ["DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "PartialDistributedOptimizer",
+           "RankMismatchError", "Topology", "TopologyError", "barrier", "callbacks", "comm", "init", "load_model",
+           "mstopk", "ops", "shutdown", "sparse_accumulate", "topology"]

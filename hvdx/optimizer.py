@@ -1,21 +1,30 @@
-"""hvdx.DistributedOptimizer and hvdx.DistributedGradientTape: Horovod's ergonomics with
-hvdx's aggregation strategies (DESIGN.md "One training step").
+"""hvdx.DistributedOptimizer: Horovod's Keras optimizer wrapper, with hvdx's strategies.
 
-Gradients are fused into one flat float32 buffer (or size-bounded buckets), aggregated by a
-strategy of hvdx.comm (HiTopKComm by default), split back and applied by the wrapped
-optimizer, which keeps its own type and configuration (`.inner_optimizer`).
+    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))                   # = Horovod
+    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk",
+                                    density=0.01)                                    # sparse
+
+The arguments are Horovod's, in Horovod's order, followed by hvdx's keyword-only ones.
+Aggregation runs at Keras' gradient-aggregation hook (`aggregate_gradients`), which a
+LossScaleOptimizer (mixed precision) calls before its finiteness check: every rank decides
+on the same averaged gradients, so no rank skips a step the others take.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Union
+from typing import Any, Callable, List, Optional, Sequence, Union
 
+import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
+from hvdx.accumulation import LocalAccumulator
+from hvdx.aggregator import GradientAggregator
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "shared_aggregator"]
+__all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 _KERAS_OPTIMIZERS = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
+_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+_OPS = {"Average": hvd.Average, "Sum": hvd.Sum, "Adasum": hvd.Adasum}
 
 
 class _CallableList(list):
@@ -25,108 +34,91 @@ class _CallableList(list):
         return self
 
 
-class GradientAggregator(tf.Module):
-    """Fuses gradients into buckets, aggregates each with a strategy, splits them back.
-
-    The strategy can be replaced between steps (`aggregator.strategy = "hierarchical"`);
-    every strategy used keeps its residuals, so switching back resumes them.
-    """
-
-    def __init__(self, communication: Union[str, comm.Strategy] = "hitopk", density: float = 0.01,
-                 num_samplings: int = 30, wire_dtype: tf.DType = tf.float32,
-                 bucket_bytes: Optional[int] = None, name: str = "hvdx_aggregator") -> None:
-        super().__init__(name=name)
-        if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
-            raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
-        self._options = dict(density=density, num_samplings=num_samplings, wire_dtype=wire_dtype)
-        self.bucket_bytes = bucket_bytes
-        self._strategies: List[comm.Strategy] = []  # tracked: their residuals are checkpointed
-        self.strategy = communication
-
-    @property
-    def strategy(self) -> comm.Strategy:
-        return self._strategy
-
-    @strategy.setter
-    def strategy(self, communication: Union[str, comm.Strategy]) -> None:
-        options = {} if isinstance(communication, comm.Strategy) else self._options
-        strategy = comm.get(communication, **options)
-        for known in self._strategies:  # reuse an earlier instance of the same kind
-            if type(known) is type(strategy) and repr(known) == repr(strategy):
-                strategy = known
-                break
-        else:
-            self._strategies.append(strategy)
-        self._strategy = strategy
-
-    def _buckets(self, sizes: Sequence[int]) -> List[List[int]]:
-        """Consecutive gradient indices grouped so that a bucket holds <= bucket_bytes."""
-        if self.bucket_bytes is None:
-            return [list(range(len(sizes)))]
-        buckets, current, used = [], [], 0
-        for i, size in enumerate(sizes):
-            if current and used + 4 * size > self.bucket_bytes:
-                buckets.append(current)
-                current, used = [], 0
-            current.append(i)
-            used += 4 * size
-        return buckets + ([current] if current else [])
-
-    def __call__(self, grads: Sequence[Optional[tf.Tensor]]) -> List[Optional[tf.Tensor]]:
-        present = [i for i, g in enumerate(grads) if g is not None]
-        dense = [tf.convert_to_tensor(grads[i]) for i in present]  # IndexedSlices -> dense
-        sizes = [int(g.shape.num_elements()) for g in dense]
-        out: List[Optional[tf.Tensor]] = list(grads)
-        for b, bucket in enumerate(self._buckets(sizes)):
-            flat = tf.concat([tf.reshape(tf.cast(dense[i], tf.float32), [-1]) for i in bucket], axis=0)
-            averaged = self._strategy(flat, name=f"bucket{b}")
-            for i, piece in zip(bucket, tf.split(averaged, [sizes[i] for i in bucket])):
-                out[present[i]] = tf.cast(tf.reshape(piece, dense[i].shape), dense[i].dtype)
-        # Residuals are created on a strategy's first call; an attribute list makes them
-        # part of every checkpoint that holds this aggregator.
-        self._residual_variables = self.residuals
-        return out
-
-    @property
-    def residuals(self) -> List[tf.Variable]:
-        """Every strategy's error-feedback residuals (per rank state)."""
-        return [v for s in self._strategies for v in s.variables.values()]
+def _is_legacy(optimizer) -> bool:
+    return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer)
 
 
+def _compression_name(compression) -> str:
+    for name, value in _COMPRESSIONS.items():
+        if compression is value:
+            return name
+    raise ValueError(f"compression {compression!r} cannot be saved in a config (only none and fp16 can)")
+
+
+@tf.keras.utils.register_keras_serializable(package="hvdx")
 class DistributedOptimizer(tf.keras.optimizers.Optimizer):
-    """Wraps a tf.keras optimizer so that gradients are averaged over all ranks by an
-    hvdx.comm strategy before the wrapped optimizer applies them.
+    """Wraps a tf.keras optimizer so that gradients are aggregated over all ranks before
+    the wrapped optimizer applies them.
 
-        opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk",
-                                        density=0.01)
-        model.compile(optimizer=opt, loss=...)
+    Horovod's arguments (same meaning, same order): name, device_dense, device_sparse,
+    compression (hvd.Compression.fp16 sends 16-bit values with every strategy),
+    sparse_as_dense, gradient_predivide_factor, op (Average, Sum; Adasum with
+    communication="allreduce"), backward_passes_per_step, average_aggregated_gradients,
+    num_groups / groups (fusion buckets), process_set (communication="allreduce"),
+    scale_local_gradients.
 
-    Args:
-      optimizer: a tf.keras optimizer (new or legacy API); it keeps its type and
-        configuration and is reachable as `.inner_optimizer`.
-      communication: "hitopk" (default), "hierarchical", "sparse_allgather", "allreduce"
-        or an hvdx.comm.Strategy; switch later with `set_communication`.
-      density, num_samplings, wire_dtype: options of the sparse strategies.
-      bucket_bytes: fuse gradients into buckets of at most this many bytes (default: one).
+    hvdx's (keyword only):
+      communication: "allreduce" (default: exactly Horovod's averaging), "hierarchical"
+        (2DTAR), "hitopk" (HiTopKComm) or "sparse_allgather" (NaiveAG), or an
+        hvdx.comm.Strategy. $HVDX_COMMUNICATION / $HVDX_DENSITY change the default.
+      density, num_samplings: MSTopK's options for the sparse strategies (density 0.01 by
+        default there; rejected with a dense strategy).
+      wire_dtype: the type values travel in (float32, float16, bfloat16).
+      bucket_bytes: fuse gradients into buckets of at most this many bytes (default: one
+        bucket per dtype).
+
+    The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
+    hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
+    expect. `add_after_update_hook(fn)` runs fn(grads_and_vars) after every update (DASO).
     """
 
-    def __init__(self, optimizer, communication: Union[str, comm.Strategy] = "hitopk",
-                 density: float = 0.01, num_samplings: int = 30, wire_dtype: tf.DType = tf.float32,
-                 bucket_bytes: Optional[int] = None, name: Optional[str] = None) -> None:
+    _HAS_AGGREGATE_GRAD = True
+
+    def __init__(self, optimizer, name: Optional[str] = None, device_dense: str = "", device_sparse: str = "",
+                 compression=hvd.Compression.none, sparse_as_dense: bool = False,
+                 gradient_predivide_factor: float = 1.0, op=hvd.Average, backward_passes_per_step: int = 1,
+                 average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
+                 process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
+                 communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
+                 num_samplings: Optional[int] = None, wire_dtype=None, bucket_bytes: Optional[int] = None) -> None:
+        if isinstance(name, (comm.Strategy,)) or (isinstance(name, str) and name.lower() in (
+                "hitopk", "hierarchical", "sparse_allgather", "allreduce", "2dtar", "naiveag", "dense")):
+            raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
+                             f"as communication={name!r}")
         if not isinstance(optimizer, _KERAS_OPTIMIZERS):
             raise ValueError("hvdx.DistributedOptimizer wraps a tf.keras optimizer "
                              "(tf.keras.optimizers.* or tf.keras.optimizers.legacy.*), got "
                              f"{type(optimizer).__name__}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
-        self._aggregator_ready = False
+        if num_groups and groups is not None:
+            raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
+        self._ready = False
         super().__init__(name=name or f"Distributed{type(optimizer).__name__}")
         self._optimizer = optimizer
-        self._aggregator = GradientAggregator(communication, density=density,
-                                              num_samplings=num_samplings, wire_dtype=wire_dtype,
-                                              bucket_bytes=bucket_bytes)
-        self._aggregator_ready = True
+        self._aggregator = GradientAggregator(
+            communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
+            bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
+            compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
+            groups=groups if groups is not None else (num_groups or None),
+            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse)
+        self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
+                            if backward_passes_per_step != 1 else None)
+        if backward_passes_per_step != 1 and not isinstance(backward_passes_per_step, int):
+            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
+        self._horovod_config = dict(
+            device_dense=device_dense, device_sparse=device_sparse, compression=_compression_name(compression)
+            if compression in _COMPRESSIONS.values() else None, sparse_as_dense=bool(sparse_as_dense),
+            gradient_predivide_factor=float(gradient_predivide_factor),
+            op={v: k for k, v in _OPS.items()}[op], backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=bool(average_aggregated_gradients),
+            num_groups=groups if isinstance(groups, int) else num_groups,
+            scale_local_gradients=bool(scale_local_gradients))
+        self._hooks: List[Callable] = []
+        self._just_aggregated: Optional[List[Any]] = None
+        self._ready = True
 
+    # -- what the wrapper is -----------------------------------------------------------
     @property
     def inner_optimizer(self):
         return self._optimizer
@@ -144,31 +136,160 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         (hvdx.callbacks.SwitchCommunication does that for Model.fit)."""
         self._aggregator.strategy = communication
 
-    def compute_gradients(self, loss, var_list, tape=None):
-        grads_and_vars = self._optimizer.compute_gradients(loss, var_list, tape=tape) \
-            if isinstance(self._optimizer, tf.keras.optimizers.Optimizer) \
-            else self._optimizer._compute_gradients(loss, var_list, tape=tape)
-        return list(grads_and_vars)
+    def register_local_var(self, var) -> None:
+        """Horovod's: the gradient of `var` is not aggregated (divided by the number of ranks
+        when scale_local_gradients)."""
+        self._aggregator.register_local_var(var)
 
-    def apply_gradients(self, grads_and_vars, name=None, **kwargs):
+    def add_after_update_hook(self, hook: Callable[[List], Any]) -> None:
+        """Runs `hook(grads_and_vars)` after each update of the wrapped optimizer, in the same
+        step (DASO averages parameters there). It may return ops to wait for, or None."""
+        self._hooks.append(hook)
+
+    def __getattr__(self, name: str):
+        # Only reached when normal lookup fails: the wrapped optimizer's hyper-parameters
+        # (momentum, beta_1, ...) read through the wrapper, as Horovod's callbacks do.
+        inner = self.__dict__.get("_optimizer")
+        if inner is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(inner, name)
+
+    # -- the step ----------------------------------------------------------------------
+    def _aggregate(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
+        variables = list(variables)
+        if self._agg_helper is not None:
+            return self._agg_helper(list(grads), lambda totals: self._aggregate_present(totals, grads, variables))
+        return self._aggregator(list(grads), variables)
+
+    def _aggregate_present(self, totals, grads, variables):
+        present_vars = [v for g, v in zip(grads, variables) if g is not None]
+        return self._aggregator(totals, present_vars)
+
+    def compute_gradients(self, loss, var_list, tape=None):
+        """Keras' contract: this rank's gradients (aggregation happens at the hook)."""
+        if _is_legacy(self._optimizer):
+            return list(self._optimizer._compute_gradients(loss, var_list, tape=tape))
+        return list(self._optimizer.compute_gradients(loss, var_list, tape=tape))
+
+    def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
+        """Horovod's contract: gradients already aggregated over the ranks. A following
+        apply_gradients of exactly these gradients does not aggregate them again."""
+        tape = tf.GradientTape() if tape is None else tape
+        if _is_legacy(self._optimizer):
+            grads_and_vars = list(self._optimizer._compute_gradients(loss, var_list, grad_loss, tape=tape))
+        else:
+            grads_and_vars = list(self._optimizer.compute_gradients(loss, var_list, tape=tape))
+        grads = self._aggregate([g for g, _ in grads_and_vars], [v for _, v in grads_and_vars])
+        self._just_aggregated = grads
+        return list(zip(grads, [v for _, v in grads_and_vars]))
+
+    def get_gradients(self, loss, params):
+        """Horovod's (Keras v1) contract: aggregated gradients of `loss`."""
+        grads = tf.gradients(loss, params)
+        return self._aggregate(grads, params)
+
+    def aggregate_gradients(self, grads_and_vars):
+        """Keras' hook (called by apply_gradients, and by LossScaleOptimizer before its
+        finiteness check): the gradients aggregated over the ranks."""
+        grads_and_vars = list(grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        if self._just_aggregated is not None and len(grads) == len(self._just_aggregated) and all(
+                a is b for a, b in zip(grads, self._just_aggregated)):
+            self._just_aggregated = None  # from _compute_gradients: aggregated already
+            return grads_and_vars
+        self._just_aggregated = None
+        variables = [v for _, v in grads_and_vars]
+        return list(zip(self._aggregate(grads, variables), variables))
+
+    _aggregate_gradients = aggregate_gradients  # the legacy optimizers' name of the hook
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation: bool = False, **kwargs):
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
-        grads = self._aggregator([g for g, _ in grads_and_vars])
-        return self._optimizer.apply_gradients(list(zip(grads, [v for _, v in grads_and_vars])))
+        if not grads_and_vars:  # nothing to apply (no trainable variables, or no gradients)
+            return None
+        aggregate = kwargs.pop("experimental_aggregate_gradients", True) and not skip_gradients_aggregation
+        if aggregate:
+            grads_and_vars = self.aggregate_gradients(grads_and_vars)
+        self._just_aggregated = None
+        if self._agg_helper is None:
+            return self._apply(grads_and_vars)
+
+        def skip():
+            return self.iterations.assign_add(1)
+
+        return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
+
+    def _apply(self, grads_and_vars):
+        if _is_legacy(self._optimizer):
+            update = self._optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
+        else:
+            update = self._optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
+        if not self._hooks:
+            return update if update is not None else self.iterations
+        deps = [update] if update is not None else []
+        with tf.control_dependencies(deps):
+            after = [hook(grads_and_vars) for hook in self._hooks]
+        with tf.control_dependencies([op for op in after if op is not None]):
+            return tf.identity(self.iterations)
 
     def minimize(self, loss, var_list, tape=None):
-        self.apply_gradients(self.compute_gradients(loss, var_list, tape=tape))
+        grads_and_vars = self.compute_gradients(loss, var_list, tape=tape)
+        return self.apply_gradients(grads_and_vars)
 
+    # -- state -------------------------------------------------------------------------
     def build(self, var_list):
-        if isinstance(self._optimizer, tf.keras.optimizers.Optimizer):
-            self._optimizer.build(var_list)
-        else:
+        if _is_legacy(self._optimizer):
             self._optimizer._create_all_weights(var_list)
+        else:
+            self._optimizer.build(var_list)
 
     @property
     def variables(self):
-        """The wrapped optimizer's variables (the residuals are per rank: see `.aggregator`)."""
+        """The wrapped optimizer's variables: what Horovod's callbacks broadcast. The
+        residuals are per rank (they are checkpointed, never broadcast): `.aggregator`."""
         inner = self._optimizer.variables
         return _CallableList(inner() if callable(inner) else inner)
+
+    def get_weights(self):
+        """The wrapped optimizer's state as arrays (in the order `variables` lists it)."""
+        return [v.numpy() for v in self.variables]
+
+    def set_weights(self, weights):
+        """Keras' .h5 loader sets the wrapped optimizer's state through this."""
+        variables = self.variables
+        if len(weights) != len(variables):
+            raise ValueError(f"{len(weights)} values for the {len(variables)} variables of {self._optimizer.name}")
+        for variable, value in zip(variables, weights):
+            if tuple(variable.shape) != tuple(getattr(value, "shape", ())):
+                raise ValueError(f"optimizer variable {variable.name} has shape {variable.shape}, "
+                                 f"the saved value {getattr(value, 'shape', ())}")
+            variable.assign(value)
+
+    def save_own_variables(self, store):
+        """Keras .keras format: the residuals with their owners (Keras saves a new-style
+        wrapped optimizer's variables itself, under inner_optimizer; a legacy one's here)."""
+        if _is_legacy(self._optimizer):
+            for i, value in enumerate(self.get_weights()):
+                store[f"inner.{i}"] = value
+        for m, memory in enumerate(self._aggregator._memories):
+            for key, value in memory.state().items():
+                store[f"m{m}.{memory.name}.{key}"] = value
+
+    def load_own_variables(self, store):
+        keys = list(store.keys())
+        inner = sorted((k for k in keys if k.startswith("inner.")), key=lambda k: int(k.split(".")[1]))
+        if inner:
+            self.set_weights([store[k][...] for k in inner])
+        by_memory: dict = {}
+        for key in keys:
+            if key.startswith("inner."):
+                continue
+            m, memory_name, item = key.split(".", 2)
+            by_memory.setdefault((int(m[1:]), memory_name), {})[item] = store[key][...]
+        memories = self._aggregator._memories
+        for (m, memory_name), state in sorted(by_memory.items()):
+            if m < len(memories) and memories[m].name == memory_name:
+                memories[m].restore(state)
 
     @property
     def iterations(self):
@@ -176,7 +297,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     @iterations.setter
     def iterations(self, variable):
-        if getattr(self, "_aggregator_ready", False):
+        if getattr(self, "_ready", False):
             self._optimizer.iterations = variable
         else:  # the base constructor sets its own counter first
             self._iterations = variable
@@ -187,54 +308,36 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     @learning_rate.setter
     def learning_rate(self, value):
-        if getattr(self, "_aggregator_ready", False):
+        if getattr(self, "_ready", False):
             self._optimizer.learning_rate = value
 
     def get_config(self):
-        return {"optimizer": tf.keras.optimizers.serialize(self._optimizer),
-                "communication": self._aggregator.strategy.key, **self._aggregator._options,
-                "bucket_bytes": self._aggregator.bucket_bytes, "name": self.name}
+        if self._horovod_config["compression"] is None:
+            raise ValueError("an optimizer with a custom compression cannot be serialised")
+        config = {"optimizer": tf.keras.optimizers.serialize(self._optimizer), "name": self.name,
+                  **self._horovod_config}
+        if self._aggregator.groups_are_variables:
+            config["num_groups"] = 0  # variable groups cannot be saved: one bucket on reload
+        config.update(self._aggregator.config)
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)
-        config["optimizer"] = tf.keras.optimizers.deserialize(config["optimizer"],
-                                                             custom_objects=custom_objects)
-        return cls(**config)
+        config = dict(config)  # never mutate the caller's dict
+        config["optimizer"] = tf.keras.optimizers.deserialize(config["optimizer"], custom_objects=custom_objects)
+        config["compression"] = _COMPRESSIONS[config.get("compression") or "none"]
+        config["op"] = _OPS[config.get("op") or "Average"]
+        if config.get("wire_dtype") is not None:
+            config["wire_dtype"] = tf.as_dtype(config["wire_dtype"])
+        optimizer = config.pop("optimizer")
+        return cls(optimizer, **config)
 
 
-_SHARED_AGGREGATORS: dict = {}
-
-
-def shared_aggregator(communication: Union[str, comm.Strategy] = "hitopk", **options) -> GradientAggregator:
-    """The process-wide aggregator for this configuration, so that a tape created anew at
-    every step still finds last step's residuals (error feedback)."""
-    key = (communication if isinstance(communication, str) else id(communication),
-           tuple(sorted((k, str(v)) for k, v in options.items())))
-    if key not in _SHARED_AGGREGATORS:
-        _SHARED_AGGREGATORS[key] = GradientAggregator(communication, **options)
-    return _SHARED_AGGREGATORS[key]
-
-
-class DistributedGradientTape(tf.GradientTape):
-    """A tf.GradientTape whose gradient() returns gradients averaged over all ranks by an
-    hvdx.comm strategy (the custom-training-loop counterpart of DistributedOptimizer).
-
-    Tapes created with the same options share one aggregator (and its residuals) for the
-    life of the process; pass `aggregator=` to manage it yourself (e.g. to checkpoint it).
-    """
-
-    def __init__(self, persistent: bool = False, watch_accessed_variables: bool = True,
-                 communication: Union[str, comm.Strategy] = "hitopk", density: float = 0.01,
-                 num_samplings: int = 30, wire_dtype: tf.DType = tf.float32,
-                 bucket_bytes: Optional[int] = None,
-                 aggregator: Optional[GradientAggregator] = None) -> None:
-        super().__init__(persistent=persistent, watch_accessed_variables=watch_accessed_variables)
-        self.aggregator = aggregator or shared_aggregator(
-            communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
-            bucket_bytes=bucket_bytes)
-
-    def gradient(self, target, sources, output_gradients=None, **kwargs):
-        grads = super().gradient(target, sources, output_gradients=output_gradients, **kwargs)
-        flat = tf.nest.flatten(grads)
-        return tf.nest.pack_sequence_as(grads, self.aggregator(flat))
+def PartialDistributedOptimizer(optimizer, name: Optional[str] = None, local_layers=None, **kwargs):
+    """Horovod's PartialDistributedOptimizer: the variables of `local_layers` keep their
+    local gradients (see `register_local_var`); everything else is aggregated."""
+    opt = DistributedOptimizer(optimizer, name, **kwargs)
+    for layer in local_layers or ():
+        for variable in layer.trainable_weights:
+            opt.register_local_var(variable)
+    return opt

@@ -1,27 +1,27 @@
-"""What every gradient aggregation strategy shares: the call contract and the residuals.
+"""What every gradient aggregation strategy shares: the call contract and its result.
 
 A strategy is called on one fused 1-D gradient buffer of d elements (the same d on every
 rank) and returns the average of all ranks' buffers, as seen through the strategy's
 compression. Collective: every rank calls the same strategy on the same buffers, in the
-same order. Sparse strategies keep error-feedback residuals (what a rank did not send is
-added to its next buffer): GRACE's "memory", kept here as non-trainable tf.Variables so
-that checkpoints carry them.
+same order. Sparse strategies keep error-feedback residuals (`hvdx.comm.memory`).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+import numbers
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
 
 import tensorflow as tf
 
 from hvdx.topology import Topology, topology
 
-__all__ = ["Strategy", "ResidualMemory", "check_density", "node_reduce_scatter", "node_reduce_scatter_parts",
+__all__ = ["Aggregated", "Strategy", "check_density", "node_reduce_scatter", "node_reduce_scatter_parts",
            "padded_length"]
 
 
 def check_density(density: float) -> float:
-    """A density in (0, 1], as a float; ValueError otherwise."""
-    if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+    """A density in (0, 1], as a float (NumPy numbers too); ValueError otherwise."""
+    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < float(density) <= 1:
         raise ValueError(f"density must be a number in (0, 1], got {density!r}")
     return float(density)
 
@@ -61,34 +61,36 @@ def node_reduce_scatter(padded: tf.Tensor, topo: Topology, name: str) -> tf.Tens
     return parts[0] if len(parts) == 1 else tf.add_n(parts)
 
 
-class ResidualMemory:
-    """Error feedback: one residual variable per buffer name, created on first use."""
+@dataclass
+class Aggregated:
+    """What one strategy call leaves behind (graph tensors of the current trace).
 
-    def __init__(self, owner: str) -> None:
-        self._owner = owner
-        self._residuals: Dict[str, tf.Variable] = {}
+    output: the averaged buffer (length d), identical on every rank.
+    updates: residual writes not yet made, (variable, new value) pairs: the caller makes
+      them only if the step's averaged gradients are finite (`hvdx.comm.memory.commit`).
+    local_slice: (this rank's averaged slice of the buffer, its offset) where the strategy
+      reduce-scatters inside the node (2DTAR, HiTopK): LARS/LAMB compute their partial
+      norms on it instead of another pass over d (shi2021 sec. 4.2).
+    """
 
-    def get(self, name: str, length: int, dtype: tf.DType = tf.float32) -> tf.Variable:
-        residual = self._residuals.get(name)
-        if residual is None:
-            with tf.init_scope():  # a variable, also when first called inside tf.function
-                residual = tf.Variable(tf.zeros([length], dtype), trainable=False,
-                                       name=f"hvdx_{self._owner}_residual_{name}")
-            self._residuals[name] = residual
-        elif residual.shape[0] != length:
-            raise ValueError(f"buffer {name!r} changed length from {residual.shape[0]} to {length}")
-        return residual
-
-    @property
-    def variables(self) -> Dict[str, tf.Variable]:
-        return dict(self._residuals)
+    output: tf.Tensor
+    updates: List[Tuple[tf.Variable, tf.Tensor]] = field(default_factory=list)
+    local_slice: Optional[Tuple[tf.Tensor, int]] = None
 
 
 class Strategy:
-    """Base of the aggregation strategies: `strategy(buffer, name) -> averaged buffer`."""
+    """Base of the aggregation strategies: `strategy(buffer, name) -> averaged buffer`.
+
+    `aggregate(buffer, name, residual_scale)` is the two-phase form the aggregator uses:
+    it returns an `Aggregated` whose residual updates the caller commits once it knows the
+    whole step is finite. Calling the strategy directly commits them at once when the
+    output is finite (a non-finite step leaves every residual as it was).
+    """
 
     #: The name `hvdx.comm.get` knows the strategy by.
     key: str = ""
+    #: Whether the strategy keeps error-feedback residuals (sparse) or is exact (dense).
+    lossy: bool = False
 
     def __init__(self, topo: Optional[Topology] = None) -> None:
         self._topo = topo
@@ -98,18 +100,39 @@ class Strategy:
         return self._topo or topology()
 
     def __call__(self, buffer: tf.Tensor, name: str = "grads") -> tf.Tensor:
+        from hvdx.comm.memory import commit
+
+        result = self.aggregate(self._check(buffer), name)
+        if result.updates:
+            with tf.control_dependencies([commit(result.updates, tf.reduce_all(tf.math.is_finite(result.output)))]):
+                return tf.identity(result.output)
+        return result.output
+
+    @staticmethod
+    def _check(buffer: tf.Tensor) -> tf.Tensor:
         buffer = tf.convert_to_tensor(buffer)
         if buffer.shape.rank != 1 or buffer.shape[0] is None:
-            raise ValueError(f"{type(self).__name__} takes a 1-D buffer of known length, got {buffer.shape}")
-        return self.aggregate(buffer, name)
+            raise ValueError(f"a strategy takes a 1-D buffer of known length, got {buffer.shape}")
+        return buffer
 
-    def aggregate(self, buffer: tf.Tensor, name: str) -> tf.Tensor:
+    def aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
+        """Averages `buffer` over all ranks. `residual_scale` multiplies stored residuals
+        before use (the loss scale changed since they were stored)."""
         raise NotImplementedError
+
+    def signature(self) -> Dict[str, str]:
+        """What every rank must agree on (checked once per layout by the aggregator)."""
+        return {"strategy": repr(self)}
+
+    @property
+    def memory(self):
+        """The strategy's `ResidualMemory` (sparse strategies), else None."""
+        return None
 
     @property
     def variables(self) -> Dict[str, tf.Variable]:
-        """The strategy's state (residuals), by buffer name; empty for dense strategies."""
-        return {}
+        """The strategy's residuals by buffer name; empty for dense strategies."""
+        return self.memory.variables_by_name if self.memory is not None else {}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

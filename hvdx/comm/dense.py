@@ -1,21 +1,79 @@
 """Dense aggregation: Horovod's allreduce, and 2DTAR (hierarchical allreduce on CPU too)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvdx.comm.base import Strategy, node_reduce_scatter, padded_length
+from hvdx.comm.base import Aggregated, Strategy, node_reduce_scatter, padded_length
+from hvdx.topology import Topology
 
 __all__ = ["Allreduce", "Hierarchical"]
 
+_OPS = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
+
+
+def _wire(dtype) -> Optional[tf.DType]:
+    if dtype is None:
+        return None
+    dtype = tf.as_dtype(dtype)
+    if dtype not in (tf.float32, tf.float16, tf.bfloat16):
+        raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {dtype.name}")
+    return dtype
+
 
 class Allreduce(Strategy):
-    """The dense baseline: one Horovod allreduce (average) over all ranks."""
+    """The dense baseline: one Horovod allreduce over the job's ranks (exactly what
+    `hvd.DistributedOptimizer` does with the same options).
+
+    Args:
+      op: hvd.Average (default), hvd.Sum or hvd.Adasum.
+      prescale_factor, postscale_factor: Horovod's scaling around the reduction.
+      process_set: the ranks that take part (default: all).
+      compression: a Horovod compressor (hvd.Compression.fp16, ...); or `wire_dtype`,
+        the type the buffer travels in (cast there and back).
+    """
 
     key = "allreduce"
 
-    def aggregate(self, buffer: tf.Tensor, name: str) -> tf.Tensor:
-        return hvd.allreduce(buffer, op=hvd.Average, name=f"hvdx.allreduce.{name}")
+    def __init__(self, op=hvd.Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                 process_set: hvd.ProcessSet = hvd.global_process_set, compression=None,
+                 wire_dtype=None, topo: Optional[Topology] = None) -> None:
+        super().__init__(topo)
+        if op not in _OPS:
+            raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
+        if compression is not None and wire_dtype is not None:
+            raise ValueError("give compression= or wire_dtype=, not both")
+        self.op, self.prescale_factor, self.postscale_factor = op, float(prescale_factor), float(postscale_factor)
+        self.process_set = process_set
+        self.compression = compression
+        self.wire_dtype = _wire(wire_dtype)
+
+    def aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
+        sent, ctx = buffer, None
+        if self.compression is not None:
+            sent, ctx = self.compression.compress(buffer)
+        elif self.wire_dtype is not None and self.wire_dtype != buffer.dtype:
+            sent = tf.cast(buffer, self.wire_dtype)
+        total = hvd.allreduce(sent, op=self.op, prescale_factor=self.prescale_factor,
+                              postscale_factor=self.postscale_factor, process_set=self.process_set,
+                              name=f"hvdx.allreduce.{name}")
+        if self.compression is not None:
+            total = self.compression.decompress(total, ctx)
+        return Aggregated(tf.cast(total, buffer.dtype))
+
+    def __repr__(self) -> str:
+        options = [f"op={_OPS[self.op]}"]
+        if self.prescale_factor != 1.0 or self.postscale_factor != 1.0:
+            options.append(f"prescale={self.prescale_factor}, postscale={self.postscale_factor}")
+        if self.process_set is not hvd.global_process_set:
+            options.append(f"process_set={self.process_set.process_set_id}")
+        if self.compression is not None:
+            options.append(f"compression={getattr(self.compression, '__name__', type(self.compression).__name__)}")
+        if self.wire_dtype is not None:
+            options.append(f"wire_dtype={self.wire_dtype.name}")
+        return f"Allreduce({', '.join(options)})"
 
 
 class Hierarchical(Strategy):
@@ -23,18 +81,29 @@ class Hierarchical(Strategy):
     across nodes in its cross set, all-gather inside the node.
 
     Horovod's own hierarchical allreduce needs NCCL; this one runs wherever process sets do.
-    Only 1/n of the buffer crosses the slow inter-node links from each rank.
+    Only 1/n of the buffer crosses the slow inter-node links from each rank. `wire_dtype`
+    (e.g. float16) is the type every collective moves.
     """
 
     key = "hierarchical"
 
-    def aggregate(self, buffer: tf.Tensor, name: str) -> tf.Tensor:
+    def __init__(self, wire_dtype=None, topo: Optional[Topology] = None) -> None:
+        super().__init__(topo)
+        self.wire_dtype = _wire(wire_dtype)
+
+    def aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])
         n = topo.local_size
-        padded = buffer if d % n == 0 else tf.pad(buffer, [[0, padded_length(d, n) - d]])
+        sent = buffer if self.wire_dtype is None else tf.cast(buffer, self.wire_dtype)
+        padded = sent if d % n == 0 else tf.pad(sent, [[0, padded_length(d, n) - d]])
         mine = node_reduce_scatter(padded, topo, f"hvdx.2dtar.rs.{name}")
         total = hvd.allreduce(mine, op=hvd.Sum, process_set=topo.cross_set, name=f"hvdx.2dtar.ar.{name}")
-        averaged = total / tf.cast(topo.size, total.dtype)
-        gathered = hvd.allgather(averaged, process_set=topo.local_set, name=f"hvdx.2dtar.ag.{name}")
-        return gathered if d % n == 0 else gathered[:d]
+        averaged = tf.cast(total, buffer.dtype) / tf.cast(topo.size, buffer.dtype)
+        gathered = hvd.allgather(tf.cast(averaged, sent.dtype), process_set=topo.local_set,
+                                 name=f"hvdx.2dtar.ag.{name}")
+        output = tf.cast(gathered if d % n == 0 else gathered[:d], buffer.dtype)
+        return Aggregated(output, local_slice=(averaged, topo.local_set.rank() * int(mine.shape[0])))
+
+    def __repr__(self) -> str:
+        return f"Hierarchical(wire_dtype={self.wire_dtype.name})" if self.wire_dtype else "Hierarchical()"

@@ -1,0 +1,455 @@
+"""The gradient aggregator: what DistributedOptimizer and DistributedGradientTape share.
+
+Given one step's gradients (and the variables they belong to), the aggregator
+
+1. leaves out the gradients of registered local variables (averaged nowhere; divided by
+   the number of ranks when `scale_local_gradients`, as Horovod does) and sends sparse
+   gradients (tf.IndexedSlices) through Horovod's sparse allreduce unless `sparse_as_dense`;
+2. fuses the rest into buckets: one per dtype by default, `bucket_bytes`, Horovod's
+   `groups`/`num_groups`, and never more than 2**31 - 2**20 elements (indices stay int32);
+3. checks, the first time it sees a layout, that every rank aggregates the same one
+   (`hvdx.layout`);
+4. aggregates each bucket with the strategy (`hvdx.comm`), its residuals keyed by the
+   variables that fill the bucket, so two models never share one;
+5. commits the sparse strategies' residual updates only if every averaged gradient of the
+   step is finite: identical on every rank, so a step the loss scaler skips leaves every
+   residual as it was (non-finite values still reach the output, for the scaler to see);
+6. splits the buckets back into gradients of their original shapes and dtypes.
+
+`last_aggregation` keeps, for the trace in progress, each bucket's `hvdx.comm.Aggregated`
+(with the reduce-scattered slice a LARS/LAMB implementation reads its norms from).
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hvdx import comm
+from hvdx.comm.memory import commit
+from hvdx.layout import check_agreement
+
+__all__ = ["GradientAggregator", "aggregator_options", "default_communication"]
+
+_log = logging.getLogger("hvdx")
+
+#: A bucket never holds more elements than this, so indices fit int32 after HiTopK's padding.
+MAX_BUCKET_ELEMENTS = 2 ** 31 - 2 ** 20
+_OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
+
+
+def default_communication() -> Tuple[str, Optional[float]]:
+    """The strategy (and density) used when none is given: dense averaging, exactly what
+    Horovod does, unless $HVDX_COMMUNICATION (and $HVDX_DENSITY) say otherwise, which lets
+    an unmodified Horovod script run with a sparse strategy."""
+    name = os.environ.get("HVDX_COMMUNICATION", "allreduce")
+    density = os.environ.get("HVDX_DENSITY")
+    key = comm.resolve_name(name)
+    if key in ("allreduce", "hierarchical"):
+        return key, None
+    return key, float(density) if density else None
+
+
+@dataclass
+class _Piece:
+    """Elements [start, stop) of the flattened gradient `index` (usually the whole)."""
+
+    index: int
+    start: int
+    stop: int
+
+
+class _Book:
+    """Python-side bookkeeping (kept out of tf.Module's attribute tracking)."""
+
+    def __init__(self) -> None:
+        self.var_sets: Dict[Any, str] = {}
+        self.verified: set = set()
+        self.checks = 0
+        self.options: Dict[str, Any] = {}
+        self.local_refs: set = set()
+        self.strategies: List[comm.Strategy] = []
+        self.shapes: List[Any] = []
+        self.groups: Any = None
+        self.loss_scale: Any = None
+        self.last_aggregation: List[comm.Aggregated] = []
+
+
+def aggregator_options(communication, density, num_samplings, wire_dtype, compression, op,
+                       gradient_predivide_factor, process_set) -> Tuple[Union[str, comm.Strategy], dict]:
+    """Validates the user's options at construction; returns (strategy name or instance,
+    constructor options). Every option either applies to the strategy or is rejected."""
+    if isinstance(communication, comm.Strategy):
+        given = {k: v for k, v in (("density", density), ("num_samplings", num_samplings),
+                                   ("wire_dtype", wire_dtype)) if v is not None}
+        if compression is not None and compression is not hvd.Compression.none:
+            given["compression"] = compression
+        if given:
+            raise ValueError(f"options {sorted(given)} given with the strategy instance {communication!r}: "
+                             "configure the instance itself, e.g. hvdx.comm.HiTopK(density=0.01)")
+        if op is not hvd.Average or gradient_predivide_factor != 1.0 or process_set is not hvd.global_process_set:
+            if not isinstance(communication, comm.Allreduce):
+                raise ValueError("op, gradient_predivide_factor and process_set apply to the dense allreduce; "
+                                 f"{communication!r} averages over every rank of hvdx.init()'s topology")
+        return communication, {}
+    if communication is None:
+        key, env_density = default_communication()
+        density = density if density is not None else env_density
+    else:
+        key = comm.resolve_name(communication)
+    dense = key in ("allreduce", "hierarchical")
+    if op not in _OP_NAMES:
+        raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
+            or gradient_predivide_factor <= 0:
+        raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
+    if gradient_predivide_factor != 1.0 and op is not hvd.Average:
+        raise ValueError("gradient_predivide_factor != 1.0 only goes with op=hvd.Average (as in Horovod)")
+    if op is hvd.Adasum and key != "allreduce":
+        raise ValueError(f"op=hvd.Adasum combines gradients pairwise and needs communication='allreduce', "
+                         f"not {key!r}")
+    if process_set is not hvd.global_process_set and key != "allreduce":
+        raise ValueError(f"process_set= runs on a subset of ranks and needs communication='allreduce'; {key!r} "
+                         "aggregates over every rank of hvdx.init()'s topology")
+    if dense and (density is not None or num_samplings is not None):
+        raise ValueError(f"density and num_samplings select entries for the sparse strategies "
+                         f"('hitopk', 'sparse_allgather'); communication={key!r} is dense and lossless. "
+                         "Drop them, or choose a sparse strategy.")
+    wire = None if wire_dtype is None else tf.as_dtype(wire_dtype)
+    custom_compressor = None
+    if compression is not None and compression is not hvd.Compression.none:
+        if compression is hvd.Compression.fp16:
+            if wire is not None and wire != tf.float16:
+                raise ValueError(f"compression=hvd.Compression.fp16 and wire_dtype={wire.name} contradict")
+            wire = tf.float16
+        elif key == "allreduce":
+            custom_compressor = compression
+        else:
+            raise ValueError(f"compression={compression!r} works with communication='allreduce' only; the other "
+                             "strategies take wire_dtype=tf.float16 or tf.bfloat16 (or hvd.Compression.fp16)")
+    options: Dict[str, Any] = {"op": op, "process_set": process_set}
+    if gradient_predivide_factor != 1.0:  # Horovod's split of the average, for equal rounding
+        options.update(prescale_factor=1.0 / gradient_predivide_factor, postscale_factor=gradient_predivide_factor)
+    if custom_compressor is not None:
+        options["compression"] = custom_compressor
+    if wire is not None:
+        options["wire_dtype"] = wire
+    if density is not None:
+        options["density"] = comm.base.check_density(density)
+    if num_samplings is not None:
+        options["num_samplings"] = num_samplings
+    comm.get(key, **_options_for(key, options))  # fails now, not at the first step, if an option is wrong
+    return key, options
+
+
+def _options_for(key: str, options: Dict[str, Any]) -> Dict[str, Any]:
+    """The subset of the aggregator's options that strategy `key` takes."""
+    takes = {"allreduce": ("op", "process_set", "prescale_factor", "postscale_factor", "compression", "wire_dtype"),
+             "hierarchical": ("wire_dtype",),
+             "sparse_allgather": ("density", "num_samplings", "wire_dtype"),
+             "hitopk": ("density", "num_samplings", "wire_dtype")}[key]
+    return {k: v for k, v in options.items() if k in takes}
+
+
+class GradientAggregator(tf.Module):
+    """Fuses gradients into buckets, aggregates each with a strategy, splits them back.
+
+    Construct it through DistributedOptimizer or DistributedGradientTape, which validate
+    the options (`aggregator_options`). The strategy can be replaced between steps
+    (`aggregator.strategy = "hierarchical"`); every strategy used keeps its residuals, so
+    switching back resumes them.
+    """
+
+    def __init__(self, communication: Union[str, comm.Strategy, None] = None, *, density: Optional[float] = None,
+                 num_samplings: Optional[int] = None, wire_dtype=None, bucket_bytes: Optional[int] = None,
+                 op=hvd.Average, gradient_predivide_factor: float = 1.0, compression=None,
+                 sparse_as_dense: bool = False, process_set: hvd.ProcessSet = hvd.global_process_set,
+                 groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None,
+                 scale_local_gradients: bool = True, device_dense: str = "", device_sparse: str = "",
+                 loss_scale: Union[None, Callable[[], tf.Tensor], Any] = None,
+                 name: str = "hvdx_aggregator") -> None:
+        super().__init__(name=name)
+        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
+                                         or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+        if groups is not None and not isinstance(groups, int) and not all(
+                isinstance(g, (list, tuple)) for g in groups):
+            raise ValueError("groups must be an int (that many buckets) or a list of lists of variables")
+        if isinstance(groups, int) and groups < 0:
+            raise ValueError(f"groups must be >= 0, got {groups}")
+        key, options = aggregator_options(communication, density, num_samplings, wire_dtype, compression, op,
+                                          gradient_predivide_factor, process_set)
+        self._book = _Book()
+        self._book.options = options
+        self._sum = op is hvd.Sum
+        self.sparse_as_dense = bool(sparse_as_dense)
+        self.process_set = process_set
+        self.op = op
+        self.compression = compression
+        self._book.groups = groups
+        self.scale_local_gradients = bool(scale_local_gradients)
+        self.device_dense, self.device_sparse = device_dense, device_sparse
+        self._book.loss_scale = loss_scale
+        self.bucket_bytes = bucket_bytes
+        self.max_bucket_elements = MAX_BUCKET_ELEMENTS
+        self._memories: List[comm.ResidualMemory] = []  # tracked: checkpoints carry the residuals
+        self.strategy = key
+
+    # -- configuration -----------------------------------------------------------------
+    @property
+    def strategy(self) -> comm.Strategy:
+        return self._strategy
+
+    @strategy.setter
+    def strategy(self, communication: Union[str, comm.Strategy]) -> None:
+        if isinstance(communication, comm.Strategy):
+            strategy = communication
+        else:  # a name: each strategy takes the options that apply to it
+            key = comm.resolve_name(communication)
+            strategy = comm.get(key, **_options_for(key, self._book.options))
+        for known in self._book.strategies:  # reuse an earlier instance of the same kind
+            if type(known) is type(strategy) and repr(known) == repr(strategy):
+                strategy = known
+                break
+        else:
+            self._book.strategies.append(strategy)
+            self._memories = [s.memory for s in self._book.strategies if s.memory is not None]
+        self._strategy = strategy
+
+    @property
+    def config(self) -> Dict[str, Any]:
+        """The options that rebuild this aggregator (JSON-serialisable)."""
+        if type(self._strategy) not in (comm.Allreduce, comm.Hierarchical, comm.HiTopK, comm.SparseAllgather):
+            raise ValueError(f"a custom strategy {self._strategy!r} cannot be saved in a config")
+        out: Dict[str, Any] = {"communication": self._strategy.key}
+        for key in ("density", "num_samplings"):
+            value = getattr(self._strategy, key, None)
+            if value is not None:
+                out[key] = value
+        wire = getattr(self._strategy, "wire_dtype", None)
+        if wire is not None and not (wire == tf.float16 and self.compression is hvd.Compression.fp16):
+            out["wire_dtype"] = wire.name
+        out["bucket_bytes"] = self.bucket_bytes
+        return out
+
+    @property
+    def groups_are_variables(self) -> bool:
+        """Whether fusion groups were given as lists of variables (not serialisable)."""
+        return isinstance(self._book.groups, (list, tuple))
+
+    def register_local_var(self, variable) -> None:
+        """Gradients of `variable` stay local: never averaged (divided by the number of ranks
+        if scale_local_gradients, as in Horovod)."""
+        self._book.local_refs.add(variable.ref() if hasattr(variable, "ref") else id(variable))
+
+    register_local_source = register_local_var
+
+    def _is_local(self, variable, extra: set = frozenset()) -> bool:
+        if variable is None or not (self._book.local_refs or extra):
+            return False
+        ref = variable.ref() if hasattr(variable, "ref") else id(variable)
+        return ref in self._book.local_refs or ref in extra
+
+    @property
+    def last_aggregation(self) -> List[comm.Aggregated]:
+        """Each bucket's result in the trace in progress (for LARS/LAMB and diagnostics)."""
+        return self._book.last_aggregation
+
+    @property
+    def residuals(self) -> List[tf.Variable]:
+        """Every strategy's error-feedback residuals (per rank state)."""
+        return [v for s in self._book.strategies for v in s.variables.values()]
+
+    def _current_loss_scale(self) -> Optional[tf.Tensor]:
+        scale = self._book.loss_scale
+        if scale is None:
+            return None
+        if hasattr(scale, "loss_scale"):  # a LossScaleOptimizer
+            scale = scale.loss_scale
+        if callable(scale):
+            scale = scale()
+        return tf.cast(scale, tf.float32)
+
+    # -- the step ----------------------------------------------------------------------
+    def __call__(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None,
+                 local: Sequence[Any] = ()) -> List[Any]:
+        """The averaged gradients, in the order, shapes and dtypes given; None stays None.
+        Gradients of registered local variables, and of `local`, are not aggregated."""
+        grads = list(grads)
+        extra_local = {v.ref() if hasattr(v, "ref") else id(v) for v in local}
+        variables = list(variables) if variables is not None else [None] * len(grads)
+        if len(variables) != len(grads):
+            raise ValueError(f"{len(grads)} gradients but {len(variables)} variables")
+        out: List[Any] = list(grads)
+        size = self._world_size()
+        fused, sparse, dynamic = [], [], []
+        for i, (g, v) in enumerate(zip(grads, variables)):
+            if g is None:
+                continue
+            if self._is_local(v, extra_local):
+                out[i] = _scaled(g, 1.0 / size) if self.scale_local_gradients else g
+            elif isinstance(g, tf.IndexedSlices) and not self.sparse_as_dense:
+                sparse.append(i)
+            else:
+                g = tf.convert_to_tensor(g)
+                grads[i] = g
+                (fused if g.shape.is_fully_defined() else dynamic).append(i)
+        self._check_layout(grads, variables, fused, sparse, dynamic)
+        with tf.device(self.device_sparse):
+            for i in sparse:  # already sparse: Horovod's all-gather of values and indices
+                out[i] = hvd.allreduce(grads[i], op=self.op, process_set=self.process_set,
+                                       compression=self.compression or hvd.Compression.none,
+                                       name=f"hvdx.sparse.{i}")
+        with tf.device(self.device_dense):
+            for i in dynamic:  # no static shape, no fusion: Horovod's allreduce of the tensor
+                out[i] = hvd.allreduce(grads[i], op=self.op, process_set=self.process_set,
+                                       compression=self.compression or hvd.Compression.none,
+                                       name=f"hvdx.dynamic.{i}")
+            self._aggregate_fused(grads, variables, fused, out)
+        return out
+
+    def _world_size(self) -> int:
+        return self.process_set.size() if self.process_set is not hvd.global_process_set else hvd.size()
+
+    def _bucket_plan(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int]) -> List[List[_Piece]]:
+        """Buckets of consecutive pieces: by dtype, then groups / bucket_bytes, then size cap."""
+        by_dtype: Dict[tf.DType, List[int]] = {}
+        for i in fused:
+            by_dtype.setdefault(grads[i].dtype, []).append(i)
+        plan: List[List[_Piece]] = []
+        for dtype, indices in by_dtype.items():
+            for group in self._groups(indices, variables, dtype):
+                plan.extend(self._cap([_Piece(i, 0, grads[i].shape.num_elements()) for i in group]))
+        return plan
+
+    def _groups(self, indices: List[int], variables: List[Any], dtype: tf.DType) -> List[List[int]]:
+        if isinstance(self._book.groups, int) and self._book.groups > 0:  # Horovod's num_groups: equal counts
+            n = min(self._book.groups, len(indices))
+            return [indices[j * len(indices) // n:(j + 1) * len(indices) // n] for j in range(n)]
+        if isinstance(self._book.groups, (list, tuple)):
+            position = {v.ref(): i for i, v in zip(indices, (variables[i] for i in indices)) if v is not None}
+            groups, taken = [], set()
+            for group in self._book.groups:
+                members = [position[v.ref()] for v in group if v.ref() in position]
+                if members:
+                    groups.append(sorted(members))
+                    taken.update(members)
+            return groups + [[i] for i in indices if i not in taken]
+        if self.bucket_bytes is None:
+            return [indices]
+        groups, current, used = [], [], 0
+        for i in indices:
+            nbytes = dtype.size * _num_elements(variables, i, self._book.shapes)
+            if current and used + nbytes > self.bucket_bytes:
+                groups.append(current)
+                current, used = [], 0
+            current.append(i)
+            used += nbytes
+        return groups + ([current] if current else [])
+
+    def _cap(self, pieces: List[_Piece]) -> List[List[_Piece]]:
+        """Splits a bucket so that none exceeds max_bucket_elements (a tensor may span two)."""
+        limit, buckets, current, used = self.max_bucket_elements, [], [], 0
+        for piece in pieces:
+            start = piece.start
+            while start < piece.stop:
+                take = min(piece.stop - start, limit - used)
+                current.append(_Piece(piece.index, start, start + take))
+                used += take
+                start += take
+                if used == limit:
+                    buckets.append(current)
+                    current, used = [], 0
+        return buckets + ([current] if current else [])
+
+    def _set_key(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int]) -> str:
+        """The residual namespace of these variables (in this graph): v0, v1, ... in order of
+        first appearance, so that a program that builds its models in the same order gets
+        the same names back from a checkpoint."""
+        with tf.init_scope():
+            graph = None if tf.executing_eagerly() else id(tf.compat.v1.get_default_graph())
+        identity = tuple(variables[i].ref() if variables[i] is not None
+                         else ("tensor", tuple(grads[i].shape.as_list()), grads[i].dtype.name) for i in fused)
+        key = (graph, identity)
+        if key not in self._book.var_sets:
+            self._book.var_sets[key] = f"v{len(self._book.var_sets)}"
+        return self._book.var_sets[key]
+
+    def _check_layout(self, grads, variables, fused, sparse, dynamic) -> None:
+        self._book.shapes = [tuple(g.shape.as_list()) if g is not None and hasattr(g, "shape") and g.shape.rank is not None
+                        else None for g in grads]
+        description = {
+            "strategy": repr(self._strategy),
+            "op": _OP_NAMES[self.op],
+            "sparse_as_dense": str(self.sparse_as_dense),
+            "gradients": str([(i, grads[i].dtype.name, self._book.shapes[i]) if grads[i] is not None else (i, None)
+                              for i in range(len(grads))]),
+            "fused": str(fused), "sparse": str(sparse), "dynamic": str(dynamic),
+            "buckets": str(self.bucket_bytes), "groups": str(self._book.groups if isinstance(self._book.groups, int) else
+                                                             [len(g) for g in (self._book.groups or [])]),
+        }
+        signature = tuple(sorted(description.items()))
+        if signature in self._book.verified:
+            return
+        self._book.checks += 1
+        check_agreement(description, "the gradients to aggregate", f"hvdx.layout.{self.name}.{self._book.checks}",
+                        self.process_set)
+        self._book.verified.add(signature)
+
+    def _aggregate_fused(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int],
+                         out: List[Any]) -> None:
+        self._book.last_aggregation = []
+        if not fused:
+            return
+        strategy = self._strategy
+        plan = self._bucket_plan(grads, variables, fused)
+        set_key = self._set_key(grads, variables, fused)
+        loss_scale = self._current_loss_scale() if strategy.lossy else None
+        flat = {i: tf.reshape(grads[i], [-1]) for i in fused}
+        outputs: Dict[int, List[tf.Tensor]] = {i: [] for i in fused}
+        updates = []
+        for b, bucket in enumerate(plan):
+            dtype = grads[bucket[0].index].dtype
+            if strategy.lossy and dtype == tf.float64:
+                raise ValueError(f"{strategy!r} selects float32 values; float64 gradients need a dense strategy "
+                                 "(communication='allreduce' or 'hierarchical')")
+            work = tf.float32 if strategy.lossy else dtype  # sparse strategies select in float32
+            parts = [flat[p.index] if (p.start, p.stop) == (0, flat[p.index].shape[0]) else flat[p.index][p.start:p.stop]
+                     for p in bucket]
+            buffer = tf.concat([tf.cast(x, work) for x in parts], axis=0) if len(parts) > 1 else tf.cast(parts[0], work)
+            result = strategy.aggregate(buffer, f"{set_key}_b{b}", residual_scale=loss_scale)
+            self._book.last_aggregation.append(result)
+            updates.extend(result.updates)
+            averaged = result.output * tf.cast(self._world_size(), work) if self._sum and not isinstance(
+                strategy, comm.Allreduce) else result.output
+            pieces = tf.split(averaged, [p.stop - p.start for p in bucket]) if len(bucket) > 1 else [averaged]
+            for p, piece in zip(bucket, pieces):
+                outputs[p.index].append(tf.cast(piece, dtype))
+        finals = []
+        for i in fused:
+            whole = outputs[i][0] if len(outputs[i]) == 1 else tf.concat(outputs[i], axis=0)
+            out[i] = tf.reshape(whole, grads[i].shape)
+            finals.append(out[i])
+        if updates:  # residuals change only on steps whose averaged gradients are all finite
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in finals])
+            with tf.control_dependencies([commit(updates, finite)]):
+                for i in fused:
+                    out[i] = tf.identity(out[i])
+
+
+def _scaled(g, factor: float):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
+    return g * tf.cast(factor, g.dtype)
+
+
+def _num_elements(variables, i, shapes) -> int:
+    shape = shapes[i]
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -1,0 +1,88 @@
+"""HiTopKComm (shi2021, Algorithm 2): hierarchical top-k communication."""
+from __future__ import annotations
+
+import time
+from typing import Dict, Optional
+
+import tensorflow as tf
+
+from hvdx import ops
+from hvdx.comm.base import Aggregated, node_reduce_scatter_parts, padded_length
+from hvdx.comm.sparse import TopKStrategy
+from hvdx.topology import barrier
+
+__all__ = ["HiTopK"]
+
+
+class HiTopK(TopKStrategy):
+    """HiTopKComm (shi2021, Algorithm 2).
+
+    1. reduce-scatter inside the node: local rank j holds the node's sum of slice j (eq. 4,
+       lines 2-4);
+    2. error feedback + MSTopK on that d/n slice with k = density * d/n (eq. 5, lines 5-8);
+    3. all-gather of the (value, index) pairs in the cross set of local rank j: the n cross
+       sets are independent streams over the slow links (eq. 6, lines 11-14);
+    4. all-gather inside the node of the m k pairs each rank received (eq. 10 counts these
+       rho d m / n elements, not the dense slice), then one sparse_accumulate of all of them
+       into the d-vector (lines 15-22), divided by the number of ranks.
+    The buffer is zero-padded to a multiple of n, so every slice has the same length.
+    Set `record_times = True` to keep each step's wall time (eager mode, a barrier of all
+    ranks before each step) in `last_times`.
+    """
+
+    key = "hitopk"
+    STEPS = ("reduce_scatter", "mstopk", "inter_allgather", "intra_allgather")
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.record_times = False
+        self.last_times: Dict[str, float] = {}
+
+    def aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
+        topo = self.topology
+        d = int(buffer.shape[0])
+        n = topo.local_size
+        slice_length = padded_length(d, n) // n
+        clock = _StepClock(self.record_times)
+        padded = buffer if d % n == 0 else tf.pad(buffer, [[0, padded_length(d, n) - d]])
+        parts = node_reduce_scatter_parts(padded, topo, f"hvdx.hitopk.rs.{name}")
+        clock.lap("reduce_scatter")  # (the n parts are added to the residual in the next step)
+        values, indices, k, updates = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name,
+                                                   residual_scale)
+        clock.lap("mstopk")
+        values, indices = self._exchange(values, indices, k, topo.cross_set, f"hvdx.hitopk.ag.{name}")
+        clock.lap("inter_allgather")
+        offset = topo.local_set.rank() * slice_length  # this rank's slice in the d-vector
+        values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype), topo.num_nodes * k,
+                                         topo.local_set, f"hvdx.hitopk.ag2.{name}")
+        # Averaging the m n k pairs rather than the d-vector saves a pass over d elements.
+        values = values / tf.cast(topo.size, values.dtype)
+        total = ops.sparse_accumulate(values, indices, n * slice_length)
+        if n * slice_length != d:  # padding (zeros) may be selected when few entries are nonzero
+            total = total[:d]
+        clock.lap("intra_allgather")
+        if self.record_times:
+            self.last_times = clock.times
+        mine = (total[offset:offset + slice_length] if offset + slice_length <= d else total[offset:], offset)
+        return Aggregated(total, updates, local_slice=mine)
+
+
+class _StepClock:
+    """Wall time of each step of an eager call, for Figure 8. Recording puts a barrier of all
+    ranks before every step, so a step's time is its own, not a wait for a slower rank's
+    previous step (eager CPU ops run synchronously)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.times: Dict[str, float] = {}
+        self._last = self._sync() if enabled else 0.0
+
+    @staticmethod
+    def _sync() -> float:
+        barrier()
+        return time.perf_counter()
+
+    def lap(self, step: str) -> None:
+        if self.enabled:
+            self.times[step] = time.perf_counter() - self._last
+            self._last = self._sync()

@@ -1,0 +1,47 @@
+"""Ranks must agree on what they aggregate; hvdx checks it once per layout, collectively.
+
+Every rank of a job fuses its gradients into buckets and runs the same collectives on them.
+If one rank's gradient is None where another's is not, or its buffer has another length,
+another density or another strategy, Horovod either mixes unrelated numbers silently or
+waits for ever. The aggregator describes each new layout as a flat dict of strings and
+`check_agreement` all-gathers the descriptions (once per layout, not per step) and raises
+`RankMismatchError` on every rank, naming the ranks that differ from the lowest rank and how.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+__all__ = ["RankMismatchError", "check_agreement", "describe_differences"]
+
+
+class RankMismatchError(ValueError):
+    """Ranks disagree on the layout or options of a collective step."""
+
+
+def describe_differences(descriptions: List[Dict[str, str]], ranks: List[int]) -> List[str]:
+    """One line per rank whose description differs from the first rank's, naming each field."""
+    reference, lines = descriptions[0], []
+    for rank, mine in zip(ranks[1:], descriptions[1:]):
+        fields = [f"{key}={mine.get(key, '<missing>')} (rank {ranks[0]}: {reference.get(key, '<missing>')})"
+                  for key in sorted(set(reference) | set(mine)) if mine.get(key) != reference.get(key)]
+        if fields:
+            lines.append(f"rank {rank}: " + "; ".join(fields))
+    return lines
+
+
+def check_agreement(description: Dict[str, str], what: str, name: str,
+                    process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
+    """Collective: raises RankMismatchError on every rank of `process_set` unless all of them
+    pass the same `description`. Runs eagerly, also while a tf.function is being traced."""
+    with tf.init_scope():
+        gathered = hvd.allgather_object((hvd.rank(), dict(description)), name=name, process_set=process_set)
+    ranks = [rank for rank, _ in gathered]
+    lines = describe_differences([d for _, d in gathered], ranks)
+    if lines:
+        raise RankMismatchError(
+            f"hvdx: the ranks disagree on {what}; every rank must aggregate the same gradients "
+            "(same variables, shapes and dtypes, no gradient None on some ranks only) with the same "
+            "options:\n  " + "\n  ".join(lines))
