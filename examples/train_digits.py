@@ -68,7 +68,8 @@ def main() -> None:
     model = build_model(args.seed)
     optimizer = hvdx.DistributedOptimizer(
         tf.keras.optimizers.SGD(learning_rate=args.lr * topo.size, momentum=0.9),
-        communication=args.communication, density=args.density)
+        communication=args.communication,
+        **({"density": args.density} if args.communication in ("hitopk", "sparse_allgather") else {}))
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     start = time.perf_counter()

@@ -274,6 +274,20 @@ class GradientAggregator(tf.Module):
             scale = scale()
         return tf.cast(scale, tf.float32)
 
+    def build(self, variables: Sequence[Any]) -> None:
+        """Creates the strategy's residuals for the gradients of `variables` (all of them
+        present), as the first step would: checkpoints and saved models restore into them."""
+        if not self._strategy.lossy:
+            return
+        variables = [v for v in variables if not self._is_local(v)]
+        shapes = [tf.TensorShape(v.shape) for v in variables]
+        fused = [i for i, shape in enumerate(shapes) if shape.is_fully_defined()]
+        grads = [tf.zeros(shape, v.dtype) if shape.is_fully_defined() else None for v, shape in zip(variables, shapes)]
+        self._book.shapes = [tuple(shape.as_list()) if shape.rank is not None else None for shape in shapes]
+        set_key = self._set_key(grads, variables, fused)
+        for b, bucket in enumerate(self._bucket_plan(grads, variables, fused)):
+            self._strategy.create_state(f"{set_key}_b{b}", sum(p.stop - p.start for p in bucket))
+
     # -- the step ----------------------------------------------------------------------
     def __call__(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None,
                  local: Sequence[Any] = ()) -> List[Any]:

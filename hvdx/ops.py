@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional, Union
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["build_info", "library_path", "load_library", "mstopk", "sparse_accumulate"]
@@ -120,6 +121,8 @@ def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
     if not isinstance(num_samplings, int) or num_samplings < 1:
         raise ValueError(f"mstopk: num_samplings must be an int >= 1, got {num_samplings!r}")
     static_k = tf.get_static_value(k)
+    if static_k is not None and (isinstance(static_k, (bool, np.bool_)) or np.asarray(static_k).dtype.kind not in "iu"):
+        raise ValueError(f"mstopk: k must be an integer, got {static_k!r}")
     if static_k is not None and int(static_k) < 0:
         raise ValueError(f"mstopk: k must be >= 0, got {int(static_k)}")
     k = tf.cast(k, tf.int64)

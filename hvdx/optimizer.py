@@ -11,6 +11,7 @@ on the same averaged gradients, so no rank skips a step the others take.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable, List, Optional, Sequence, Union
 
 import horovod.tensorflow as hvd
@@ -238,10 +239,16 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     # -- state -------------------------------------------------------------------------
     def build(self, var_list):
+        """Builds the wrapped optimizer's state, and the residuals once hvdx.init() has run."""
         if _is_legacy(self._optimizer):
             self._optimizer._create_all_weights(var_list)
         else:
             self._optimizer.build(var_list)
+        from hvdx.topology import initialized
+
+        if initialized():
+            with tf.init_scope():
+                self._aggregator.build(var_list)
 
     @property
     def variables(self):
@@ -323,7 +330,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = dict(config)  # never mutate the caller's dict
+        config = copy.deepcopy(config)  # never mutate the caller's dict (Keras' deserialize would)
         config["optimizer"] = tf.keras.optimizers.deserialize(config["optimizer"], custom_objects=custom_objects)
         config["compression"] = _COMPRESSIONS[config.get("compression") or "none"]
         config["op"] = _OPS[config.get("op") or "Average"]

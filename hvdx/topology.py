@@ -20,7 +20,7 @@ from typing import Optional, Sequence, Tuple
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-__all__ = ["Topology", "TopologyError", "barrier", "init", "shutdown", "topology"]
+__all__ = ["Topology", "TopologyError", "barrier", "init", "initialized", "shutdown", "topology"]
 
 
 class TopologyError(RuntimeError):
@@ -141,6 +141,11 @@ def init(comm: Optional[Sequence[int]] = None) -> Topology:
                          node=node, num_nodes=len(node_ranks), node_ranks=node_ranks,
                          local_set=sets["local", node], cross_set=sets["cross", local_rank])
     return _topology
+
+
+def initialized() -> bool:
+    """Whether hvdx.init() has run in this process."""
+    return _topology is not None
 
 
 def topology() -> Topology:

@@ -120,6 +120,10 @@ class Strategy:
         before use (the loss scale changed since they were stored)."""
         raise NotImplementedError
 
+    def create_state(self, name: str, d: int) -> None:
+        """Creates the state (residuals) of buffer `name` of length d before the first call,
+        so that a checkpoint or a saved model restores into it at once."""
+
     def signature(self) -> Dict[str, str]:
         """What every rank must agree on (checked once per layout by the aggregator)."""
         return {"strategy": repr(self)}

@@ -38,6 +38,11 @@ class HiTopK(TopKStrategy):
         self.record_times = False
         self.last_times: Dict[str, float] = {}
 
+    def residual_length(self, d: int) -> int:
+        """This rank's slice of the padded buffer: d / n rounded up."""
+        n = self.topology.local_size
+        return padded_length(d, n) // n
+
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])

@@ -46,6 +46,13 @@ class TopKStrategy(Strategy):
     def memory(self) -> ResidualMemory:
         return self._memory
 
+    def residual_length(self, d: int) -> int:
+        """The length of the residual kept for a d-element buffer."""
+        return d
+
+    def create_state(self, name: str, d: int) -> None:
+        self._memory.variable(name, self.residual_length(d), tf.float32)
+
     def k(self, length: int) -> int:
         """How many entries of a `length`-element buffer are sent: max(1, round(density * length))."""
         return max(1, int(round(self.density * length)))

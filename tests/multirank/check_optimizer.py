@@ -42,7 +42,8 @@ def train(topo, communication: str, epochs: int, legacy: bool = False, callbacks
     model = make_model()
     inner = (tf.keras.optimizers.legacy.SGD if legacy else tf.keras.optimizers.SGD)(
         learning_rate=0.05 * topo.size, momentum=0.9)
-    optimizer = hvdx.DistributedOptimizer(inner, communication=communication, density=0.01)
+    density = {"density": 0.01} if communication in ("sparse_allgather", "hitopk") else {}
+    optimizer = hvdx.DistributedOptimizer(inner, communication=communication, **density)
     assert optimizer.inner_optimizer is inner and type(inner).__name__ == "SGD"
     model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -61,7 +62,8 @@ def check_tape(topo) -> None:
     variables = [tf.Variable(rng.standard_normal((7, 5)), dtype=tf.float32),
                  tf.Variable(rng.standard_normal(13), dtype=tf.float32)]
     for strategy in STRATEGIES:
-        with hvdx.DistributedGradientTape(communication=strategy, density=1.0, bucket_bytes=64) as tape:
+        density = {"density": 1.0} if strategy in ("sparse_allgather", "hitopk") else {}
+        with hvdx.DistributedGradientTape(communication=strategy, bucket_bytes=64, **density) as tape:
             loss = tf.reduce_sum(variables[0] ** 2) + tf.reduce_sum(tf.sin(variables[1]))
         got = tape.gradient(loss, variables)
         want = [hvd.allreduce(g, op=hvd.Average, name=f"tape.{strategy}.{i}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 from typing import Callable, Optional
@@ -23,7 +24,7 @@ def run(main: Callable[[], Optional[dict]]) -> None:
 
     if hvd.is_initialized():
         result["rank"] = hvd.rank()
-    out_dir = Path(os.environ.get("HVDX_RESULT_DIR", "."))
+    out_dir = Path(os.environ.get("HVDX_RESULT_DIR") or tempfile.gettempdir())  # never the checkout
     tmp = out_dir / f".rank-{result['rank']}.json"
     tmp.write_text(json.dumps(result, default=str))
     tmp.rename(out_dir / f"rank-{result['rank']}.json")
