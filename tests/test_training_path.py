@@ -38,7 +38,7 @@ def test_a_non_finite_step_is_seen_skipped_and_forgotten(ranks):
     for result in every(ranks, "check_non_finite"):
         for label, r in result.items():
             if "1e5" in label:  # a finite value too large for float16 arrives finite and close
-                assert r["finite"] and abs(r["value"] - 1e5 / 4) / (1e5 / 4) < 1e-3 * 4, (label, r)
+                assert r["finite"] and abs(r["value"] - 1e5) / 1e5 < 1e-3, (label, r)  # every rank sends 1e5
                 continue
             assert r["inf_reaches_output"] and r["residuals_untouched"] and r["finite_after"], (label, r)
             assert r["has_residuals"] == label.startswith(SPARSE), (label, r)
