@@ -8,11 +8,11 @@ the strategies take turns within a round, and speed-ups are medians of per-round
 
     python benchmarks/comm.py                    # 2 nodes x 2 ranks over loopback (horovodrun)
     python benchmarks/comm.py --cluster          # on the emulated cluster: 1 Gbit/s between nodes
-    python benchmarks/cluster.py --rate 1gbit -- python benchmarks/comm.py    # the same
+    python -m hvdx.runner.cluster --rate 1gbit -- python benchmarks/comm.py    # the same
 
 Over loopback every link is equally fast, so that run measures the algorithms' own costs,
 not the intra/inter-node bandwidth gap the paper exploits. On the emulated cluster
-(benchmarks/cluster.py: a network namespace per node, links shaped with tc) the run also
+(hvdx/runner/cluster.py: a network namespace per node, links shaped with tc) the run also
 measures alpha and beta of eqs. 3, 7, 9 and 10 on the links, by least squares over
 all-gathers of several sizes, and sets the model of eqs. 7-10 beside the measured steps.
 Writes <out>/comm[_cluster].json, .png and the tables of benchmarks/README.md.
@@ -53,14 +53,14 @@ def under_launcher() -> bool:
 
 
 def cluster_description() -> Optional[dict]:
-    """The emulated network this rank runs on (set by benchmarks/cluster.py), or None."""
+    """The emulated network this rank runs on (set by hvdx/runner/cluster.py), or None."""
     text = os.environ.get("HVDX_CLUSTER")
     return json.loads(text) if text else None
 
 
 def relaunch(args: argparse.Namespace) -> int:
     if args.cluster:
-        command = [sys.executable, str(HERE / "cluster.py"), "--nodes", str(args.nodes), "--ranks-per-node",
+        command = [sys.executable, str(HERE.parent / "hvdx" / "runner" / "cluster.py"), "--nodes", str(args.nodes), "--ranks-per-node",
                    str(args.ranks_per_node), "--rate", args.rate, "--", sys.executable, __file__, *sys.argv[1:]]
     else:
         sys.path.insert(0, str(HERE.parent))
@@ -389,7 +389,7 @@ def report(args, topo, network: Optional[dict], rows, breakdown, models) -> None
     delay = (f"delay {network['delay']}" if network["delay_applied"] else
              "no added delay (this kernel has no netem)")
     body = (f"Measured by `python benchmarks/comm.py --cluster`: {topo.num_nodes} nodes x {topo.local_size} ranks "
-            f"on the emulated cluster of `benchmarks/cluster.py` (one network namespace per node; each node's "
+            f"on the emulated cluster of `hvdx/runner/cluster.py` (one network namespace per node; each node's "
             f"link shaped to {network['rate']} each way with tbf, {delay}; ranks of a node talk over its "
             f"loopback), all {topo.size} ranks on {os.cpu_count()} CPU cores, " + common + "\n\n"
             + goals_text(rows, breakdown, network, models[0]["links"] if models else None, topo.size) + tables)
@@ -413,7 +413,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--cluster", action="store_true",
-                        help="run on the emulated cluster (benchmarks/cluster.py; needs root)")
+                        help="run on the emulated cluster (hvdx/runner/cluster.py; needs root)")
     parser.add_argument("--rate", default="1gbit", help="inter-node link rate with --cluster (tc syntax)")
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--readme", type=Path, default=None)

@@ -7,7 +7,7 @@ traceback) to $HVDX_RESULT_DIR/rank-<r>.json, then meets the others at a final b
 
 On one machine, horovodrun treats `localhost`, `127.0.0.1` and this machine's host name
 as three nodes: `hosts(2, 2)` gives a real 2-node x 2-rank topology. `launch_on_cluster()`
-runs the same scripts on the emulated cluster of benchmarks/cluster.py instead (one network
+runs the same scripts on the emulated cluster of hvdx/runner/cluster.py instead (one network
 namespace per node, shaped links between them).
 """
 from __future__ import annotations
@@ -121,10 +121,10 @@ def launch(script: str, *args: str, np: int, hosts: str, timeout: float = 180,
 
 def launch_on_cluster(script: str, *args: str, nodes: int, ranks_per_node: int, rate: str = "1gbit",
                       timeout: float = 180, env: Optional[Dict[str, str]] = None) -> Launch:
-    """Runs tests/multirank/<script> on the emulated cluster (benchmarks/cluster.py): one
+    """Runs tests/multirank/<script> on the emulated cluster (hvdx/runner/cluster.py): one
     network namespace per node, links shaped to `rate`. Needs root; see `cluster_unavailable`."""
     script_path = str(MULTIRANK / script)
-    command = [sys.executable, str(ROOT / "benchmarks" / "cluster.py"), "--nodes", str(nodes),
+    command = [sys.executable, str(ROOT / "hvdx" / "runner" / "cluster.py"), "--nodes", str(nodes),
                "--ranks-per-node", str(ranks_per_node), "--rate", rate, "--timeout", str(timeout),
                "--", sys.executable, script_path, *args]
     return _run(command, script_path, nodes * ranks_per_node, timeout + 30, env)

@@ -1,4 +1,4 @@
-"""The emulated cluster (benchmarks/cluster.py): nodes as network namespaces behind shaped
+"""The emulated cluster (hvdx/runner/cluster.py): nodes as network namespaces behind shaped
 links, a Horovod job across them without ssh, and nothing left behind afterwards."""
 import json
 import os
@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from benchmarks import cluster
+from hvdx.runner import cluster
 from tests import harness
 
-CLUSTER_PY = str(harness.ROOT / "benchmarks" / "cluster.py")
+CLUSTER_PY = str(harness.ROOT / "hvdx" / "runner" / "cluster.py")
 UNAVAILABLE = harness.cluster_unavailable()
 needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 

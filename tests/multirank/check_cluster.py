@@ -1,4 +1,4 @@
-"""Each rank of a job on the emulated cluster (benchmarks/cluster.py) checks where it runs.
+"""Each rank of a job on the emulated cluster (hvdx/runner/cluster.py) checks where it runs.
 
 Besides hvdx's topology checks of check_topology.py: the rank runs inside its node's
 network namespace (eth0 has the node's address), got horovodrun's environment and the

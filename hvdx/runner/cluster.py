@@ -5,9 +5,9 @@ between nodes (NVLink vs 25 GbE); over loopback that gap does not exist. This la
 builds the gap on one machine (DESIGN.md, "Emulated cloud cluster") and runs a Horovod
 job across it, the way horovodrun would, but without ssh:
 
-    python benchmarks/cluster.py --nodes 2 --ranks-per-node 2 --rate 1gbit -- python benchmarks/comm.py
-    python benchmarks/cluster.py --nodes 2 --rate 1gbit --probe     # measure the links only
-    python benchmarks/cluster.py --cleanup                          # what a killed launcher left
+    python -m hvdx.runner.cluster --nodes 2 --ranks-per-node 2 --rate 1gbit -- python benchmarks/comm.py
+    python -m hvdx.runner.cluster --nodes 2 --rate 1gbit --probe     # measure the links only
+    python -m hvdx.runner.cluster --cleanup                          # what a killed launcher left
 
 Layout (every address exists only inside namespaces this script creates and removes):
 
