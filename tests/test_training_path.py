@@ -13,8 +13,12 @@ SPARSE = ("hitopk", "sparse_allgather")
 
 
 @pytest.fixture(scope="module")
-def ranks():
-    job = harness.launch("check_training_path.py", np=4, hosts=harness.hosts(2, 2), timeout=600)
+def job():
+    return harness.launch("check_training_path.py", np=4, hosts=harness.hosts(2, 2), timeout=600)
+
+
+@pytest.fixture(scope="module")
+def ranks(job):
     return job.check()
 
 
@@ -74,7 +78,7 @@ def test_ranks_that_disagree_fail_clearly_on_every_rank(ranks, case, needle):
 
 @pytest.mark.parametrize("fmt", ["keras", "savedmodel", "h5", "checkpoint"])
 @pytest.mark.parametrize("kind", ["new", "legacy"])
-def test_checkpoints_keep_optimizer_state_and_never_mix_residuals(ranks, fmt, kind):
+def test_checkpoints_keep_optimizer_state_and_never_mix_residuals(job, ranks, fmt, kind):
     """5. Every format restores the optimizer's state; each rank gets its own residual back
     from its own file; from rank 0's file only rank 0 does, the others start from zero.
     (.h5 stores no residuals: every rank starts from zero.)"""
@@ -89,6 +93,8 @@ def test_checkpoints_keep_optimizer_state_and_never_mix_residuals(ranks, fmt, ki
                 assert r["own_residual"], (rank, who, r)
             else:
                 assert r["zero_residual"] and not r["own_residual"], (rank, who, r)
+    for rank in (1, 2, 3):  # the ranks that got rank 0's residual said so
+        assert f"rank {rank} starts this residual from zero" in job.output, job.rank_output(rank)
 
 
 def test_horovod_options_match_horovod(ranks):

@@ -18,6 +18,7 @@ all see the same averaged gradients). A skipped step leaves every residual as it
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -88,7 +89,7 @@ class ResidualMemory(tf.Module):
             warn = tf.cond(held, lambda: tf.print(
                 "hvdx warning: the error-feedback residual", name, "was written by rank", owner[0], "of",
                 owner[1], "(a checkpoint saved on another rank, or a broadcast); rank", me[0],
-                "starts this residual from zero.", output_stream="file://stderr"), tf.no_op)
+                "starts this residual from zero.", output_stream=sys.stderr), tf.no_op)
             with tf.control_dependencies([warn]):
                 return tf.zeros_like(residual)
 
