@@ -37,6 +37,8 @@ def check_agreement(description: Dict[str, str], what: str, name: str,
     """Collective: raises RankMismatchError on every rank of `process_set` unless all of them
     pass the same `description`. Runs eagerly, also while a tf.function is being traced."""
     with tf.init_scope():
+        if not tf.executing_eagerly():  # a TF1-style graph: no collective can run before its session
+            return
         gathered = hvd.allgather_object((hvd.rank(), dict(description)), name=name, process_set=process_set)
     ranks = [rank for rank, _ in gathered]
     lines = describe_differences([d for _, d in gathered], ranks)
