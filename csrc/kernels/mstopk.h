@@ -82,6 +82,20 @@ HVDX_HOST_DEVICE inline int64_t WindowOffset(uint64_t random, int64_t count, int
 constexpr int64_t kSumBlock = 4096;
 constexpr int kSumLanes = 16;
 
+// The block sums are added pairwise, level by level (s[i] = s[2i] + s[2i+1], an odd last
+// element carried up), which is the same as a binary tree over the sums padded with zeros
+// to a power of two: aligned groups of 2^j sums are subtrees, so the GPU reduces them in
+// parallel and gets the same bits. Overwrites s.
+inline double PairwiseSum(double* s, int64_t n) {
+  if (n == 0) return 0.0;
+  while (n > 1) {
+    for (int64_t i = 0; i < n / 2; ++i) s[i] = s[2 * i] + s[2 * i + 1];
+    if (n % 2) s[n / 2] = s[n - 1];
+    n = (n + 1) / 2;
+  }
+  return s[0];
+}
+
 // Device-side state of the CUDA kernel, at the start of its scratch buffer.
 struct GpuState {
   Bisection bis;
