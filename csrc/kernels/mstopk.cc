@@ -338,16 +338,19 @@ namespace functor {
 
 template <typename T, typename Tidx>
 struct MsTopK<CPUDevice, T, Tidx> {
-  void operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                  uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
+  static int64_t ScratchBytes(int64_t) { return 0; }
+
+  ::tensorflow::Status operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
     thresholds[0] = HUGE_VAL;
     thresholds[1] = 0.0;
+    if (k == 0) return ::tensorflow::OkStatus();
     if (k >= d) {  // everything, in index order
       for (int64_t i = 0; i < d; ++i) {
         indices[i] = static_cast<Tidx>(i);
         values[i] = x[i];
       }
-      return;
+      return ::tensorflow::OkStatus();
     }
     const Ranges ranges(d, dev.numThreads());
 
@@ -521,6 +524,7 @@ struct MsTopK<CPUDevice, T, Tidx> {
     }
     thresholds[0] = bis.thres1;
     thresholds[1] = bis.thres2;
+    return ::tensorflow::OkStatus();
   }
 
  private:
@@ -656,23 +660,17 @@ class MsTopKOp : public OpKernel {
       std::lock_guard<std::mutex> lock(mu_);
       random = rng_();
     }
+    using Functor = functor::MsTopK<Device, T, Tidx>;
     void* scratch_ptr = nullptr;
     Tensor scratch;
-    if constexpr (std::is_same_v<Device, CPUDevice>) {
-      if (k == 0) {
-        thresholds->flat<double>()(0) = HUGE_VAL;
-        thresholds->flat<double>()(1) = 0.0;
-        return;
-      }
-    } else {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
-                                             TensorShape({mstopk::GpuScratchBytes(d)}), &scratch));
+    const int64_t scratch_bytes = Functor::ScratchBytes(d);
+    if (scratch_bytes > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8, TensorShape({scratch_bytes}), &scratch));
       scratch_ptr = scratch.flat<::tensorflow::int8>().data();
     }
-    functor::MsTopK<Device, T, Tidx>()(ctx->eigen_device<Device>(), x.flat<T>().data(), d, k,
-                                       num_samplings_, random, values->flat<T>().data(),
-                                       indices->flat<Tidx>().data(), thresholds->flat<double>().data(),
-                                       scratch_ptr);
+    OP_REQUIRES_OK(ctx, Functor()(ctx->eigen_device<Device>(), x.flat<T>().data(), d, k, num_samplings_, random,
+                                  values->flat<T>().data(), indices->flat<Tidx>().data(),
+                                  thresholds->flat<double>().data(), scratch_ptr));
   }
 
  private:

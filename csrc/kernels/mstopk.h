@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "tensorflow/core/platform/status.h"
+
 #if defined(__CUDACC__)
 #define HVDX_HOST_DEVICE __host__ __device__
 #else
@@ -105,13 +107,6 @@ struct GpuState {
   int64_t k1, band, need, offset;
 };
 
-// Bytes of scratch the CUDA kernel needs for d elements (the CPU kernel needs none).
-inline int64_t GpuScratchBytes(int64_t d) {
-  const int64_t blocks = (d + kSumBlock - 1) / kSumBlock;
-  const int64_t state = (static_cast<int64_t>(sizeof(GpuState)) + 255) / 256 * 256;
-  return state + blocks * kSumLanes * 8 + 2 * blocks * 8;
-}
-
 }  // namespace mstopk
 
 namespace functor {
@@ -119,11 +114,13 @@ namespace functor {
 // Selects exactly min(k, d) of the d elements of x: writes values, indices (above set in
 // index order, then the band window; everything in index order when k >= d) and
 // thresholds[2] = {thres1, thres2}. `random` is a uniform 64-bit word that places the
-// window. `scratch` holds mstopk::GpuScratchBytes(d) bytes for the GPU (nullptr on CPU).
+// window. `scratch` holds ScratchBytes(d) bytes (the GPU's; the CPU needs none). A failed
+// CUDA launch or call is returned, never left as uninitialised outputs.
 template <typename Device, typename T, typename Tidx>
 struct MsTopK {
-  void operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
+  static int64_t ScratchBytes(int64_t d);
+  ::tensorflow::Status operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
 };
 
 }  // namespace functor
