@@ -134,8 +134,8 @@ def resnet_model(quick: bool) -> tf.keras.Model:
 
 def transformer_model(quick: bool) -> tf.keras.Model:
     """Embedding + blocks of MultiHeadAttention and a Dense feed-forward (pre-norm), ~25.8M
-    parameters (vocabulary 32000, width 512, 3 blocks), or a small one for --quick."""
-    vocab, width, blocks, heads, length = (1000, 32, 1, 2, 16) if quick else (32000, 512, 3, 8, 64)
+    parameters (vocabulary 16000, width 512, 3 blocks), or a small one for --quick."""
+    vocab, width, blocks, heads, length = (1000, 32, 1, 2, 16) if quick else (16000, 512, 3, 8, 64)
     tokens = tf.keras.Input((length,), dtype=tf.int32)
     h = tf.keras.layers.Embedding(vocab, width)(tokens)
     for _ in range(blocks):
