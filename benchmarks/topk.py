@@ -31,7 +31,7 @@ import platform
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -49,14 +49,20 @@ DEFAULT_SIZES = [2**18, 2**20, 2**22, 2**24, 25_000_000, 2**26, 2**27]
 DENSITY = 0.001
 
 
+def synced(result: object) -> object:
+    """Waits for a result (eager GPU ops return before they finish): reads it to the host."""
+    first = result[0] if isinstance(result, (tuple, list)) else result
+    return first.numpy() if hasattr(first, "numpy") else first
+
+
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median wall time of `fn` in seconds (eager CPU ops run synchronously)."""
+    """Median wall time of `fn` in seconds, its result read back (on a GPU, finished)."""
     for _ in range(warmup):
-        fn()
+        synced(fn())
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        synced(fn())
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
@@ -323,6 +329,8 @@ def main() -> None:
                         "--quick: 100003); gradients have their model's size")
     parser.add_argument("--rounds", type=int, default=7, help="rounds of the distribution comparison")
     parser.add_argument("--quick", action="store_true", help="small sizes and small models (smoke test)")
+    parser.add_argument("--device", choices=["cpu", "gpu"], default="cpu",
+                        help="where the ops run; gpu writes topk_gpu.json/png and the README's GPU section")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hvdx" / "topk",
                         help="where captured gradients are kept between runs")
     parser.add_argument("--out", type=Path, default=HERE / "results")
@@ -333,6 +341,14 @@ def main() -> None:
     dist_d = args.d or (100_003 if args.quick else 25_000_000)
     readme = args.readme or (HERE / "README.md" if args.out == HERE / "results" else None)
     args.out.mkdir(parents=True, exist_ok=True)
+    gpu = args.device == "gpu"
+    if gpu and not tf.config.list_physical_devices("GPU"):
+        raise SystemExit("--device gpu: TensorFlow sees no GPU (tensorflow-cpu installed, or no driver)")
+    with tf.device("/GPU:0" if gpu else "/CPU:0"):
+        run(args, sizes, dist_d, readme, gpu)
+
+
+def run(args: argparse.Namespace, sizes: List[int], dist_d: int, readme: Optional[Path], gpu: bool) -> None:
     rng = np.random.default_rng(0)
     dist_rows = []
     for name in args.distributions:
@@ -347,13 +363,17 @@ def main() -> None:
         print(json.dumps(topk_rows[-1]), json.dumps(acc_rows[-1]), flush=True)
     machine = {"cpus": os.cpu_count(), "intra_op_threads": tf.config.threading.get_intra_op_parallelism_threads(),
                "processor": platform.processor() or platform.machine(), "tensorflow": tf.__version__,
-               "hvdx_build": hvdx.ops.build_info()}
+               "hvdx_build": hvdx.ops.build_info(), "device": "gpu" if gpu else "cpu"}
+    if gpu:
+        details = tf.config.experimental.get_device_details(tf.config.list_physical_devices("GPU")[0])
+        machine["gpu"] = details.get("device_name", "GPU")
+    stem = "topk_gpu" if gpu else "topk"
     result = {"figure": "shi2021 Figure 6", "density": DENSITY, "repeats": args.repeats, "machine": machine,
               "goals": {"mstopk_over_floor_at_most": GOAL_FLOOR, "top_k_over_mstopk_at_least": GOAL_TOPK},
               "distribution_rounds": args.rounds, "distributions": dist_rows,
               "topk_seconds": topk_rows, "accumulate_seconds": acc_rows}
-    (args.out / "topk.json").write_text(json.dumps(result, indent=2))
-    plot(topk_rows, acc_rows, dist_rows, args.out / "topk.png")
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    plot(topk_rows, acc_rows, dist_rows, args.out / f"{stem}.png")
     if dist_rows:
         print(worst_case(dist_rows))
         print(distribution_table(dist_rows))
@@ -372,15 +392,17 @@ def main() -> None:
                 f"the error-feedback buffer after {EF_STEPS} ResNet-50 steps (gradient + residual of what "
                 "MSTopK at density 0.001 did not send).\n\n" + worst_case(dist_rows) + "\n\n" +
                 distribution_table(dist_rows) + "\n\n")
-        body = (f"Measured by `python benchmarks/topk.py{' --quick' if args.quick else ''}` on "
-                f"{os.cpu_count()} CPU cores (TensorFlow {tf.__version__}); medians of {args.repeats} repeats "
-                "after a warm-up, as ratios against baselines from the same run. Plot: `results/topk.png`, raw "
-                "times: `results/topk.json`.\n\n" + dist_text + "Top-k selection of normally distributed "
+        where = (f"one {machine['gpu']} (`--device gpu`, hvdx's CUDA kernels)" if gpu
+                 else f"{os.cpu_count()} CPU cores")
+        body = (f"Measured by `python benchmarks/topk.py{' --quick' if args.quick else ''}"
+                f"{' --device gpu' if gpu else ''}` on {where} (TensorFlow {tf.__version__}); medians of "
+                f"{args.repeats} repeats after a warm-up, as ratios against baselines from the same run. Plot: "
+                f"`results/{stem}.png`, raw times: `results/{stem}.json`.\n\n" + dist_text + "Top-k selection of normally distributed "
                 "vectors, k = 0.001 d (shi2021 Figure 6); the floor is one `reduce_max(|x|)`:\n\n" +
                 topk_table(topk_rows) +
                 "\n\nSparse accumulation of nnz = 0.02 d (value, index) pairs into d elements "
                 "(ratios above 1: hvdx is faster):\n\n" + accumulate_table(acc_rows))
-        update_readme("topk", body, readme)
+        update_readme("topk-gpu" if gpu else "topk", body, readme)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,6 @@
 """sparse_accumulate adds sparse entries into a dense vector, like np.add.at."""
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -130,15 +132,18 @@ def test_repeated_runs_are_bitwise_equal():
                                       first.view(np.uint32))
 
 
+# scripts/gpu_check.sh sets HVDX_REQUIRE_GPU=1: there, a GPU test that would skip fails.
 GPU = tf.config.list_physical_devices("GPU")
+needs_gpu = pytest.mark.skipif(not GPU and not os.environ.get("HVDX_REQUIRE_GPU"), reason="no GPU on this machine")
 
 
-@pytest.mark.skipif(not GPU, reason="no GPU on this machine")
+@needs_gpu
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: d.name)
 @pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64], ids=lambda d: d.name)
 def test_cuda_kernel_equals_cpu_kernel_bit_for_bit(dtype, index_dtype):
     """Every rank accumulates the same gathered pairs: the GPU's sum must not depend on the
     run (no atomics) and must equal the CPU's, so replicas never drift apart."""
+    assert GPU and hvdx.ops.build_info()["cuda"], f"no GPU, or a library built without CUDA: {hvdx.ops.build_info()}"
     rng = np.random.default_rng(7)
     for size, nnz, spread in [(1, 0, 1), (10, 30, 10), (1_000_000, 200_000, 2000), (4_000_000, 500_000, 4_000_000)]:
         values = tf.constant(rng.standard_normal(nnz) * 10.0 ** rng.uniform(-3, 3, nnz), dtype)
@@ -148,6 +153,8 @@ def test_cuda_kernel_equals_cpu_kernel_bit_for_bit(dtype, index_dtype):
             cpu = hvdx.sparse_accumulate(values, indices, size, out=dense).numpy()
             cpu_zeros = hvdx.sparse_accumulate(values, indices, size).numpy()
         with tf.device("/GPU:0"):
+            on_gpu = hvdx.sparse_accumulate(values, indices, size, out=dense)
+            assert "GPU" in on_gpu.device, on_gpu.device  # the CUDA kernel ran, not a CPU fallback
             runs = [hvdx.sparse_accumulate(values, indices, size, out=dense).numpy() for _ in range(3)]
             runs_zeros = [hvdx.sparse_accumulate(values, indices, size).numpy() for _ in range(3)]
         for got in runs:
@@ -156,8 +163,9 @@ def test_cuda_kernel_equals_cpu_kernel_bit_for_bit(dtype, index_dtype):
             np.testing.assert_array_equal(got.view(np.uint8), cpu_zeros.view(np.uint8))
 
 
-@pytest.mark.skipif(not GPU, reason="no GPU on this machine")
+@needs_gpu
 def test_cuda_kernel_ignores_out_of_range_indices():
+    assert GPU, "HVDX_REQUIRE_GPU=1 but TensorFlow sees no GPU"
     with tf.device("/GPU:0"):
         got = hvdx.sparse_accumulate(tf.ones([4]), tf.constant([0, -1, 4, 2]), 4).numpy()
     np.testing.assert_array_equal(got, [1, 0, 1, 0])
