@@ -209,6 +209,30 @@ def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
     return values, indices
 
 
+# Gradients. MSTopK's selection is piecewise constant (and HiTopK runs it outside the tape):
+# not differentiable. sparse_accumulate is linear: d output / d dense = 1, d output /
+# d values[j] = 1 at indices[j] (out-of-range entries, skipped on the GPU, get zeros).
+tf.no_gradient("HvdxMstopk")
+
+
+def _gather_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
+    values, indices = op.inputs[0], op.inputs[1]
+    size = tf.cast(tf.shape(grad)[0], indices.dtype)
+    valid = (indices >= 0) & (indices < size)
+    picked = tf.gather(grad, tf.where(valid, indices, tf.zeros_like(indices)))
+    return tf.cast(tf.where(valid, picked, tf.zeros_like(picked)), values.dtype)
+
+
+@tf.RegisterGradient("HvdxSparseAccumulate")
+def _sparse_accumulate_grad(op: tf.Operation, grad: tf.Tensor):
+    return _gather_grad(op, grad), None, grad
+
+
+@tf.RegisterGradient("HvdxSparseScatter")
+def _sparse_scatter_grad(op: tf.Operation, grad: tf.Tensor):
+    return _gather_grad(op, grad), None, None
+
+
 def _sparse_accumulate(values: tf.Tensor, indices: tf.Tensor, dense: tf.Tensor,
                        name: Optional[str] = None) -> tf.Tensor:
     return _ops.hvdx_sparse_accumulate(values=values, indices=indices, dense=dense, name=name)

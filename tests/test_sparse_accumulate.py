@@ -169,3 +169,21 @@ def test_cuda_kernel_ignores_out_of_range_indices():
     with tf.device("/GPU:0"):
         got = hvdx.sparse_accumulate(tf.ones([4]), tf.constant([0, -1, 4, 2]), 4).numpy()
     np.testing.assert_array_equal(got, [1, 0, 1, 0])
+
+
+def test_gradients_are_those_of_a_linear_scatter():
+    values = tf.Variable([1.0, 2.0, 3.0])
+    dense = tf.Variable([10.0, 20.0, 30.0, 40.0])
+    indices = tf.constant([3, 0, 3])
+    weights = tf.constant([1.0, 2.0, 3.0, 4.0])
+    with tf.GradientTape(persistent=True) as tape:
+        accumulated = tf.reduce_sum(weights * hvdx.sparse_accumulate(values, indices, 4, out=dense))
+        scattered = tf.reduce_sum(weights * hvdx.sparse_accumulate(values, indices, 4))
+    np.testing.assert_array_equal(tape.gradient(accumulated, values).numpy(), [4.0, 1.0, 4.0])
+    np.testing.assert_array_equal(tape.gradient(accumulated, dense).numpy(), [1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_array_equal(tape.gradient(scattered, values).numpy(), [4.0, 1.0, 4.0])
+    x = tf.Variable(np.arange(10, dtype=np.float32))
+    with tf.GradientTape() as tape:
+        selected, _ = hvdx.mstopk(x, 3)
+        total = tf.reduce_sum(selected)
+    assert tape.gradient(total, x) is None  # MSTopK is declared not differentiable
