@@ -355,7 +355,8 @@ struct MsTopK<CPUDevice, T, Tidx> {
     const Ranges ranges(d, dev.numThreads());
 
     // Pass 1: mean and max of the finite magnitudes; per range the list of its largest
-    // elements: after compaction at most twice its share of k plus 4096 (for large
+    // elements: after compaction at most twice its share of k plus 4096 (1/64 of a
+    // small range), for large
     // densities 1/32 of the range, but 1.25 shares at least), twice that in between. Each
     // element pushed costs more than a pass's read of it, so the lists stay short; a
     // threshold below them is decided from their counts (it counts more than k).
@@ -365,7 +366,8 @@ struct MsTopK<CPUDevice, T, Tidx> {
     ParallelRanges(dev, ranges, 3, [&](int64_t c, int64_t b, int64_t e) {
       RangeScan& s = scans[c];
       const double share = static_cast<double>(k) * static_cast<double>(e - b) / static_cast<double>(d);
-      s.cap = 2 * (static_cast<int64_t>(std::max(std::min(2 * share, (e - b) / 32.0), 1.25 * share)) + 4096);
+      const int64_t slack = std::min<int64_t>(4096, (e - b) / 64);
+      s.cap = 2 * (static_cast<int64_t>(std::max(std::min(2 * share, (e - b) / 32.0), 1.25 * share)) + slack);
       ForFloatBlocks(x, b, e, [&](int64_t offset, const float* block, int64_t n) {
         block_sums[offset / kSumBlock] = BlockStats(block, n, &part[c]);
         s.Collect(block, n, static_cast<uint32_t>(offset - b));
