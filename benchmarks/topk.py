@@ -49,10 +49,14 @@ DEFAULT_SIZES = [2**18, 2**20, 2**22, 2**24, 25_000_000, 2**26, 2**27]
 DENSITY = 0.001
 
 
+SYNC = {"gpu": False}  # set by --device gpu
+
+
 def synced(result: object) -> object:
-    """Waits for a result (eager GPU ops return before they finish): reads it to the host."""
+    """Waits for a result on the GPU (eager GPU ops return before they finish) by reading
+    it back; eager CPU ops are done when they return, and their results are left alone."""
     first = result[0] if isinstance(result, (tuple, list)) else result
-    return first.numpy() if hasattr(first, "numpy") else first
+    return first.numpy() if SYNC["gpu"] and hasattr(first, "numpy") else first
 
 
 def median_time(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
@@ -344,6 +348,7 @@ def main() -> None:
     gpu = args.device == "gpu"
     if gpu and not tf.config.list_physical_devices("GPU"):
         raise SystemExit("--device gpu: TensorFlow sees no GPU (tensorflow-cpu installed, or no driver)")
+    SYNC["gpu"] = gpu
     with tf.device("/GPU:0" if gpu else "/CPU:0"):
         run(args, sizes, dist_d, readme, gpu)
 

@@ -44,9 +44,13 @@ struct SparseAccumulate<CPUDevice, T, Tidx, Tout> {
   ::tensorflow::Status operator()(const CPUDevice& d, const T* values, const Tidx* indices, int64_t nnz,
                                   const Tout* dense, Tout* out, int64_t size, void* workspace) {
     if (size == 0) return ::tensorflow::OkStatus();
-    const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(4 * d.numThreads(), size / 4096));
+    // Shards of 2^shift elements (a shift, not a division, per entry), about 4 per thread.
+    const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(4 * d.numThreads(), size / 4096));
+    int shift = 0;
+    while ((int64_t{1} << shift) * wanted < size) ++shift;
+    const int64_t shards = ((size - 1) >> shift) + 1;
     const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(d.numThreads(), nnz / 16384));
-    auto shard_of = [&](int64_t j) { return static_cast<int64_t>(indices[j]) * shards / size; };
+    auto shard_of = [&](int64_t j) { return static_cast<int64_t>(indices[j]) >> shift; };
     auto chunk_begin = [&](int64_t c) { return nnz * c / chunks; };
     // start[c * shards + s]: where chunk c's entries of shard s go in `order`.
     std::vector<int64_t> start(chunks * shards + 1, 0);
@@ -83,7 +87,7 @@ struct SparseAccumulate<CPUDevice, T, Tidx, Tout> {
                                    static_cast<double>(nnz + size) / shards);
     d.parallelFor(shards, cost, [&](Eigen::Index first, Eigen::Index last) {
       for (Eigen::Index s = first; s < last; ++s) {
-        const int64_t lo = size * s / shards, hi = size * (s + 1) / shards;
+        const int64_t lo = s << shift, hi = std::min(size, (s + 1) << shift);
         const int64_t* entry = order.data() + shard_end(s - 1);
         const int64_t n = shard_end(s) - shard_end(s - 1);
         if constexpr (std::is_same_v<Tout, float>) {
