@@ -80,7 +80,8 @@ inline float Magnitude(T v) {
 struct Ranges {
   int64_t n, size, count;
   Ranges(int64_t n_, int threads) : n(n_) {
-    size = std::max<int64_t>(int64_t{1} << 15, (n + 4 * threads - 1) / (4 * threads));
+    const int64_t per_thread = 1;  // small x: fewer, larger ranges
+    size = std::max<int64_t>(int64_t{1} << 15, (n + per_thread * threads - 1) / (per_thread * threads));
     size = std::min<int64_t>(size, int64_t{1} << 30);
     size = (size + kSumBlock - 1) / kSumBlock * kSumBlock;  // whole summation blocks
     count = (n + size - 1) / size;
