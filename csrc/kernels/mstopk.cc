@@ -75,13 +75,14 @@ inline float Magnitude(T v) {
   return a <= FLT_MAX ? a : INFINITY;
 }
 
-// Contiguous ranges of x processed in parallel; results are kept per range, so they do not
-// depend on which thread ran which range. A range has fewer than 2^31 elements.
+// Contiguous ranges of x processed in parallel, one per thread (each range's list carries a
+// fixed slack, and its share of k is larger and steadier the larger the range); results are
+// kept per range, so they do not depend on which thread ran which range. A range has fewer
+// than 2^31 elements.
 struct Ranges {
   int64_t n, size, count;
   Ranges(int64_t n_, int threads) : n(n_) {
-    const int64_t per_thread = 1;  // small x: fewer, larger ranges
-    size = std::max<int64_t>(int64_t{1} << 15, (n + per_thread * threads - 1) / (per_thread * threads));
+    size = std::max<int64_t>(int64_t{1} << 15, (n + threads - 1) / threads);
     size = std::min<int64_t>(size, int64_t{1} << 30);
     size = (size + kSumBlock - 1) / kSumBlock * kSumBlock;  // whole summation blocks
     count = (n + size - 1) / size;
