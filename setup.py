@@ -49,6 +49,8 @@ class CMakeBuild(build_ext):
             f"-DHVDX_WITH_CUDA={os.environ.get('HVDX_WITH_CUDA', 'AUTO')}",
             f"-DCMAKE_BUILD_TYPE={os.environ.get('HVDX_BUILD_TYPE', 'Release')}",
         ]
+        if os.environ.get("HVDX_ALLOW_CUDA_MISMATCH"):
+            configure.append(f"-DHVDX_ALLOW_CUDA_MISMATCH={os.environ['HVDX_ALLOW_CUDA_MISMATCH']}")
         if "HVDX_CUDA_ARCHITECTURES" in os.environ:
             configure.append(f"-DHVDX_CUDA_ARCHITECTURES={os.environ['HVDX_CUDA_ARCHITECTURES']}")
         jobs = os.environ.get("HVDX_BUILD_JOBS", str(os.cpu_count() or 2))

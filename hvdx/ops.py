@@ -11,12 +11,13 @@ import importlib.machinery
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional, Union
+import warnings
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["build_info", "library_path", "load_library", "mstopk", "sparse_accumulate"]
+__all__ = ["build_info", "gpu_problems", "library_path", "load_library", "mstopk", "sparse_accumulate"]
 
 _MARKER = b"hvdx-build-info:"
 _LIBRARY_ENV = "HVDX_OPS_LIBRARY"  # overrides where the library is looked for
@@ -73,9 +74,79 @@ def load_library(path: Union[str, Path]):
         raise ImportError(f"hvdx's op library {path} failed to load: {exc}. {hint}") from exc
 
 
+def _cuda_major(version: str) -> Optional[int]:
+    try:
+        return int(str(version).split(".")[0])
+    except ValueError:
+        return None
+
+
+def gpu_problems(info: dict, devices: Sequence[Tuple[str, Tuple[int, int]]],
+                 driver_version: Optional[int]) -> List[str]:
+    """Why the CUDA kernels of a library built as `info` could not run here, one line each.
+
+    devices: (name, compute capability) of the GPUs TensorFlow sees; driver_version: the
+    CUDA driver's version (cuDriverGetVersion, e.g. 12040), None when unknown. A device
+    runs the kernels if some built SASS architecture has its major version and a minor
+    version at most its own, or the PTX architecture (the one without "-real") is at most
+    its compute capability.
+    """
+    if not devices:
+        return []
+    if not info.get("cuda"):
+        return [f"hvdx's op library was built without CUDA: its ops run on the CPU although TensorFlow "
+                f"sees {len(devices)} GPU(s). Rebuild where nvcc is installed (HVDX_WITH_CUDA=ON)."]
+    problems = []
+    built = _cuda_major(info.get("cuda_version", ""))
+    if driver_version is not None and built is not None and driver_version // 1000 < built:
+        problems.append(f"the NVIDIA driver supports CUDA {driver_version // 1000}.{driver_version % 1000 // 10}, "
+                        f"but hvdx's kernels were built with CUDA {info.get('cuda_version')}: update the "
+                        f"driver or rebuild hvdx with an older nvcc.")
+    sass, ptx = [], []
+    for arch in str(info.get("cuda_architectures", "")).split(";"):
+        arch = arch.strip()
+        if not arch:
+            continue
+        number = int(arch.split("-")[0])
+        (sass if not arch.endswith("-virtual") else ptx).append(number)
+        if not arch.endswith("-real") and not arch.endswith("-virtual"):
+            ptx.append(number)
+    for name, (major, minor) in devices:
+        cc = 10 * major + minor
+        if not any(a // 10 == major and a % 10 <= minor for a in sass) and not any(p <= cc for p in ptx):
+            problems.append(f"{name} (compute capability {major}.{minor}) cannot run hvdx's kernels, built for "
+                            f"{info.get('cuda_architectures')}: rebuild with HVDX_CUDA_ARCHITECTURES={cc}.")
+    return problems
+
+
+def _driver_version() -> Optional[int]:
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int()
+        return version.value if cuda.cuDriverGetVersion(ctypes.byref(version)) == 0 else None
+    except OSError:
+        return None
+
+
+def _check_gpus(info: dict) -> None:
+    """Warns, at import, when TensorFlow's GPUs cannot run the loaded library's kernels."""
+    gpus = tf.config.list_physical_devices("GPU")
+    if not gpus:
+        return
+    devices = []
+    for gpu in gpus:
+        details = tf.config.experimental.get_device_details(gpu)
+        devices.append((details.get("device_name", gpu.name), tuple(details.get("compute_capability", (0, 0)))))
+    for problem in gpu_problems(info, devices, _driver_version()):
+        warnings.warn(f"hvdx: {problem}", RuntimeWarning, stacklevel=3)
+
+
 _LIBRARY_PATH = library_path()
 _ops = load_library(_LIBRARY_PATH)
 _BUILD_INFO = read_build_info(_LIBRARY_PATH)
+_check_gpus(_BUILD_INFO)
 
 
 def build_info() -> dict:
@@ -95,7 +166,8 @@ def _mstopk(x: tf.Tensor, k: tf.Tensor, num_samplings: int, seed: Optional[int],
 
 
 def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
-           seed: Optional[int] = None, name: Optional[str] = None):
+           seed: Optional[int] = None, name: Optional[str] = None,
+           index_dtype: Optional[tf.DType] = None):
     """MSTopK (shi2021, Algorithm 1): exactly min(k, d) elements of large magnitude.
 
     N = `num_samplings` rounds of bisection on a ratio in [0, 1] place the threshold
@@ -109,9 +181,11 @@ def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
       k: how many to select (int or int scalar tensor, >= 0); k >= d selects everything.
       num_samplings: N >= 1, the number of bisection rounds.
       seed: makes the window offsets reproducible (with tf.random.set_seed), as in tf.random.
+      index_dtype: tf.int32 or tf.int64; None: int32 when d < 2**31 (or unknown), else int64.
+        tf.int64 selects exactly what int32 would (the same kernel, wider indices).
 
     Returns:
-      (values, indices): values in x's dtype; indices int32, or int64 when d >= 2**31.
+      (values, indices): values in x's dtype; indices of `index_dtype`.
     """
     x = tf.convert_to_tensor(x)
     if x.dtype not in _FLOAT_DTYPES:
@@ -127,9 +201,39 @@ def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
         raise ValueError(f"mstopk: k must be >= 0, got {int(static_k)}")
     k = tf.cast(k, tf.int64)
     d = x.shape[0] if x.shape.rank == 1 else None
-    index_dtype = tf.int64 if d is not None and d >= 2 ** 31 else tf.int32
+    if index_dtype is None:
+        index_dtype = tf.int64 if d is not None and d >= 2 ** 31 else tf.int32
+    index_dtype = tf.as_dtype(index_dtype)
+    if index_dtype not in (tf.int32, tf.int64):
+        raise ValueError(f"mstopk: index_dtype must be tf.int32 or tf.int64, got {index_dtype.name}")
+    if index_dtype == tf.int32 and d is not None and d >= 2 ** 31:
+        raise ValueError(f"mstopk: int32 indices cannot address {d} elements; use index_dtype=tf.int64")
     values, indices, _ = _mstopk(x, k, num_samplings, seed, index_dtype, name=name)
     return values, indices
+
+
+# Gradients. MSTopK's selection is piecewise constant (and HiTopK runs it outside the tape):
+# not differentiable. sparse_accumulate is linear: d output / d dense = 1, d output /
+# d values[j] = 1 at indices[j] (out-of-range entries, skipped on the GPU, get zeros).
+tf.no_gradient("HvdxMstopk")
+
+
+def _gather_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:
+    values, indices = op.inputs[0], op.inputs[1]
+    size = tf.cast(tf.shape(grad)[0], indices.dtype)
+    valid = (indices >= 0) & (indices < size)
+    picked = tf.gather(grad, tf.where(valid, indices, tf.zeros_like(indices)))
+    return tf.cast(tf.where(valid, picked, tf.zeros_like(picked)), values.dtype)
+
+
+@tf.RegisterGradient("HvdxSparseAccumulate")
+def _sparse_accumulate_grad(op: tf.Operation, grad: tf.Tensor):
+    return _gather_grad(op, grad), None, grad
+
+
+@tf.RegisterGradient("HvdxSparseScatter")
+def _sparse_scatter_grad(op: tf.Operation, grad: tf.Tensor):
+    return _gather_grad(op, grad), None, None
 
 
 def _sparse_accumulate(values: tf.Tensor, indices: tf.Tensor, dense: tf.Tensor,

@@ -8,13 +8,14 @@
 # Every step checks first and does nothing when its result is already in place, so a
 # second run takes seconds. Environment overrides:
 #   HVDX_VENV (default .venv), HVDX_PYTHON (default python3.11, else python3),
-#   HVDX_WHEEL_CACHE (default ~/.cache/hvdx/wheels), HVDX_WITH_CUDA (AUTO|ON|OFF).
+#   HVDX_WHEEL_CACHE (default ~/.cache/hvdx/wheels), HVDX_WITH_CUDA (AUTO|ON|OFF),
+#   HVDX_REQUIREMENTS (default requirements-dev.txt; scripts/gpu_check.sh: the GPU wheel).
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HVDX_VENV:-$ROOT/.venv}
 HOROVOD_VERSION=0.28.1
-REQS=$ROOT/requirements-dev.txt
+REQS=${HVDX_REQUIREMENTS:-$ROOT/requirements-dev.txt}
 JOBS=$(nproc 2>/dev/null || echo 2)
 
 log() { printf '[bootstrap] %s\n' "$*"; }

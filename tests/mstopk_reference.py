@@ -51,13 +51,18 @@ SUM_BLOCK, SUM_LANES = 4096, 16
 def finite_sum(a: np.ndarray) -> float:
     """Sum of the finite entries of `a` in the kernels' order: blocks of 4096 elements, each
     summed in 16 interleaved float32 lanes (lane l: elements l, l+16, ... in order), the
-    lanes added in float64 in order, then the blocks. np.cumsum adds sequentially."""
+    lanes added in float64 in order, then the block sums pairwise (a fixed binary tree that
+    the GPU reduces in parallel). np.cumsum adds sequentially."""
     padded = np.zeros(-(-a.size // SUM_BLOCK) * SUM_BLOCK, np.float32)
     padded[:a.size] = np.where(np.isfinite(a), a, 0.0)  # |x| of a float input: exact in float32
     lanes = np.cumsum(padded.reshape(-1, SUM_BLOCK // SUM_LANES, SUM_LANES), axis=1,
                       dtype=np.float32)[:, -1, :].astype(np.float64)
     blocks = np.cumsum(lanes, axis=1)[:, -1]
-    return float(np.cumsum(blocks)[-1]) if blocks.size else 0.0
+    while blocks.size > 1:  # pairwise, level by level: s[i] = s[2i] + s[2i+1]
+        if blocks.size % 2:
+            blocks = np.append(blocks, 0.0)  # x + 0 = x: the odd last sum is carried up
+        blocks = blocks[0::2] + blocks[1::2]
+    return float(blocks[0]) if blocks.size else 0.0
 
 
 def thresholds(a: np.ndarray, k: int, num_samplings: int):

@@ -12,16 +12,38 @@ CLUSTER_UNAVAILABLE = harness.cluster_unavailable()
 
 def test_topk_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"
-    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "topk.py"), "--sizes", "65536",
-                           "100003", "--repeats", "1", "--out", str(tmp_path), "--readme", str(readme)],
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "topk.py"), "--quick", "--sizes", "65536",
+                           "100003", "--repeats", "1", "--rounds", "1", "--out", str(tmp_path), "--readme", str(readme),
+                           "--cache", str(tmp_path / "cache")],
                           capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     result = json.loads((tmp_path / "topk.json").read_text())
     assert [row["d"] for row in result["topk_seconds"]] == [65536, 100003]
     assert all(row["mstopk"] > 0 and row["tf_top_k"] > 0 for row in result["topk_seconds"])
+    rows = {row["distribution"]: row for row in result["distributions"]}
+    assert sorted(rows) == sorted(["normal", "laplace", "student_t3", "cauchy", "resnet_grad", "transformer_grad",
+                                   "resnet_ef"])
+    assert rows["normal"]["d"] == 100003 and rows["resnet_grad"]["d"] > 1000
+    for row in rows.values():  # one time per round and method, paired
+        assert all(len(t) == 1 and t[0] > 0 for t in row["rounds_seconds"].values())
+        assert row["mstopk_over_floor"] == pytest.approx(row["mstopk"] / row["floor"])
     assert (tmp_path / "topk.png").stat().st_size > 10_000
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == sorted(
+        f"{name}-tf{result['machine']['tensorflow']}-quick.npy" for name in ("resnet_grad", "transformer_grad", "resnet_ef"))
     text = readme.read_text()
     assert "<!-- topk:begin -->" in text and "| 100,003 | 100 |" in text
+    assert "Worst case over the 7 distributions" in text and "| resnet_ef | " in text
+
+
+def test_topk_verdicts_say_by_how_much_a_goal_is_missed():
+    from benchmarks import topk
+
+    row = {"distribution": "cauchy", "mstopk_over_floor": 3.3, "top_k_over_mstopk": 1.5, "met": False}
+    assert topk.verdict(row) == "missed: 10% over 3x floor, 25% short of 2x top_k"
+    rows = [row, {"distribution": "normal", "mstopk_over_floor": 1.2, "top_k_over_mstopk": 7.0, "met": True}]
+    assert topk.worst_case(rows).startswith("**Worst case over the 2 distributions: MSTopK 3.30x the floor (cauchy), "
+                                           "1.5x faster than tf.math.top_k (cauchy); goals")
+    assert "met on 1 of 2" in topk.worst_case(rows)
 
 
 def test_comm_benchmark_launches_itself_and_writes_results(tmp_path):

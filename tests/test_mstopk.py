@@ -4,6 +4,10 @@ The kernels answer many bisection rounds per pass over x; tests/mstopk_reference
 Algorithm 1 as written (one counting pass per round). For the window offset the op drew,
 both must select the same set, with the same thresholds.
 """
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -16,7 +20,9 @@ from tests import mstopk_reference as ref
 
 DTYPES = {"float32": tf.float32, "float16": tf.float16, "bfloat16": tf.bfloat16}
 PATTERNS = ["normal", "ties", "zeros", "negative_zeros", "constant", "nonfinite", "outlier",
-            "many_nonfinite", "heavy_tail"]
+            "many_nonfinite", "heavy_tail", "student_t", "many_zeros", "huge_ratio", "layered", "lognormal"]
+# Distributions of real gradients: heavy tails, where max(|x|) >> mean(|x|).
+HEAVY = ["student_t", "heavy_tail", "layered", "lognormal", "huge_ratio", "many_zeros"]
 
 
 def make_input(pattern: str, d: int, dtype: tf.DType, seed: int) -> np.ndarray:
@@ -41,6 +47,19 @@ def make_input(pattern: str, d: int, dtype: tf.DType, seed: int) -> np.ndarray:
         x[rng.integers(0, d)] = 1e4
     elif pattern == "heavy_tail":
         x = rng.standard_cauchy(d)
+    elif pattern == "student_t":
+        x = rng.standard_t(3, d)
+    elif pattern == "many_zeros":  # 90 % exact zeros (dead units), heavy tail in the rest
+        x = np.where(rng.random(d) < 0.9, 0.0, rng.standard_t(2, d))
+    elif pattern == "huge_ratio":  # max / mean ~ 1e7
+        x = x * 1e-4
+        x[rng.integers(0, d, max(1, d // 10_000))] *= 1e6
+    elif pattern == "layered":  # a flattened gradient: blocks ("layers") of very different scales
+        edges = np.sort(rng.integers(0, d, 12))
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, d]):
+            x[lo:hi] *= 10.0 ** rng.uniform(-5, 2)
+    elif pattern == "lognormal":
+        x = rng.lognormal(0, 3, d) * rng.choice([-1, 1], d)
     with np.errstate(over="ignore"):  # large values become Inf in 16 bits: part of the test
         return tf.constant(x, dtype).numpy()  # rounded to the dtype, as the op sees it
 
@@ -188,17 +207,122 @@ def test_bad_input_is_rejected_clearly():
         dynamic(np.ones(3, np.float32), tf.constant(-2, tf.int64))
 
 
-@pytest.mark.skipif(not tf.config.list_physical_devices("GPU"), reason="no GPU on this machine")
+# scripts/gpu_check.sh sets HVDX_REQUIRE_GPU=1: there, a GPU test that would skip fails.
+GPU = tf.config.list_physical_devices("GPU")
+needs_gpu = pytest.mark.skipif(not GPU and not os.environ.get("HVDX_REQUIRE_GPU"), reason="no GPU on this machine")
+
+
+@needs_gpu
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_cuda_kernel_matches_cpu_kernel(dtype):
+    assert GPU and ops.build_info()["cuda"], f"no GPU, or a library built without CUDA: {ops.build_info()}"
     cases = [(pattern, d, k, n) for pattern in PATTERNS
-             for d, k, n in [(1000, 10, 30), (100_000, 100, 30), (1_000_003, 1000, 30), (5000, 4000, 12)]]
+             for d, k, n in [(1000, 10, 30), (100_000, 100, 30), (1_000_003, 1000, 30), (5000, 4000, 12),
+                             (2_000_001, 20_000, 30), (300_000, 300, 4), (1000, 0, 30), (1000, 1000, 30),
+                             (1000, 5000, 30)]]
     for pattern, d, k, n in cases:
         x = make_input(pattern, d, DTYPES[dtype], seed=d)
         with tf.device("/CPU:0"):
             _, cpu_indices, cpu_thresholds = ops._mstopk(tf.constant(x, DTYPES[dtype]), tf.constant(k, tf.int64), n, None, tf.int32)
         with tf.device("/GPU:0"):
             gpu_values, gpu_indices, gpu_thresholds = ops._mstopk(tf.constant(x, DTYPES[dtype]), tf.constant(k, tf.int64), n, None, tf.int32)
+        assert "GPU" in gpu_indices.device, gpu_indices.device  # the CUDA kernel ran, not a CPU fallback
         np.testing.assert_array_equal(gpu_thresholds.numpy(), cpu_thresholds.numpy())
         check_against_reference(x, k, n, gpu_values.numpy(), gpu_indices.numpy().astype(np.int64),
                                 gpu_thresholds.numpy())
+
+
+@pytest.mark.parametrize("pattern", HEAVY + ["normal"])
+@pytest.mark.parametrize("density,num_samplings", [(0.001, 30), (0.01, 30), (0.001, 5)])
+def test_heavy_tails_at_scale_match_algorithm_1(pattern, density, num_samplings):
+    """The kernel answers most rounds from short lists of each range's largest elements; on
+    heavy tails (and layered, gradient-like data) ranges hold very unequal shares of them,
+    thresholds fall below the lists, thres2's tie-break needs more: still the reference's."""
+    d = 2_000_003
+    x = make_input(pattern, d, tf.float32, seed=d + len(pattern))
+    k = int(density * d)
+    values, indices, thresholds = run_op(x, k, num_samplings, tf.float32)
+    check_against_reference(x, k, num_samplings, values, indices, thresholds)
+
+
+def test_concentrated_large_elements_and_discrete_values_match_algorithm_1():
+    """Every large magnitude in one range of the kernel (a range must collect again), and
+    values on a coarse grid (thresholds between grid points: ties in thres2's counts)."""
+    d = 1_500_000
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(d).astype(np.float32) * 1e-3
+    x[700_000:760_000] = rng.standard_normal(60_000) * 10
+    for k, n in [(1500, 30), (15_000, 30), (1500, 3)]:
+        check_against_reference(x, k, n, *run_op(x, k, n, tf.float32))
+    grid = np.round(rng.standard_normal(d) * 4).astype(np.float32)
+    for k, n in [(1500, 30), (150_000, 30), (1500, 7)]:
+        check_against_reference(grid, k, n, *run_op(grid, k, n, tf.float32))
+
+
+_THREADS_SCRIPT = """
+import sys, numpy as np, tensorflow as tf
+tf.config.threading.set_intra_op_parallelism_threads(int(sys.argv[1]))
+import hvdx
+from hvdx import ops
+from tests.test_mstopk import make_input
+tf.random.set_seed(11)
+out = []
+for pattern in ("normal", "layered", "student_t", "many_nonfinite"):
+    x = make_input(pattern, 700_001, tf.float32, seed=3)
+    for k in (700, 7000):
+        values, indices, thresholds = ops._mstopk(tf.constant(x), tf.constant(k, tf.int64), 30, 5, tf.int32)
+        out.append(np.concatenate([thresholds.numpy().view(np.int64), indices.numpy().astype(np.int64)]))
+np.save(sys.argv[2], np.concatenate(out))
+"""
+
+
+def test_same_selection_on_any_number_of_threads(tmp_path):
+    """Counts are integers and lists are per range of x: 1 thread or 3 give the same bits."""
+    from tests import harness
+
+    results = []
+    for threads in (1, 3):
+        path = tmp_path / f"threads{threads}.npy"
+        proc = subprocess.run([sys.executable, "-c", _THREADS_SCRIPT, str(threads), str(path)], cwd=str(harness.ROOT),
+                              capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results.append(np.load(path))
+    np.testing.assert_array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("pattern", ["normal", "layered", "ties"])
+def test_forced_int64_indices_select_what_int32_does(pattern):
+    """index_dtype=tf.int64 on a small d: the same selection as int32 (wire format of buckets
+    of 2^31 elements or more, tested where it fits in memory)."""
+    x = make_input(pattern, 300_007, tf.float32, seed=9)
+    selections = []
+    for index_dtype in (tf.int32, tf.int64):
+        tf.random.set_seed(1234)
+        values, indices = hvdx.mstopk(x, 3000, seed=4321, index_dtype=index_dtype)
+        assert indices.dtype == index_dtype
+        np.testing.assert_array_equal(values.numpy(), x[indices.numpy()])
+        selections.append(indices.numpy().astype(np.int64))
+    np.testing.assert_array_equal(selections[0], selections[1])
+    _, _, thresholds = ops._mstopk(tf.constant(x), tf.constant(3000, tf.int64), 30, None, tf.int64)
+    check_against_reference(x, 3000, 30, *(t.numpy() for t in hvdx.mstopk(x, 3000, index_dtype=tf.int64)),
+                            thresholds.numpy())
+    with pytest.raises(ValueError, match="index_dtype"):
+        hvdx.mstopk(x, 10, index_dtype=tf.int16)
+
+
+@needs_gpu
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64], ids=lambda d: d.name)
+def test_cuda_kernel_heavy_tails_at_scale(index_dtype):
+    """The CPU kernel's lists and fallbacks against the GPU's round-by-round passes."""
+    assert GPU, "HVDX_REQUIRE_GPU=1 but TensorFlow sees no GPU"
+    for pattern in HEAVY + ["normal", "nonfinite", "ties"]:
+        x = make_input(pattern, 3_000_017, tf.float32, seed=17)
+        for k in (3000, 30_000):
+            with tf.device("/CPU:0"):
+                _, _, cpu_thresholds = ops._mstopk(tf.constant(x), tf.constant(k, tf.int64), 30, None, index_dtype)
+            with tf.device("/GPU:0"):
+                values, indices, thresholds = ops._mstopk(tf.constant(x), tf.constant(k, tf.int64), 30, None,
+                                                          index_dtype)
+            assert indices.dtype == index_dtype
+            np.testing.assert_array_equal(thresholds.numpy(), cpu_thresholds.numpy())
+            check_against_reference(x, k, 30, values.numpy(), indices.numpy().astype(np.int64), thresholds.numpy())

@@ -51,3 +51,19 @@ def test_cuda_kernels_were_compiled_when_nvcc_is_present():
     if not (shutil.which("nvcc") or os.path.exists("/usr/local/cuda/bin/nvcc")):
         pytest.skip("no nvcc on this machine: the library was built without CUDA kernels")
     assert ops.build_info()["cuda"] is True, ops.build_info()
+
+
+def test_gpu_problems_name_what_cannot_run():
+    """The import-time check (warnings when TensorFlow sees GPUs), on made-up devices."""
+    built = {"cuda": True, "cuda_version": "12.3.107",
+             "cuda_architectures": "75-real;80-real;86-real;89-real;90-real;120"}
+    devices = [("T4", (7, 5)), ("A10G", (8, 6)), ("L40S", (8, 9)), ("H100", (9, 0)), ("RTX 5090", (12, 0)),
+               ("A30", (8, 0)), ("Orin", (8, 7)), ("future", (13, 0))]
+    assert ops.gpu_problems(built, devices, driver_version=12040) == []
+    problems = ops.gpu_problems(built, [("P100", (6, 0)), ("B200", (10, 0))], driver_version=11080)
+    assert len(problems) == 3
+    assert "driver supports CUDA 11.8" in problems[0] and "built with CUDA 12.3.107" in problems[0]
+    assert problems[1].startswith("P100 (compute capability 6.0) cannot run") and "=60" in problems[1]
+    assert problems[2].startswith("B200 (compute capability 10.0)")
+    assert ops.gpu_problems(built, [], driver_version=None) == []
+    assert "built without CUDA" in ops.gpu_problems({"cuda": False}, [("T4", (7, 5))], None)[0]

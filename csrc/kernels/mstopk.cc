@@ -1,13 +1,21 @@
-// CPU kernel of HvdxMstopk: Algorithm 1 of shi2021 in three multi-threaded passes over x.
+// CPU kernel of HvdxMstopk: Algorithm 1 of shi2021, reading x once in the common case.
 //
-//   1. stats:   sum and max of the finite |x| (Algorithm 1 lines 1-3);
-//   2. count:   the first b = min(N, 4) rounds query only the 16 thresholds at ratios
-//               j / 16, so one pass counting every element against all 16 answers them;
-//   3. collect: the elements at or above the interval where the bisection then is (for
-//               small densities a small multiple of k), with their indices, in order.
-// The remaining N - b rounds count over that list, shrinking it as the interval narrows,
-// and the selection reads it. Every count is exact against the same float64 thresholds as
-// the one-pass-per-round reference (tests/mstopk_reference.py), so the result is identical.
+//   1. scan:    one multi-threaded pass computes the sum and max of the finite |x|
+//               (Algorithm 1 lines 1-3) and collects, per range of x, (position, |x|) of
+//               the range's largest elements: every element at or above a cut (a bucket of
+//               the magnitude's float bits: exponent and 4 mantissa bits) that rises,
+//               from a histogram of the list, whenever the list outgrows its share of k.
+//   2. rounds:  every threshold at or above the highest cut is counted exactly on the
+//               lists (shrinking with the bisection's interval, in parallel). A lower
+//               threshold lies below the bucket of the (k+1)-th largest magnitude, so it
+//               counts more than k elements, which is all the bisection needs to go on.
+//               Only if thres2's tie-break (Algorithm 1 line 19) cannot be decided that way
+//               is x read again, to count those few thresholds exactly.
+//   3. select:  from the lists when thres2 is at or above the highest cut (the rule for
+//               N >= ~10 on continuous data); otherwise one more pass over x.
+// Every count is exact against the same float64 thresholds as the one-pass-per-round
+// reference (tests/mstopk_reference.py), so the result is identical whatever the input's
+// distribution, and it does not depend on the number of threads.
 #define EIGEN_USE_THREADS
 #if GOOGLE_CUDA
 #define EIGEN_USE_GPU
@@ -16,14 +24,14 @@
 #include "kernels/mstopk.h"
 
 #include <algorithm>
-#include <limits>
-#include <type_traits>
 #include <cfloat>
 #include <cmath>
-#include <vector>
-
+#include <cstring>
+#include <limits>
 #include <mutex>
 #include <random>
+#include <type_traits>
+#include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -33,24 +41,49 @@ namespace hvdx {
 namespace {
 
 using CPUDevice = Eigen::ThreadPoolDevice;
-constexpr int kCoarseBits = 4;  // rounds answered by the counting pass
-constexpr int kCoarse = 1 << kCoarseBits;
 using mstopk::kSumBlock;
 using mstopk::kSumLanes;
 
-// |x| as float; NaN and +-Inf become +inf (they rank above every finite value).
+// Magnitudes as the bits of a non-negative float: ordered like the values, NaN and +-Inf
+// mapped to +inf (they rank above every finite value).
+constexpr uint32_t kInfBits = 0x7F800000u;
+constexpr int kKeyShift = 19;                               // bucket = bits >> 19
+constexpr uint32_t kKeyMask = (1u << kKeyShift) - 1;
+constexpr int kKeys = static_cast<int>(kInfBits >> kKeyShift) + 1;
+
+inline uint32_t MagBits(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, sizeof(u));
+  u &= 0x7FFFFFFFu;
+  return u < kInfBits ? u : kInfBits;
+}
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+// |x| as float; NaN and +-Inf become +inf.
 template <typename T>
 inline float Magnitude(T v) {
   const float a = std::fabs(static_cast<float>(v));
   return a <= FLT_MAX ? a : INFINITY;
 }
 
-// Contiguous ranges of x processed in parallel; results are kept per range, so they do not
-// depend on which thread ran which range.
+// Contiguous ranges of x processed in parallel, one per thread (each range's list carries a
+// fixed slack, and its share of k is larger and steadier the larger the range); results are
+// kept per range, so they do not depend on which thread ran which range. A range has fewer
+// than 2^31 elements.
 struct Ranges {
   int64_t n, size, count;
   Ranges(int64_t n_, int threads) : n(n_) {
-    size = std::max<int64_t>(int64_t{1} << 15, (n + 4 * threads - 1) / (4 * threads));
+    size = std::max<int64_t>(int64_t{1} << 15, (n + threads - 1) / threads);
+    size = std::min<int64_t>(size, int64_t{1} << 30);
     size = (size + kSumBlock - 1) / kSumBlock * kSumBlock;  // whole summation blocks
     count = (n + size - 1) / size;
   }
@@ -79,9 +112,10 @@ void ParallelRanges(const CPUDevice& dev, const Ranges& ranges, double cycles_pe
 // number of threads, so that mean(|x|) is reproducible bit for bit (and equals the
 // reference's): blocks of kSumBlock elements, each summed in kSumLanes interleaved float32
 // lanes (lane l takes the elements i = l mod kSumLanes, in order; these vectorize), the
-// lanes added in float64 in order, then the block sums in float64 in order.
+// lanes added in float64 in order, then the block sums in float64 pairwise
+// (mstopk::PairwiseSum: a fixed tree that the GPU reduces in parallel).
 struct Stats {
-  float max = 0;
+  float max = 0, min = INFINITY;  // min over every magnitude (non-finite ones count as +inf)
   int64_t nonfinite = 0;
 };
 
@@ -89,7 +123,9 @@ struct Stats {
 HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
   float sum[kSumLanes] = {};
   float max[kSumLanes] = {};
+  float min[kSumLanes];
   int32_t bad[kSumLanes] = {};
+  for (int l = 0; l < kSumLanes; ++l) min[l] = INFINITY;
   int64_t i = 0;
   for (; i + kSumLanes <= n; i += kSumLanes) {
     for (int l = 0; l < kSumLanes; ++l) {
@@ -98,6 +134,7 @@ HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
       const float m = finite ? a : 0.0f;
       sum[l] += m;
       max[l] = max[l] > m ? max[l] : m;
+      min[l] = min[l] < a ? min[l] : a;  // NaN compares false: keeps min
       bad[l] += finite ? 0 : 1;
     }
   }
@@ -107,51 +144,81 @@ HVDX_MULTIVERSION double BlockStats(const float* x, int64_t n, Stats* stats) {
     const float m = finite ? a : 0.0f;
     sum[l] += m;
     max[l] = max[l] > m ? max[l] : m;
+    min[l] = min[l] < a ? min[l] : a;
     bad[l] += finite ? 0 : 1;
   }
   double block = 0;
   for (int l = 0; l < kSumLanes; ++l) {
     block += static_cast<double>(sum[l]);
     stats->max = std::max(stats->max, max[l]);
+    stats->min = std::min(stats->min, min[l]);
     stats->nonfinite += bad[l];
   }
   return block;
 }
 
-// at_least[j] += count(|x[i]| >= edge[j]) for the kCoarse edges (compares vectorize).
-HVDX_MULTIVERSION void CountAtLeast(const float* x, int64_t n, const float* edge, int64_t* at_least) {
-  int32_t count[kCoarse] = {};
-  for (int64_t i = 0; i < n; ++i) {
-    const float a = Magnitude(x[i]);
-    for (int j = 0; j < kCoarse; ++j) count[j] += a >= edge[j] ? 1 : 0;
-  }
-  for (int j = 0; j < kCoarse; ++j) at_least[j] += count[j];
+// hist[bucket(|x[i]|)] += 1.
+HVDX_MULTIVERSION void Histogram(const float* x, int64_t n, uint32_t* hist) {
+  for (int64_t i = 0; i < n; ++i) ++hist[MagBits(x[i]) >> kKeyShift];
 }
 
-// Appends (offset + i, |x[i]|) for every |x[i]| >= lowest, in order. Hits are rare: each
-// group of 16 is tested at once and only groups with a hit are looked at one by one.
-HVDX_MULTIVERSION void CollectAtLeast(const float* x, int64_t n, float lowest, int64_t offset,
-                                      std::vector<int64_t>* index, std::vector<float>* mag) {
+// A list of (position, magnitude bits) with room for one more block written without
+// bounds checks: `size` entries are valid.
+struct List {
+  std::vector<uint32_t> position, bits;
+  int64_t size = 0;
+  void Reserve(int64_t n) {
+    if (static_cast<int64_t>(bits.size()) < n) {
+      const int64_t grown = std::max<int64_t>(n, 2 * static_cast<int64_t>(bits.size()));
+      position.resize(grown);
+      bits.resize(grown);
+    }
+  }
+};
+
+// Appends (base + i, bits of |x[i]|) for every element with bits >= lowest, in order; the
+// list has room for n more. Hits are rare: the largest of each group of 32 is tested (this
+// vectorizes), and groups with a hit are written without branches.
+HVDX_MULTIVERSION void CollectAtLeast(const float* x, int64_t n, uint32_t lowest, uint32_t base, List* list) {
+  constexpr int kGroup = 32;
+  uint32_t* position = list->position.data();
+  uint32_t* bits = list->bits.data();
+  int64_t size = list->size;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    int hit = 0;
-    for (int l = 0; l < 16; ++l) hit |= Magnitude(x[i + l]) >= lowest ? 1 : 0;
-    if (!hit) continue;
-    for (int l = 0; l < 16; ++l) {
-      const float a = Magnitude(x[i + l]);
-      if (a >= lowest) {
-        index->push_back(offset + i + l);
-        mag->push_back(a);
-      }
+  for (; i + kGroup <= n; i += kGroup) {
+    uint32_t largest = 0;
+    for (int l = 0; l < kGroup; ++l) largest = std::max(largest, MagBits(x[i + l]));
+    if (largest < lowest) continue;
+    for (int l = 0; l < kGroup; ++l) {
+      const uint32_t u = MagBits(x[i + l]);
+      position[size] = base + static_cast<uint32_t>(i + l);
+      bits[size] = u;
+      size += u >= lowest ? 1 : 0;
     }
   }
   for (; i < n; ++i) {
-    const float a = Magnitude(x[i]);
-    if (a >= lowest) {
-      index->push_back(offset + i);
-      mag->push_back(a);
-    }
+    const uint32_t u = MagBits(x[i]);
+    position[size] = base + static_cast<uint32_t>(i);
+    bits[size] = u;
+    size += u >= lowest ? 1 : 0;
   }
+  list->size = size;
+}
+
+// counts[j] += count(|x[i]| >= f[j]) for the m thresholds f (as float bits).
+HVDX_MULTIVERSION void CountThresholds(const float* x, int64_t n, const uint32_t* f, int m, int64_t* counts) {
+  for (int j = 0; j < m; ++j) {
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; ++i) c += MagBits(x[i]) >= f[j] ? 1 : 0;
+    counts[j] += c;
+  }
+}
+
+// count(bits[j] >= f) (vectorizes).
+HVDX_MULTIVERSION int64_t CountAtLeast(const uint32_t* bits, int64_t n, uint32_t f) {
+  int64_t count = 0;
+  for (int64_t j = 0; j < n; ++j) count += bits[j] >= f ? 1 : 0;
+  return count;
 }
 
 // x[begin, end) as float blocks of at most kSumBlock elements: f(offset, block, n).
@@ -169,15 +236,40 @@ void ForFloatBlocks(const T* x, int64_t begin, int64_t end, F f) {
   }
 }
 
-// Per-range lists of (index, |x|) in index order.
-struct Candidates {
-  std::vector<std::vector<int64_t>> index;
-  std::vector<std::vector<float>> magnitude;
-  explicit Candidates(int64_t ranges) : index(ranges), magnitude(ranges) {}
-  int64_t size() const {
+// What the scan keeps of one range: the list of every element of the range with bucket
+// >= cut (position in the range, magnitude bits), in index order. When the list exceeds
+// `cap` entries, the cut rises to the lowest bucket that keeps at most cap / 2 of them
+// (a histogram of the list tells which), and the list drops what fell below it.
+struct RangeScan : List {
+  uint32_t cut = 0;
+  int64_t cap = 0;
+
+  // Appends the elements of one block at or above the cut; compacts when over cap.
+  void Collect(const float* x, int64_t n, uint32_t base) {
+    Reserve(size + n);
+    CollectAtLeast(x, n, cut << kKeyShift, base, this);
+    if (size > cap) Compact();
+  }
+  void Compact() {
+    std::vector<uint32_t> hist(kKeys, 0);
+    for (int64_t j = 0; j < size; ++j) ++hist[bits[j] >> kKeyShift];
+    int64_t kept = 0;
+    uint32_t key = kKeys;
+    while (key > 0 && kept + hist[key - 1] <= cap / 2) kept += hist[--key];
+    Keep(key);
+  }
+  // Keeps the entries with bucket >= key (key >= cut).
+  void Keep(uint32_t key) {
+    cut = key;
+    const uint32_t lowest = key << kKeyShift;
     int64_t n = 0;
-    for (const auto& v : index) n += v.size();
-    return n;
+    for (int64_t j = 0; j < size; ++j) {
+      if (bits[j] >= lowest) {
+        position[n] = position[j];
+        bits[n++] = bits[j];
+      }
+    }
+    size = n;
   }
 };
 
@@ -233,40 +325,63 @@ void Select(const CPUDevice& dev, int64_t ranges, double cycles, Visit visit, fl
   });
 }
 
+// One round of the bisection: its threshold, and nnz = count(|x| >= thres) known to lie in
+// [lower, upper] (exact when equal).
+struct Round {
+  double thres;
+  uint32_t f;  // bits of FloatCeil(thres)
+  bool at_most_k;
+  int64_t lower, upper;
+};
+
 }  // namespace
 
 namespace functor {
 
 template <typename T, typename Tidx>
 struct MsTopK<CPUDevice, T, Tidx> {
-  void operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                  uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
+  static int64_t ScratchBytes(int64_t) { return 0; }
+
+  ::tensorflow::Status operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
     thresholds[0] = HUGE_VAL;
     thresholds[1] = 0.0;
+    if (k == 0) return ::tensorflow::OkStatus();
     if (k >= d) {  // everything, in index order
       for (int64_t i = 0; i < d; ++i) {
         indices[i] = static_cast<Tidx>(i);
         values[i] = x[i];
       }
-      return;
+      return ::tensorflow::OkStatus();
     }
     const Ranges ranges(d, dev.numThreads());
 
-    // Pass 1: mean and max of the finite magnitudes.
+    // Pass 1: mean and max of the finite magnitudes; per range the list of its largest
+    // elements: after compaction at most twice its share of k plus 4096 (1/64 of a
+    // small range), for large
+    // densities 1/32 of the range, but 1.25 shares at least), twice that in between. Each
+    // element pushed costs more than a pass's read of it, so the lists stay short; a
+    // threshold below them is decided from their counts (it counts more than k).
     std::vector<Stats> part(ranges.count);
     std::vector<double> block_sums((d + kSumBlock - 1) / kSumBlock);
-    ParallelRanges(dev, ranges, 2, [&](int64_t c, int64_t b, int64_t e) {
+    std::vector<RangeScan> scans(ranges.count);
+    ParallelRanges(dev, ranges, 3, [&](int64_t c, int64_t b, int64_t e) {
+      RangeScan& s = scans[c];
+      const double share = static_cast<double>(k) * static_cast<double>(e - b) / static_cast<double>(d);
+      const int64_t slack = std::min<int64_t>(4096, (e - b) / 64);
+      s.cap = 2 * (static_cast<int64_t>(std::max(std::min(2 * share, (e - b) / 32.0), 1.25 * share)) + slack);
       ForFloatBlocks(x, b, e, [&](int64_t offset, const float* block, int64_t n) {
         block_sums[offset / kSumBlock] = BlockStats(block, n, &part[c]);
+        s.Collect(block, n, static_cast<uint32_t>(offset - b));
       });
     });
     Stats all;
     for (const Stats& s : part) {
       all.max = std::max(all.max, s.max);
+      all.min = std::min(all.min, s.min);
       all.nonfinite += s.nonfinite;
     }
-    double sum = 0;
-    for (double s : block_sums) sum += s;
+    const double sum = mstopk::PairwiseSum(block_sums.data(), static_cast<int64_t>(block_sums.size()));
     const int64_t finite = d - all.nonfinite;
     const double max = all.max;
     const double mean = finite > 0 ? std::min(sum / static_cast<double>(finite), max) : 0.0;
@@ -290,75 +405,119 @@ struct MsTopK<CPUDevice, T, Tidx> {
       for (int64_t n : count) nnz += n;
       for (int r = 0; r < num_samplings; ++r) bis.Update(nnz);
     } else {
-      // Pass 2: the first b = min(N, 4) rounds query only ratios j / 16: count every
-      // element against those 16 thresholds at once.
-      const int bits = std::min(num_samplings, kCoarseBits);
-      const int64_t bins = kCoarse;
-      float edge[kCoarse];
-      for (int64_t j = 0; j < bins; ++j)
-        edge[j] = mstopk::FloatCeil(bis.ThresholdAt(static_cast<double>(j) / bins));
-      std::vector<std::vector<int64_t>> part_counts(ranges.count, std::vector<int64_t>(bins));
-      ParallelRanges(dev, ranges, 3, [&](int64_t c, int64_t b, int64_t e) {
-        ForFloatBlocks(x, b, e, [&](int64_t, const float* block, int64_t n) {
-          CountAtLeast(block, n, edge, part_counts[c].data());
-        });
-      });
-      std::vector<int64_t> at_least(bins, 0);  // count(a >= edge[j])
-      for (const auto& counts : part_counts)
-        for (int64_t j = 0; j < bins; ++j) at_least[j] += counts[j];
-      for (int r = 0; r < bits; ++r)
-        bis.Update(at_least[static_cast<int64_t>(bis.Ratio() * bins)]);
-
-      // Pass 3: collect every element at or above the interval the bisection is in (a few
-      // more than k for small densities), in index order.
-      const float floor_edge = edge[static_cast<int64_t>(bis.lo * bins)];
-      Candidates cand(ranges.count);
-      ParallelRanges(dev, ranges, 1, [&](int64_t c, int64_t b, int64_t e) {
-        ForFloatBlocks(x, b, e, [&](int64_t offset, const float* block, int64_t n) {
-          CollectAtLeast(block, n, floor_edge, offset, &cand.index[c], &cand.magnitude[c]);
-        });
-      });
-
-      // Rounds b+1..N over the shrinking set of magnitudes inside the interval.
-      if (num_samplings > bits) {
-        std::vector<float> live;
-        int64_t above = 0;
-        const float top = mstopk::FloatCeil(bis.ThresholdAt(bis.hi));
-        for (const auto& m : cand.magnitude) {
-          for (float a : m) {
-            if (a >= top) ++above;
-            else live.push_back(a);
-          }
-        }
-        for (int r = bits; r < num_samplings; ++r) {
-          const float f = mstopk::FloatCeil(bis.Threshold());
-          int64_t nnz = above;
-          for (float a : live) nnz += a >= f;
-          bis.Update(nnz);
-          const float lo = mstopk::FloatCeil(bis.ThresholdAt(bis.lo));
-          const float hi = mstopk::FloatCeil(bis.ThresholdAt(bis.hi));
-          auto keep = std::remove_if(live.begin(), live.end(), [&](float a) {
-            above += a >= hi;
-            return a >= hi || a < lo;
+      const uint32_t lowest = ExactFrom(dev, ranges, x, k, &scans);
+      // live[c]: range c's listed magnitudes (float bits) in [lo, hi) of the bisection's
+      // interval; listed[c]: how many of them were at or above hi.
+      std::vector<std::vector<uint32_t>> live(ranges.count);
+      std::vector<int64_t> listed(ranges.count, 0);
+      int64_t total_live = 0;
+      for (int64_t c = 0; c < ranges.count; ++c) {
+        const RangeScan& s = scans[c];
+        for (int64_t j = 0; j < s.size; ++j)
+          if (s.bits[j] >= lowest) live[c].push_back(s.bits[j]);
+        total_live += live[c].size();
+      }
+      const int64_t at_lowest = total_live;  // count(|x| >= lowest)
+      const uint32_t min_bits = MagBits(all.min);
+      auto live_cost = [&]() {
+        const double per = static_cast<double>(total_live) / ranges.count + 1;
+        return Eigen::TensorOpCost(per * 4, 0, per);
+      };
+      uint32_t lo_bits = lowest, hi_bits = 0xFFFFFFFFu;
+      std::vector<Round> rounds;
+      std::vector<int64_t> count(ranges.count);
+      for (int r = 0; r < num_samplings; ++r) {
+        const double ratio = bis.Ratio(), thres = bis.ThresholdAt(ratio);
+        const uint32_t f = FloatBits(mstopk::FloatCeil(thres));
+        // Below `lowest` (below the (k+1)-th magnitude's bucket): more than k, at least as
+        // many as at `lowest`, all d only when no magnitude is smaller.
+        Round round{thres, f, false, at_lowest, f > min_bits ? d - 1 : d};
+        if (f <= min_bits) round.lower = d;
+        if (f >= lowest) {  // exact, and lo_bits <= f <= hi_bits
+          dev.parallelFor(ranges.count, live_cost(), [&](Eigen::Index first, Eigen::Index last) {
+            for (Eigen::Index c = first; c < last; ++c)
+              count[c] = listed[c] + CountAtLeast(live[c].data(), live[c].size(), f);
           });
-          live.erase(keep, live.end());
+          int64_t nnz = 0;
+          for (int64_t n : count) nnz += n;
+          round.lower = round.upper = nnz;
+          round.at_most_k = nnz <= k;
+        }
+        rounds.push_back(round);
+        if (round.at_most_k) bis.hi = ratio;
+        else bis.lo = ratio;
+        // Shrink the lists to the new interval.
+        const uint32_t new_hi = FloatBits(mstopk::FloatCeil(bis.ThresholdAt(bis.hi)));
+        const uint32_t new_lo = std::max(lowest, FloatBits(mstopk::FloatCeil(bis.ThresholdAt(bis.lo))));
+        if (new_hi < hi_bits || new_lo > lo_bits) {
+          hi_bits = std::min(hi_bits, new_hi);
+          lo_bits = std::max(lo_bits, new_lo);
+          dev.parallelFor(ranges.count, live_cost(), [&](Eigen::Index first, Eigen::Index last) {
+            for (Eigen::Index c = first; c < last; ++c) {
+              std::vector<uint32_t>& v = live[c];
+              size_t n = 0;
+              for (uint32_t u : v) {
+                listed[c] += u >= hi_bits;
+                if (u >= lo_bits && u < hi_bits) v[n++] = u;
+              }
+              v.resize(n);
+            }
+          });
+          total_live = 0;
+          for (const auto& v : live) total_live += v.size();
         }
       }
 
-      if (bis.has_thres2) {
-        // The band lies above thres2 >= the collected floor: select from the candidates.
-        const float f1 = mstopk::FloatCeil(bis.thres1), f2 = mstopk::FloatCeil(bis.thres2);
-        auto visit_cand = [&](int64_t c, auto emit) {
-          const auto& idx = cand.index[c];
-          const auto& mag = cand.magnitude[c];
-          for (size_t j = 0; j < idx.size(); ++j) emit(idx[j], mag[j]);
+      // thres1 (lines 13-16): the first round with the largest count <= k (all exact).
+      for (const Round& round : rounds) {
+        if (round.at_most_k && round.lower > bis.k1) {
+          bis.k1 = round.lower;
+          bis.thres1 = round.thres;
+          bis.has_thres1 = true;
+        }
+      }
+      // thres2 (lines 19-22): the first round with the smallest count > k, if below d.
+      // If the bounds of the counts below `lowest` cannot decide, x is read once more
+      // to count those thresholds exactly.
+      bool exact = false;
+      for (;;) {
+        int64_t best_lower = d, best_upper = d;
+        bool undecided = false;
+        bis.has_thres2 = false;
+        bis.thres2 = 0.0;
+        for (const Round& round : rounds) {
+          if (round.at_most_k) continue;
+          if (round.upper < best_lower) {
+            best_lower = round.lower;
+            best_upper = round.upper;
+            bis.thres2 = round.thres;
+            bis.has_thres2 = true;
+          } else if (round.lower < best_upper) {
+            undecided = true;
+            break;
+          }
+        }
+        if (!undecided || exact) break;
+        ExactCounts(dev, ranges, x, &rounds);
+        exact = true;
+      }
+
+      const float f1 = mstopk::FloatCeil(bis.thres1), f2 = mstopk::FloatCeil(bis.thres2);
+      if (FloatBits(f2) >= lowest) {
+        // The band lies at or above every range's cut: select from the lists.
+        int64_t listed_total = 0;
+        for (const RangeScan& s : scans) listed_total += s.size;
+        auto visit_list = [&](int64_t c, auto emit) {
+          const RangeScan& s = scans[c];
+          const int64_t b = ranges.begin(c);
+          for (int64_t j = 0; j < s.size; ++j) emit(b + s.position[j], BitsFloat(s.bits[j]));
         };
-        Select(dev, ranges.count, static_cast<double>(cand.size()) / ranges.count + 1, visit_cand,
+        Select(dev, ranges.count, static_cast<double>(listed_total) / ranges.count + 1, visit_list,
                f1, f2, k, random, &selected);
       }
     }
     if (selected.empty()) {
-      // The band reaches below mean (thres2 = 0) or every threshold was equal: read x again.
+      // The band reaches below the lists (or every threshold was equal): read x again.
       const float f1 = mstopk::FloatCeil(bis.thres1), f2 = mstopk::FloatCeil(bis.thres2);
       Select(dev, ranges.count, static_cast<double>(ranges.size), visit_x, f1, f2, k, random,
              &selected);
@@ -369,6 +528,83 @@ struct MsTopK<CPUDevice, T, Tidx> {
     }
     thresholds[0] = bis.thres1;
     thresholds[1] = bis.thres2;
+    return ::tensorflow::OkStatus();
+  }
+
+ private:
+  // Makes sure that no range's cut lies above the bucket of the (k+1)-th largest
+  // magnitude, and returns the float bits from which on every range's list holds all of
+  // its elements: any threshold below them counts more than k. The lists give the counts
+  // per bucket above the highest cut; only if those hold k or fewer (a range held far
+  // more than its share of the large elements) is x read again: a histogram of it, then
+  // the ranges whose cut is too high collect again.
+  static uint32_t ExactFrom(const CPUDevice& dev, const Ranges& ranges, const T* x, int64_t k,
+                            std::vector<RangeScan>* scans) {
+    // at_least[key]: listed elements in buckets >= key. Exact for key >= every cut, a lower
+    // bound on count(bucket >= key) below.
+    std::vector<int64_t> at_least(kKeys + 1, 0);
+    uint32_t cut_max = 0;
+    for (const RangeScan& s : *scans) {
+      cut_max = std::max(cut_max, s.cut);
+      for (int64_t j = 0; j < s.size; ++j) ++at_least[s.bits[j] >> kKeyShift];
+    }
+    for (int key = kKeys - 1; key >= 0; --key) at_least[key] += at_least[key + 1];
+    if (at_least[cut_max] > k) return cut_max << kKeyShift;
+    // Some range held far more than its share of the large elements: the highest bucket
+    // whose lower bound already exceeds k is at or below the (k+1)-th magnitude's, and
+    // the ranges cut above it collect again from it. Without one (the lists hold k or
+    // fewer in all), a histogram of x finds the (k+1)-th magnitude's bucket.
+    uint32_t target = cut_max;
+    while (target > 0 && at_least[target] <= k) --target;
+    if (at_least[target] <= k) {
+      std::vector<std::vector<uint32_t>> hist(ranges.count, std::vector<uint32_t>(kKeys, 0));
+      ParallelRanges(dev, ranges, 3, [&](int64_t c, int64_t b, int64_t e) {
+        ForFloatBlocks(x, b, e, [&](int64_t, const float* block, int64_t n) {
+          Histogram(block, n, hist[c].data());
+        });
+      });
+      int64_t above = 0;
+      target = kKeys;
+      while (above <= k) {  // terminates: k < d
+        --target;
+        for (const auto& h : hist) above += h[target];
+      }
+    }
+    ParallelRanges(dev, ranges, 1, [&](int64_t c, int64_t b, int64_t e) {
+      RangeScan& s = (*scans)[c];
+      if (s.cut <= target) return;
+      s.size = 0;
+      s.cut = target;
+      s.cap = std::numeric_limits<int64_t>::max();
+      ForFloatBlocks(x, b, e, [&](int64_t offset, const float* block, int64_t n) {
+        s.Collect(block, n, static_cast<uint32_t>(offset - b));
+      });
+    });
+    cut_max = 0;
+    for (const RangeScan& s : *scans) cut_max = std::max(cut_max, s.cut);
+    return cut_max << kKeyShift;
+  }
+
+  // Makes the count of every inexact round exact, in one more pass over x.
+  static void ExactCounts(const CPUDevice& dev, const Ranges& ranges, const T* x, std::vector<Round>* rounds) {
+    std::vector<uint32_t> f;
+    for (const Round& r : *rounds)
+      if (r.lower != r.upper) f.push_back(r.f);
+    const int m = static_cast<int>(f.size());
+    std::vector<std::vector<int64_t>> counts(ranges.count, std::vector<int64_t>(m, 0));
+    ParallelRanges(dev, ranges, m + 1, [&](int64_t c, int64_t b, int64_t e) {
+      ForFloatBlocks(x, b, e, [&](int64_t, const float* block, int64_t n) {
+        CountThresholds(block, n, f.data(), m, counts[c].data());
+      });
+    });
+    int j = 0;
+    for (Round& r : *rounds) {
+      if (r.lower == r.upper) continue;
+      int64_t n = 0;
+      for (const auto& v : counts) n += v[j];
+      r.lower = r.upper = n;
+      ++j;
+    }
   }
 };
 
@@ -428,23 +664,17 @@ class MsTopKOp : public OpKernel {
       std::lock_guard<std::mutex> lock(mu_);
       random = rng_();
     }
+    using Functor = functor::MsTopK<Device, T, Tidx>;
     void* scratch_ptr = nullptr;
     Tensor scratch;
-    if constexpr (std::is_same_v<Device, CPUDevice>) {
-      if (k == 0) {
-        thresholds->flat<double>()(0) = HUGE_VAL;
-        thresholds->flat<double>()(1) = 0.0;
-        return;
-      }
-    } else {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8,
-                                             TensorShape({mstopk::GpuScratchBytes(d)}), &scratch));
+    const int64_t scratch_bytes = Functor::ScratchBytes(d);
+    if (scratch_bytes > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8, TensorShape({scratch_bytes}), &scratch));
       scratch_ptr = scratch.flat<::tensorflow::int8>().data();
     }
-    functor::MsTopK<Device, T, Tidx>()(ctx->eigen_device<Device>(), x.flat<T>().data(), d, k,
-                                       num_samplings_, random, values->flat<T>().data(),
-                                       indices->flat<Tidx>().data(), thresholds->flat<double>().data(),
-                                       scratch_ptr);
+    OP_REQUIRES_OK(ctx, Functor()(ctx->eigen_device<Device>(), x.flat<T>().data(), d, k, num_samplings_, random,
+                                  values->flat<T>().data(), indices->flat<Tidx>().data(),
+                                  thresholds->flat<double>().data(), scratch_ptr));
   }
 
  private:

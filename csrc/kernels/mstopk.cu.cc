@@ -1,21 +1,29 @@
 // CUDA kernel of HvdxMstopk (shi2021, Algorithm 1), same semantics as the CPU kernel.
 //
-// Everything stays on the device; the host only enqueues kernels on TensorFlow's stream:
+// Everything stays on the device; the host only enqueues kernels on TensorFlow's stream,
+// and checks every launch (kernels/gpu_launch.h):
 //   stats   one thread per (sum block, lane): the fixed-order sum of BlockStats (mstopk.cc),
-//           max and non-finite count; one thread then folds the lanes and blocks in order;
+//           max and non-finite count; the 16 lanes of a block folded in order in shared
+//           memory; the block sums added pairwise by a parallel tree (mstopk::PairwiseSum's
+//           order), 512 per thread block and level;
 //   rounds  N x (count |x| >= threshold, one thread updates the Bisection), as Algorithm 1
 //           is written: on a GPU a pass is cheap and the state never leaves the device;
-//   select  per chunk counts of the above set and the band, one thread for the prefix sums
-//           and the window, then a block-wide scan writes every selected element in order.
+//   select  per chunk of 4096 (loaded coalesced, through shared memory) the counts of the
+//           above set and the band; device-wide exclusive scans of those counts; one thread
+//           places the window; then a block-wide scan writes every selected element in order.
 #if GOOGLE_CUDA
 #define EIGEN_USE_GPU
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
+#include <cub/block/block_load.cuh>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
+#include <cub/device/device_scan.cuh>
 
+#include "kernels/gpu_launch.h"
 #include "kernels/mstopk.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
@@ -28,7 +36,9 @@ using mstopk::kSumBlock;
 using mstopk::kSumLanes;
 
 constexpr int kThreads = 256;
-constexpr int kPerThread = kSumBlock / kThreads;  // 16 consecutive elements per thread
+constexpr int kPerThread = kSumBlock / kThreads;  // a chunk of kSumBlock elements per thread block
+constexpr int kTree = 2 * kThreads;               // block sums added per thread block and level
+static_assert(kThreads % kSumLanes == 0, "a thread block holds whole sum blocks");
 
 struct MaxOp {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
@@ -39,8 +49,54 @@ __device__ inline float Mag(float v) {
   return a <= FLT_MAX ? a : INFINITY;
 }
 
+inline int64_t Align(int64_t bytes) { return (bytes + 255) / 256 * 256; }
+inline int64_t Chunks(int64_t d) { return (d + kSumBlock - 1) / kSumBlock; }
+
+// Scratch layout, in 256-byte aligned pieces.
+struct Scratch {
+  GpuState* st;
+  double *block_sums, *tree;
+  int64_t *above, *band, *above_start, *band_start;
+  void* scan;
+  size_t scan_bytes;
+};
+
+size_t ScanBytes(int64_t chunks) {
+  size_t bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, bytes, static_cast<const int64_t*>(nullptr), static_cast<int64_t*>(nullptr),
+                                static_cast<int>(chunks));
+  return bytes;
+}
+
+Scratch Layout(void* base, int64_t d) {
+  const int64_t chunks = Chunks(d);
+  char* p = static_cast<char*>(base);
+  Scratch s;
+  s.st = reinterpret_cast<GpuState*>(p);
+  p += Align(sizeof(GpuState));
+  s.block_sums = reinterpret_cast<double*>(p);
+  p += Align(chunks * 8);
+  s.tree = reinterpret_cast<double*>(p);
+  p += Align(((chunks + kTree - 1) / kTree) * 8);
+  int64_t** counts[] = {&s.above, &s.band, &s.above_start, &s.band_start};
+  for (int64_t** c : counts) {
+    *c = reinterpret_cast<int64_t*>(p);
+    p += Align(chunks * 8);
+  }
+  s.scan = p;
+  s.scan_bytes = ScanBytes(chunks);
+  return s;
+}
+
+__global__ void ResetState(GpuState* st) {
+  st->max_bits = 0;
+  st->nonfinite = 0;
+  st->nnz = 0;
+}
+
+// One thread per (sum block, lane); the lanes of each sum block are folded in order.
 template <typename T>
-__global__ void LaneStats(const T* x, int64_t d, int64_t lanes, double* lane_sums, GpuState* st) {
+__global__ void LaneStats(const T* x, int64_t d, int64_t lanes, double* block_sums, GpuState* st) {
   const int64_t t = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   float sum = 0;
   float max = 0;
@@ -56,36 +112,49 @@ __global__ void LaneStats(const T* x, int64_t d, int64_t lanes, double* lane_sum
       max = fmaxf(max, m);
       bad += finite ? 0 : 1;
     }
-    lane_sums[t] = static_cast<double>(sum);
   }
+  __shared__ double lane_sums[kThreads];
+  lane_sums[threadIdx.x] = static_cast<double>(sum);
   using ReduceF = cub::BlockReduce<float, kThreads>;
   using ReduceU = cub::BlockReduce<unsigned long long, kThreads>;
   __shared__ typename ReduceF::TempStorage tf;
   __shared__ typename ReduceU::TempStorage tu;
   const float block_max = ReduceF(tf).Reduce(max, MaxOp());
   const unsigned long long block_bad = ReduceU(tu).Sum(bad);
+  __syncthreads();
+  if (t < lanes && t % kSumLanes == 0) {
+    double folded = 0;
+    for (int l = 0; l < kSumLanes; ++l) folded = __dadd_rn(folded, lane_sums[threadIdx.x + l]);
+    block_sums[t / kSumLanes] = folded;
+  }
   if (threadIdx.x == 0) {
     atomicMax(&st->max_bits, __float_as_uint(block_max));  // non-negative floats order as uints
     atomicAdd(&st->nonfinite, block_bad);
   }
 }
 
-__global__ void ResetState(GpuState* st) {
-  st->max_bits = 0;
-  st->nonfinite = 0;
-  st->nnz = 0;
+// One level of mstopk::PairwiseSum for kTree sums per thread block: out[b] = the pairwise
+// tree of in[b * kTree, (b + 1) * kTree), missing sums being zeros (x + 0 = x exactly).
+__global__ void PairwiseLevel(const double* in, int64_t n, double* out) {
+  __shared__ double s[kTree];
+  const int64_t base = blockIdx.x * static_cast<int64_t>(kTree);
+  for (int j = threadIdx.x; j < kTree; j += blockDim.x) s[j] = base + j < n ? in[base + j] : 0.0;
+  __syncthreads();
+  for (int width = kTree; width > 1; width /= 2) {
+    double v = 0;
+    const int half = width / 2;
+    if (threadIdx.x < half) v = __dadd_rn(s[2 * threadIdx.x], s[2 * threadIdx.x + 1]);
+    __syncthreads();
+    if (threadIdx.x < half) s[threadIdx.x] = v;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) out[blockIdx.x] = s[0];
 }
 
-__global__ void InitBisection(const double* lane_sums, int64_t blocks, int64_t d, int64_t k, GpuState* st) {
-  double sum = 0;
-  for (int64_t b = 0; b < blocks; ++b) {
-    double block = 0;
-    for (int l = 0; l < kSumLanes; ++l) block = __dadd_rn(block, lane_sums[b * kSumLanes + l]);
-    sum = __dadd_rn(sum, block);
-  }
+__global__ void InitBisection(const double* sum, int64_t d, int64_t k, GpuState* st) {
   const double max = static_cast<double>(__uint_as_float(st->max_bits));
   const int64_t finite = d - static_cast<int64_t>(st->nonfinite);
-  const double mean = finite > 0 ? fmin(__ddiv_rn(sum, static_cast<double>(finite)), max) : 0.0;
+  const double mean = finite > 0 ? fmin(__ddiv_rn(*sum, static_cast<double>(finite)), max) : 0.0;
   st->bis = mstopk::Bisection(mean, max, k, d);
   st->nnz = 0;
 }
@@ -108,16 +177,31 @@ __global__ void UpdateRound(GpuState* st) {
   st->nnz = 0;
 }
 
-// This thread's kPerThread consecutive elements of its chunk: how many are above (a >= f1)
-// and how many in the band (f2 <= a < f1).
+// This thread's kPerThread consecutive elements of chunk blockIdx.x, loaded coalesced
+// through shared memory (cub's transposing load), as magnitudes; past d: -1 (never counted).
 template <typename T>
-__device__ void CountMine(const T* x, int64_t d, int64_t start, float f1, float f2, int* na, int* nb) {
+struct ChunkLoad {
+  using Loader = cub::BlockLoad<T, kThreads, kPerThread, cub::BLOCK_LOAD_TRANSPOSE>;
+  typename Loader::TempStorage temp;
+
+  __device__ void Magnitudes(const T* x, int64_t d, float (&a)[kPerThread]) {
+    const int64_t start = blockIdx.x * static_cast<int64_t>(kSumBlock);
+    const int valid = static_cast<int>(d - start < kSumBlock ? d - start : kSumBlock);
+    T items[kPerThread];
+    Loader(temp).Load(x + start, items, valid, T(0.0f));
+    for (int j = 0; j < kPerThread; ++j) {
+      const int64_t i = static_cast<int64_t>(threadIdx.x) * kPerThread + j;
+      a[j] = i < valid ? Mag(static_cast<float>(items[j])) : -1.0f;
+    }
+  }
+};
+
+__device__ inline void CountMine(const float (&a)[kPerThread], float f1, float f2, int* na, int* nb) {
   *na = 0;
   *nb = 0;
-  for (int j = 0; j < kPerThread && start + j < d; ++j) {
-    const float a = Mag(static_cast<float>(x[start + j]));
-    *na += a >= f1;
-    *nb += a >= f2 && a < f1;
+  for (int j = 0; j < kPerThread; ++j) {
+    *na += a[j] >= f1;
+    *nb += a[j] >= f2 && a[j] < f1;
   }
 }
 
@@ -125,9 +209,11 @@ __device__ void CountMine(const T* x, int64_t d, int64_t start, float f1, float 
 template <typename T>
 __global__ void SelectCount(const T* x, int64_t d, const GpuState* st, int64_t* above, int64_t* band) {
   const float f1 = mstopk::FloatCeil(st->bis.thres1), f2 = mstopk::FloatCeil(st->bis.thres2);
-  const int64_t start = blockIdx.x * kSumBlock + threadIdx.x * static_cast<int64_t>(kPerThread);
+  __shared__ ChunkLoad<T> load;
+  float a[kPerThread];
+  load.Magnitudes(x, d, a);
   int na, nb;
-  CountMine(x, d, start, f1, f2, &na, &nb);
+  CountMine(a, f1, f2, &na, &nb);
   using Reduce = cub::BlockReduce<int, kThreads>;
   __shared__ typename Reduce::TempStorage ta, tb;
   const int total_a = Reduce(ta).Sum(na);
@@ -138,17 +224,12 @@ __global__ void SelectCount(const T* x, int64_t d, const GpuState* st, int64_t* 
   }
 }
 
-// One thread: exclusive prefix sums of the chunk counts, the window, the thresholds.
-__global__ void SelectPlan(GpuState* st, int64_t* above, int64_t* band, int64_t chunks, int64_t k,
-                           uint64_t random, double* thresholds) {
-  int64_t k1 = 0, nband = 0;
-  for (int64_t c = 0; c < chunks; ++c) {
-    const int64_t a = above[c], b = band[c];
-    above[c] = k1;
-    band[c] = nband;
-    k1 += a;
-    nband += b;
-  }
+// One thread: the totals, the window, the thresholds (the prefix sums are cub's).
+__global__ void SelectPlan(GpuState* st, const int64_t* above, const int64_t* band, const int64_t* above_start,
+                           const int64_t* band_start, int64_t chunks, int64_t k, uint64_t random,
+                           double* thresholds) {
+  const int64_t k1 = above_start[chunks - 1] + above[chunks - 1];
+  const int64_t nband = band_start[chunks - 1] + band[chunks - 1];
   st->above_is_band = k1 > k;
   st->k1 = k1;
   st->band = nband;
@@ -162,9 +243,11 @@ template <typename T, typename Tidx>
 __global__ void SelectWrite(const T* x, int64_t d, const GpuState* st, const int64_t* above_start,
                             const int64_t* band_start, T* values, Tidx* indices) {
   const float f1 = mstopk::FloatCeil(st->bis.thres1), f2 = mstopk::FloatCeil(st->bis.thres2);
-  const int64_t start = blockIdx.x * kSumBlock + threadIdx.x * static_cast<int64_t>(kPerThread);
+  __shared__ ChunkLoad<T> load;
+  float a[kPerThread];
+  load.Magnitudes(x, d, a);
   int na, nb;
-  CountMine(x, d, start, f1, f2, &na, &nb);
+  CountMine(a, f1, f2, &na, &nb);
   using Scan = cub::BlockScan<int, kThreads>;
   __shared__ typename Scan::TempStorage ta, tb;
   int ra, rb;
@@ -173,16 +256,15 @@ __global__ void SelectWrite(const T* x, int64_t d, const GpuState* st, const int
   int64_t rank_a = above_start[blockIdx.x] + ra, rank_b = band_start[blockIdx.x] + rb;
   const bool above_is_band = st->above_is_band;
   const int64_t k1 = st->k1, need = st->need, offset = st->offset;
+  const int64_t start = blockIdx.x * static_cast<int64_t>(kSumBlock) + threadIdx.x * static_cast<int64_t>(kPerThread);
   for (int j = 0; j < kPerThread; ++j) {
     const int64_t i = start + j;
-    if (i >= d) break;
-    const float a = Mag(static_cast<float>(x[i]));
     int64_t pos = -1;
-    if (a >= f1) {
+    if (a[j] >= f1) {
       if (!above_is_band) pos = rank_a;
       else if (rank_a >= offset && rank_a < offset + need) pos = rank_a - offset;
       ++rank_a;
-    } else if (a >= f2) {
+    } else if (a[j] >= f2) {
       if (!above_is_band && rank_b >= offset && rank_b < offset + need) pos = k1 + rank_b - offset;
       ++rank_b;
     }
@@ -214,31 +296,49 @@ inline int GridFor(int64_t n) {
 
 template <typename T, typename Tidx>
 struct MsTopK<Eigen::GpuDevice, T, Tidx> {
-  void operator()(const Eigen::GpuDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch) {
+  static int64_t ScratchBytes(int64_t d) {
+    const int64_t chunks = Chunks(d);
+    return Align(sizeof(GpuState)) + Align(chunks * 8) + Align(((chunks + kTree - 1) / kTree) * 8) +
+           4 * Align(chunks * 8) + Align(static_cast<int64_t>(ScanBytes(chunks)));
+  }
+
+  ::tensorflow::Status operator()(const Eigen::GpuDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch) {
     cudaStream_t stream = dev.stream();
     if (k >= d || k == 0) {  // everything in index order (nothing when d == 0), or nothing
-      SelectAll<<<GridFor(k), kThreads, 0, stream>>>(x, k, values, indices, thresholds);
-      return;
+      return Launch("SelectAll", SelectAll<T, Tidx>, GridFor(k), kThreads, 0, stream, x, k, values, indices,
+                    thresholds);
     }
-    const int64_t blocks = (d + kSumBlock - 1) / kSumBlock, lanes = blocks * kSumLanes;
-    char* bytes = static_cast<char*>(scratch);
-    GpuState* st = reinterpret_cast<GpuState*>(bytes);
-    double* lane_sums = reinterpret_cast<double*>(bytes + (sizeof(GpuState) + 255) / 256 * 256);
-    int64_t* above = reinterpret_cast<int64_t*>(lane_sums + lanes);
-    int64_t* band = above + blocks;
-
-    ResetState<<<1, 1, 0, stream>>>(st);
-    LaneStats<<<static_cast<int>((lanes + kThreads - 1) / kThreads), kThreads, 0, stream>>>(
-        x, d, lanes, lane_sums, st);
-    InitBisection<<<1, 1, 0, stream>>>(lane_sums, blocks, d, k, st);
+    const int64_t chunks = Chunks(d), lanes = chunks * kSumLanes;
+    if (chunks > INT32_MAX) return ::tensorflow::errors::InvalidArgument("mstopk: x is too large for the GPU kernel");
+    Scratch s = Layout(scratch, d);
+    const int grid_chunks = static_cast<int>(chunks);
+    TF_RETURN_IF_ERROR(Launch("ResetState", ResetState, 1, 1, 0, stream, s.st));
+    TF_RETURN_IF_ERROR(Launch("LaneStats", LaneStats<T>, static_cast<int>((lanes + kThreads - 1) / kThreads),
+                              kThreads, 0, stream, x, d, lanes, s.block_sums, s.st));
+    double *in = s.block_sums, *out = s.tree;
+    for (int64_t n = chunks; n > 1; n = (n + kTree - 1) / kTree) {
+      TF_RETURN_IF_ERROR(Launch("PairwiseLevel", PairwiseLevel, static_cast<int>((n + kTree - 1) / kTree), kThreads,
+                                0, stream, in, n, out));
+      std::swap(in, out);
+    }
+    TF_RETURN_IF_ERROR(Launch("InitBisection", InitBisection, 1, 1, 0, stream, in, d, k, s.st));
     for (int r = 0; r < num_samplings; ++r) {
-      CountRound<<<GridFor(d), kThreads, 0, stream>>>(x, d, st);
-      UpdateRound<<<1, 1, 0, stream>>>(st);
+      TF_RETURN_IF_ERROR(Launch("CountRound", CountRound<T>, GridFor(d), kThreads, 0, stream, x, d, s.st));
+      TF_RETURN_IF_ERROR(Launch("UpdateRound", UpdateRound, 1, 1, 0, stream, s.st));
     }
-    SelectCount<<<static_cast<int>(blocks), kThreads, 0, stream>>>(x, d, st, above, band);
-    SelectPlan<<<1, 1, 0, stream>>>(st, above, band, blocks, k, random, thresholds);
-    SelectWrite<<<static_cast<int>(blocks), kThreads, 0, stream>>>(x, d, st, above, band, values, indices);
+    TF_RETURN_IF_ERROR(
+        Launch("SelectCount", SelectCount<T>, grid_chunks, kThreads, 0, stream, x, d, s.st, s.above, s.band));
+    size_t bytes = s.scan_bytes;
+    HVDX_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(s.scan, bytes, s.above, s.above_start, grid_chunks, stream),
+                              "cub::DeviceScan::ExclusiveSum");
+    bytes = s.scan_bytes;
+    HVDX_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(s.scan, bytes, s.band, s.band_start, grid_chunks, stream),
+                              "cub::DeviceScan::ExclusiveSum");
+    TF_RETURN_IF_ERROR(Launch("SelectPlan", SelectPlan, 1, 1, 0, stream, s.st, s.above, s.band, s.above_start,
+                              s.band_start, chunks, k, random, thresholds));
+    return Launch("SelectWrite", SelectWrite<T, Tidx>, grid_chunks, kThreads, 0, stream, x, d, s.st, s.above_start,
+                  s.band_start, values, indices);
   }
 };
 

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "tensorflow/core/platform/status.h"
+
 #if defined(__CUDACC__)
 #define HVDX_HOST_DEVICE __host__ __device__
 #else
@@ -82,6 +84,20 @@ HVDX_HOST_DEVICE inline int64_t WindowOffset(uint64_t random, int64_t count, int
 constexpr int64_t kSumBlock = 4096;
 constexpr int kSumLanes = 16;
 
+// The block sums are added pairwise, level by level (s[i] = s[2i] + s[2i+1], an odd last
+// element carried up), which is the same as a binary tree over the sums padded with zeros
+// to a power of two: aligned groups of 2^j sums are subtrees, so the GPU reduces them in
+// parallel and gets the same bits. Overwrites s.
+inline double PairwiseSum(double* s, int64_t n) {
+  if (n == 0) return 0.0;
+  while (n > 1) {
+    for (int64_t i = 0; i < n / 2; ++i) s[i] = s[2 * i] + s[2 * i + 1];
+    if (n % 2) s[n / 2] = s[n - 1];
+    n = (n + 1) / 2;
+  }
+  return s[0];
+}
+
 // Device-side state of the CUDA kernel, at the start of its scratch buffer.
 struct GpuState {
   Bisection bis;
@@ -91,13 +107,6 @@ struct GpuState {
   int64_t k1, band, need, offset;
 };
 
-// Bytes of scratch the CUDA kernel needs for d elements (the CPU kernel needs none).
-inline int64_t GpuScratchBytes(int64_t d) {
-  const int64_t blocks = (d + kSumBlock - 1) / kSumBlock;
-  const int64_t state = (static_cast<int64_t>(sizeof(GpuState)) + 255) / 256 * 256;
-  return state + blocks * kSumLanes * 8 + 2 * blocks * 8;
-}
-
 }  // namespace mstopk
 
 namespace functor {
@@ -105,11 +114,13 @@ namespace functor {
 // Selects exactly min(k, d) of the d elements of x: writes values, indices (above set in
 // index order, then the band window; everything in index order when k >= d) and
 // thresholds[2] = {thres1, thres2}. `random` is a uniform 64-bit word that places the
-// window. `scratch` holds mstopk::GpuScratchBytes(d) bytes for the GPU (nullptr on CPU).
+// window. `scratch` holds ScratchBytes(d) bytes (the GPU's; the CPU needs none). A failed
+// CUDA launch or call is returned, never left as uninitialised outputs.
 template <typename Device, typename T, typename Tidx>
 struct MsTopK {
-  void operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
+  static int64_t ScratchBytes(int64_t d);
+  ::tensorflow::Status operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
 };
 
 }  // namespace functor

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/register_types.h"
@@ -29,38 +30,84 @@ using GPUDevice = Eigen::GpuDevice;
 
 namespace functor {
 
-// Each shard owns a contiguous range of the output, copies `dense` into it, and scans all
-// entries, keeping those that fall in its range: no two threads write the same element,
-// and every element sums its entries in input order, so the result is deterministic.
+// The entries are first grouped by the output shard their index falls in, keeping their
+// order (a stable counting sort, in parallel over chunks of entries); then each shard
+// copies `dense` into its range of the output and adds its entries in ascending j. No two
+// threads write the same element, every element adds its entries in input order, and the
+// work is O(nnz + size), whatever the number of threads.
 template <typename T, typename Tidx, typename Tout>
 struct SparseAccumulate<CPUDevice, T, Tidx, Tout> {
-  void operator()(const CPUDevice& d, const T* values, const Tidx* indices, int64_t nnz,
-                  const Tout* dense, Tout* out, int64_t size, float* scratch) {
-    if (size == 0) return;
-    const int64_t shards =
-        std::max<int64_t>(1, std::min<int64_t>(d.numThreads(), size / 4096));
-    const Eigen::TensorOpCost cost(nnz * (sizeof(T) + sizeof(Tidx)) + size / shards * sizeof(Tout),
-                                   size / shards * sizeof(Tout), nnz);
+  static int64_t WorkspaceBytes(int64_t, int64_t size) {
+    return std::is_same_v<Tout, float> ? 0 : size * static_cast<int64_t>(sizeof(float));
+  }
+
+  ::tensorflow::Status operator()(const CPUDevice& d, const T* values, const Tidx* indices, int64_t nnz,
+                                  const Tout* dense, Tout* out, int64_t size, void* workspace) {
+    if (size == 0) return ::tensorflow::OkStatus();
+    // Shards of 2^shift elements (a shift, not a division, per entry), about 4 per thread.
+    const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(4 * d.numThreads(), size / 4096));
+    int shift = 0;
+    while ((int64_t{1} << shift) * wanted < size) ++shift;
+    const int64_t shards = ((size - 1) >> shift) + 1;
+    const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(d.numThreads(), nnz / 16384));
+    auto shard_of = [&](int64_t j) { return static_cast<int64_t>(indices[j]) >> shift; };
+    auto chunk_begin = [&](int64_t c) { return nnz * c / chunks; };
+    // start[c * shards + s]: where chunk c's entries of shard s go in `order`.
+    std::vector<int64_t> start(chunks * shards + 1, 0);
+    const Eigen::TensorOpCost count_cost(static_cast<double>(nnz) / chunks * sizeof(Tidx), 0,
+                                         static_cast<double>(nnz) / chunks * 4);
+    d.parallelFor(chunks, count_cost, [&](Eigen::Index first, Eigen::Index last) {
+      for (Eigen::Index c = first; c < last; ++c) {
+        int64_t* count = start.data() + c * shards;
+        for (int64_t j = chunk_begin(c); j < chunk_begin(c + 1); ++j) ++count[shard_of(j)];
+      }
+    });
+    int64_t total = 0;  // exclusive prefix sum in (shard, chunk) order
+    for (int64_t s = 0; s < shards; ++s) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t n = start[c * shards + s];
+        start[c * shards + s] = total;
+        total += n;
+      }
+    }
+    std::vector<int64_t> order(nnz);
+    d.parallelFor(chunks, count_cost, [&](Eigen::Index first, Eigen::Index last) {
+      for (Eigen::Index c = first; c < last; ++c) {
+        int64_t* next = start.data() + c * shards;
+        for (int64_t j = chunk_begin(c); j < chunk_begin(c + 1); ++j) order[next[shard_of(j)]++] = j;
+      }
+    });
+    // After placing, start[c * shards + s] is where chunk c's entries of shard s end, so
+    // shard s's entries are order[end of (s - 1)'s last chunk .. end of its own last chunk).
+    auto shard_end = [&](int64_t s) { return s < 0 ? 0 : start[(chunks - 1) * shards + s]; };
+    float* acc = static_cast<float*>(workspace);
+    const Eigen::TensorOpCost cost(static_cast<double>(nnz) / shards * (sizeof(T) + 8) +
+                                       static_cast<double>(size) / shards * sizeof(Tout),
+                                   static_cast<double>(size) / shards * sizeof(Tout),
+                                   static_cast<double>(nnz + size) / shards);
     d.parallelFor(shards, cost, [&](Eigen::Index first, Eigen::Index last) {
       for (Eigen::Index s = first; s < last; ++s) {
-        const int64_t lo = size * s / shards, hi = size * (s + 1) / shards;
+        const int64_t lo = s << shift, hi = std::min(size, (s + 1) << shift);
+        const int64_t* entry = order.data() + shard_end(s - 1);
+        const int64_t n = shard_end(s) - shard_end(s - 1);
         if constexpr (std::is_same_v<Tout, float>) {
           if (dense == nullptr) std::fill(out + lo, out + hi, 0.0f);
           else if (dense != out) std::copy(dense + lo, dense + hi, out + lo);
-          for (int64_t j = 0; j < nnz; ++j) {
-            const int64_t i = static_cast<int64_t>(indices[j]);
-            if (i >= lo && i < hi) out[i] += static_cast<float>(values[j]);
+          for (int64_t e = 0; e < n; ++e) {
+            const int64_t j = entry[e];
+            out[static_cast<int64_t>(indices[j])] += static_cast<float>(values[j]);
           }
         } else {
-          for (int64_t i = lo; i < hi; ++i) scratch[i] = dense ? static_cast<float>(dense[i]) : 0.0f;
-          for (int64_t j = 0; j < nnz; ++j) {
-            const int64_t i = static_cast<int64_t>(indices[j]);
-            if (i >= lo && i < hi) scratch[i] += static_cast<float>(values[j]);
+          for (int64_t i = lo; i < hi; ++i) acc[i] = dense ? static_cast<float>(dense[i]) : 0.0f;
+          for (int64_t e = 0; e < n; ++e) {
+            const int64_t j = entry[e];
+            acc[static_cast<int64_t>(indices[j])] += static_cast<float>(values[j]);
           }
-          for (int64_t i = lo; i < hi; ++i) out[i] = static_cast<Tout>(scratch[i]);
+          for (int64_t i = lo; i < hi; ++i) out[i] = static_cast<Tout>(acc[i]);
         }
       }
     });
+    return ::tensorflow::OkStatus();
   }
 };
 
@@ -76,25 +123,25 @@ class SparseAccumulateOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& values = ctx->input(0);
     const Tensor& indices = ctx->input(1);
-    Tensor dense;
+    TensorShape dense_shape;
     if constexpr (kHasDense) {
-      dense = ctx->input(2);
+      dense_shape = ctx->input(2).shape();
     } else {
       const Tensor& size = ctx->input(2);
       OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(size.shape()),
                   errors::InvalidArgument("size must be a scalar, got shape ", size.shape().DebugString()));
       const int64_t n = size.scalar<::tensorflow::int64>()();
       OP_REQUIRES(ctx, n >= 0, errors::InvalidArgument("size must be >= 0, got ", n));
-      dense = Tensor(DataTypeToEnum<Tout>::value, TensorShape({n}));  // shape only: never read
+      dense_shape = TensorShape({n});
     }
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(values.shape()),
                 errors::InvalidArgument("values must be 1-D, got shape ", values.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(indices.shape()),
                 errors::InvalidArgument("indices must be 1-D, got shape ", indices.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(dense.shape()),
-                errors::InvalidArgument("dense must be 1-D, got shape ", dense.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(dense_shape),
+                errors::InvalidArgument("dense must be 1-D, got shape ", dense_shape.DebugString()));
     const int64_t nnz = values.NumElements();
-    const int64_t size = dense.NumElements();
+    const int64_t size = dense_shape.num_elements();
     OP_REQUIRES(ctx, indices.NumElements() == nnz,
                 errors::InvalidArgument("values and indices must have the same length, got ", nnz,
                                         " and ", indices.NumElements()));
@@ -108,19 +155,21 @@ class SparseAccumulateOp : public OpKernel {
     }
     Tensor* output = nullptr;
     if constexpr (kHasDense) {
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({2}, 0, dense.shape(), &output));
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({2}, 0, dense_shape, &output));
     } else {
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, dense.shape(), &output));
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, dense_shape, &output));
     }
-    Tensor scratch;
-    float* scratch_ptr = nullptr;
-    if (!std::is_same_v<Tout, float>) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_FLOAT, TensorShape({size}), &scratch));
-      scratch_ptr = scratch.flat<float>().data();
+    using Functor = functor::SparseAccumulate<Device, T, Tidx, Tout>;
+    Tensor workspace;
+    void* workspace_ptr = nullptr;
+    const int64_t workspace_bytes = Functor::WorkspaceBytes(nnz, size);
+    if (workspace_bytes > 0) {
+      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8, TensorShape({workspace_bytes}), &workspace));
+      workspace_ptr = workspace.flat<::tensorflow::int8>().data();
     }
-    functor::SparseAccumulate<Device, T, Tidx, Tout>()(
-        ctx->eigen_device<Device>(), values.flat<T>().data(), idx, nnz,
-        kHasDense ? dense.flat<Tout>().data() : nullptr, output->flat<Tout>().data(), size, scratch_ptr);
+    const Tout* dense = kHasDense ? ctx->input(2).flat<Tout>().data() : nullptr;
+    OP_REQUIRES_OK(ctx, Functor()(ctx->eigen_device<Device>(), values.flat<T>().data(), idx, nnz, dense,
+                                  output->flat<Tout>().data(), size, workspace_ptr));
   }
 };
 
