@@ -30,8 +30,12 @@ class TopKStrategy(Strategy):
     lossy = True
 
     def __init__(self, density: float = DEFAULT_DENSITY, num_samplings: int = 30,
-                 wire_dtype: tf.DType = tf.float32, topo: Optional[Topology] = None) -> None:
+                 wire_dtype: tf.DType = tf.float32, topo: Optional[Topology] = None,
+                 index_dtype: Optional[tf.DType] = None) -> None:
         super().__init__(topo)
+        #: MSTopK's index type: None picks int32 below 2**31 elements (the aggregator's
+        #: buckets always are), int64 above; tf.int64 forces the wide path end to end.
+        self.index_dtype = index_dtype
         self.density = check_density(density)
         if isinstance(num_samplings, bool) or not isinstance(num_samplings, int) or num_samplings < 1:
             raise ValueError(f"num_samplings must be an int >= 1, got {num_samplings!r}")
@@ -67,7 +71,7 @@ class TopKStrategy(Strategy):
         residual = self._memory.read(name, length, tf.float32, residual_scale)
         acc = tf.add_n([*grads, residual])
         k = self.k(length)
-        values, indices = ops.mstopk(acc, k, num_samplings=self.num_samplings)
+        values, indices = ops.mstopk(acc, k, num_samplings=self.num_samplings, index_dtype=self.index_dtype)
         sent = wire.decode_sent(values, self.wire_dtype)
         # What was not sent stays: unselected entries whole, and the wire's rounding at the
         # selected ones. sparse_accumulate updates acc in place (nothing else reads it now).

@@ -461,6 +461,10 @@ def check_small_things(topo):
     capped = hvdx.GradientAggregator(communication="hitopk", density=1.0)
     capped.max_bucket_elements = 16
     whole = hvdx.GradientAggregator(communication="allreduce")
+    for cls in (hvdx.comm.HiTopK, hvdx.comm.SparseAllgather):  # int64 indices end to end (wire, offsets)
+        wide = cls(density=0.3, index_dtype=tf.int64)(g, name="wide").numpy()
+        narrow = cls(density=0.3)(g, name="narrow").numpy()
+        out[f"int64_indices/{cls.key}"] = bool(np.array_equal(wide, narrow))
     out["bucket_cap"] = bool(np.allclose(capped([g], [None])[0].numpy(), whole([g], [None])[0].numpy(), atol=1e-6))
     return out
 
