@@ -30,6 +30,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
+from hvdx.comm.dense import OP_NAMES
 from hvdx.comm.memory import commit
 from hvdx.layout import check_agreement
 
@@ -39,7 +40,6 @@ _log = logging.getLogger("hvdx")
 
 #: A bucket never holds more elements than this, so indices fit int32 after HiTopK's padding.
 MAX_BUCKET_ELEMENTS = 2 ** 31 - 2 ** 20
-_OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
 
 
 def default_communication() -> Tuple[str, Optional[float]]:
@@ -73,7 +73,6 @@ class _Book:
         self.options: Dict[str, Any] = {}
         self.local_refs: set = set()
         self.strategies: List[comm.Strategy] = []
-        self.shapes: List[Any] = []
         self.groups: Any = None
         self.loss_scale: Any = None
         self.last_aggregation: List[comm.Aggregated] = []
@@ -102,7 +101,7 @@ def aggregator_options(communication, density, num_samplings, wire_dtype, compre
     else:
         key = comm.resolve_name(communication)
     dense = key in ("allreduce", "hierarchical")
-    if op not in _OP_NAMES:
+    if op not in OP_NAMES:
         raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
             or gradient_predivide_factor <= 0:
@@ -283,7 +282,6 @@ class GradientAggregator(tf.Module):
         shapes = [tf.TensorShape(v.shape) for v in variables]
         fused = [i for i, shape in enumerate(shapes) if shape.is_fully_defined()]
         grads = [tf.zeros(shape, v.dtype) if shape.is_fully_defined() else None for v, shape in zip(variables, shapes)]
-        self._book.shapes = [tuple(shape.as_list()) if shape.rank is not None else None for shape in shapes]
         set_key = self._set_key(grads, variables, fused)
         for b, bucket in enumerate(self._bucket_plan(grads, variables, fused)):
             self._strategy.create_state(f"{set_key}_b{b}", sum(p.stop - p.start for p in bucket))
@@ -336,11 +334,12 @@ class GradientAggregator(tf.Module):
             by_dtype.setdefault(grads[i].dtype, []).append(i)
         plan: List[List[_Piece]] = []
         for dtype, indices in by_dtype.items():
-            for group in self._groups(indices, variables, dtype):
+            for group in self._groups(indices, grads, variables, dtype):
                 plan.extend(self._cap([_Piece(i, 0, grads[i].shape.num_elements()) for i in group]))
         return plan
 
-    def _groups(self, indices: List[int], variables: List[Any], dtype: tf.DType) -> List[List[int]]:
+    def _groups(self, indices: List[int], grads: List[tf.Tensor], variables: List[Any],
+                dtype: tf.DType) -> List[List[int]]:
         if isinstance(self._book.groups, int) and self._book.groups > 0:  # Horovod's num_groups: equal counts
             n = min(self._book.groups, len(indices))
             return [indices[j * len(indices) // n:(j + 1) * len(indices) // n] for j in range(n)]
@@ -357,7 +356,7 @@ class GradientAggregator(tf.Module):
             return [indices]
         groups, current, used = [], [], 0
         for i in indices:
-            nbytes = dtype.size * _num_elements(variables, i, self._book.shapes)
+            nbytes = dtype.size * grads[i].shape.num_elements()
             if current and used + nbytes > self.bucket_bytes:
                 groups.append(current)
                 current, used = [], 0
@@ -394,13 +393,13 @@ class GradientAggregator(tf.Module):
         return self._book.var_sets[key]
 
     def _check_layout(self, grads, variables, fused, sparse, dynamic) -> None:
-        self._book.shapes = [tuple(g.shape.as_list()) if g is not None and hasattr(g, "shape") and g.shape.rank is not None
-                        else None for g in grads]
+        shapes = [tuple(g.shape.as_list()) if g is not None and hasattr(g, "shape") and g.shape.rank is not None
+                  else None for g in grads]
         description = {
             "strategy": repr(self._strategy),
-            "op": _OP_NAMES[self.op],
+            "op": OP_NAMES[self.op],
             "sparse_as_dense": str(self.sparse_as_dense),
-            "gradients": str([(i, grads[i].dtype.name, self._book.shapes[i]) if grads[i] is not None else (i, None)
+            "gradients": str([(i, grads[i].dtype.name, shapes[i]) if grads[i] is not None else (i, None)
                               for i in range(len(grads))]),
             "fused": str(fused), "sparse": str(sparse), "dynamic": str(dynamic),
             "buckets": str(self.bucket_bytes), "groups": str(self._book.groups if isinstance(self._book.groups, int) else
@@ -459,11 +458,3 @@ def _scaled(g, factor: float):
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape)
     return g * tf.cast(factor, g.dtype)
-
-
-def _num_elements(variables, i, shapes) -> int:
-    shape = shapes[i]
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -20,12 +20,12 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.accumulation import LocalAccumulator
 from hvdx.aggregator import GradientAggregator
+from hvdx.comm.dense import OP_NAMES
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 _KERAS_OPTIMIZERS = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
 _COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
-_OPS = {"Average": hvd.Average, "Sum": hvd.Sum, "Adasum": hvd.Adasum}
 
 
 class _CallableList(list):
@@ -105,13 +105,11 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse)
         self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step != 1 else None)
-        if backward_passes_per_step != 1 and not isinstance(backward_passes_per_step, int):
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
         self._horovod_config = dict(
             device_dense=device_dense, device_sparse=device_sparse, compression=_compression_name(compression)
             if compression in _COMPRESSIONS.values() else None, sparse_as_dense=bool(sparse_as_dense),
             gradient_predivide_factor=float(gradient_predivide_factor),
-            op={v: k for k, v in _OPS.items()}[op], backward_passes_per_step=backward_passes_per_step,
+            op=OP_NAMES[op], backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=bool(average_aggregated_gradients),
             num_groups=groups if isinstance(groups, int) else num_groups,
             scale_local_gradients=bool(scale_local_gradients))
@@ -333,7 +331,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         config = copy.deepcopy(config)  # never mutate the caller's dict (Keras' deserialize would)
         config["optimizer"] = tf.keras.optimizers.deserialize(config["optimizer"], custom_objects=custom_objects)
         config["compression"] = _COMPRESSIONS[config.get("compression") or "none"]
-        config["op"] = _OPS[config.get("op") or "Average"]
+        config["op"] = {name: op for op, name in OP_NAMES.items()}[config.get("op") or "Average"]
         if config.get("wire_dtype") is not None:
             config["wire_dtype"] = tf.as_dtype(config["wire_dtype"])
         optimizer = config.pop("optimizer")

@@ -9,9 +9,10 @@ import tensorflow as tf
 from hvdx.comm.base import Aggregated, Strategy, node_reduce_scatter, padded_length
 from hvdx.topology import Topology
 
-__all__ = ["Allreduce", "Hierarchical"]
+__all__ = ["Allreduce", "Hierarchical", "OP_NAMES"]
 
-_OPS = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
+#: Horovod's reduction ops by name (configs store the name).
+OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
 
 
 def _wire(dtype) -> Optional[tf.DType]:
@@ -41,7 +42,7 @@ class Allreduce(Strategy):
                  process_set: hvd.ProcessSet = hvd.global_process_set, compression=None,
                  wire_dtype=None, topo: Optional[Topology] = None) -> None:
         super().__init__(topo)
-        if op not in _OPS:
+        if op not in OP_NAMES:
             raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
         if compression is not None and wire_dtype is not None:
             raise ValueError("give compression= or wire_dtype=, not both")
@@ -64,7 +65,7 @@ class Allreduce(Strategy):
         return Aggregated(tf.cast(total, buffer.dtype))
 
     def __repr__(self) -> str:
-        options = [f"op={_OPS[self.op]}"]
+        options = [f"op={OP_NAMES[self.op]}"]
         if self.prescale_factor != 1.0 or self.postscale_factor != 1.0:
             options.append(f"prescale={self.prescale_factor}, postscale={self.postscale_factor}")
         if self.process_set is not hvd.global_process_set:
