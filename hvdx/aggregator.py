@@ -243,14 +243,14 @@ class GradientAggregator(tf.Module):
     def register_local_var(self, variable) -> None:
         """Gradients of `variable` stay local: never averaged (divided by the number of ranks
         if scale_local_gradients, as in Horovod)."""
-        self._book.local_refs.add(variable.ref() if hasattr(variable, "ref") else id(variable))
+        self._book.local_refs.add(_ref(variable))
 
     register_local_source = register_local_var
 
     def _is_local(self, variable, extra: set = frozenset()) -> bool:
         if variable is None or not (self._book.local_refs or extra):
             return False
-        ref = variable.ref() if hasattr(variable, "ref") else id(variable)
+        ref = _ref(variable)
         return ref in self._book.local_refs or ref in extra
 
     @property
@@ -281,7 +281,7 @@ class GradientAggregator(tf.Module):
         variables = [v for v in variables if not self._is_local(v)]
         shapes = [tf.TensorShape(v.shape) for v in variables]
         fused = [i for i, shape in enumerate(shapes) if shape.is_fully_defined()]
-        grads = [tf.zeros(shape, v.dtype) if shape.is_fully_defined() else None for v, shape in zip(variables, shapes)]
+        grads = [tf.TensorSpec(shape, v.dtype) for v, shape in zip(variables, shapes)]  # what the plan reads
         set_key = self._set_key(grads, variables, fused)
         for b, bucket in enumerate(self._bucket_plan(grads, variables, fused)):
             self._strategy.create_state(f"{set_key}_b{b}", sum(p.stop - p.start for p in bucket))
@@ -292,7 +292,7 @@ class GradientAggregator(tf.Module):
         """The averaged gradients, in the order, shapes and dtypes given; None stays None.
         Gradients of registered local variables, and of `local`, are not aggregated."""
         grads = list(grads)
-        extra_local = {v.ref() if hasattr(v, "ref") else id(v) for v in local}
+        extra_local = {_ref(v) for v in local}
         variables = list(variables) if variables is not None else [None] * len(grads)
         if len(variables) != len(grads):
             raise ValueError(f"{len(grads)} gradients but {len(variables)} variables")
@@ -311,17 +311,22 @@ class GradientAggregator(tf.Module):
                 grads[i] = g
                 (fused if g.shape.is_fully_defined() else dynamic).append(i)
         self._check_layout(grads, variables, fused, sparse, dynamic)
-        with tf.device(self.device_sparse):
-            for i in sparse:  # already sparse: Horovod's all-gather of values and indices
-                out[i] = hvd.allreduce(grads[i], op=self.op, process_set=self.process_set,
-                                       compression=self.compression or hvd.Compression.none,
-                                       name=f"hvdx.sparse.{i}")
+        # Already sparse (Horovod's all-gather of values and indices), or of no static shape
+        # (no fusion): Horovod's allreduce of the tensor itself.
+        for kind, indices, device in (("sparse", sparse, self.device_sparse), ("dynamic", dynamic, self.device_dense)):
+            with tf.device(device):
+                for i in indices:
+                    out[i] = hvd.allreduce(grads[i], op=self.op, process_set=self.process_set,
+                                           compression=self.compression or hvd.Compression.none,
+                                           name=f"hvdx.{kind}.{i}")
         with tf.device(self.device_dense):
-            for i in dynamic:  # no static shape, no fusion: Horovod's allreduce of the tensor
-                out[i] = hvd.allreduce(grads[i], op=self.op, process_set=self.process_set,
-                                       compression=self.compression or hvd.Compression.none,
-                                       name=f"hvdx.dynamic.{i}")
-            self._aggregate_fused(grads, variables, fused, out)
+            updates = self._aggregate_fused(grads, variables, fused, out)
+        if updates:  # residuals change only on steps whose averaged gradients are all finite
+            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+                                    for g in out if g is not None])
+            with tf.control_dependencies([commit(updates, finite)]):
+                out = [None if g is None else tf.identity(g) if not isinstance(g, tf.IndexedSlices)
+                       else tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for g in out]
         return out
 
     def _world_size(self) -> int:
@@ -414,10 +419,11 @@ class GradientAggregator(tf.Module):
         self._book.verified.add(signature)
 
     def _aggregate_fused(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int],
-                         out: List[Any]) -> None:
+                         out: List[Any]) -> List[Any]:
+        """Aggregates the fused gradients into `out`; returns the residual updates to commit."""
         self._book.last_aggregation = []
         if not fused:
-            return
+            return []
         strategy = self._strategy
         plan = self._bucket_plan(grads, variables, fused)
         set_key = self._set_key(grads, variables, fused)
@@ -442,16 +448,15 @@ class GradientAggregator(tf.Module):
             pieces = tf.split(averaged, [p.stop - p.start for p in bucket]) if len(bucket) > 1 else [averaged]
             for p, piece in zip(bucket, pieces):
                 outputs[p.index].append(tf.cast(piece, dtype))
-        finals = []
         for i in fused:
             whole = outputs[i][0] if len(outputs[i]) == 1 else tf.concat(outputs[i], axis=0)
             out[i] = tf.reshape(whole, grads[i].shape)
-            finals.append(out[i])
-        if updates:  # residuals change only on steps whose averaged gradients are all finite
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g)) for g in finals])
-            with tf.control_dependencies([commit(updates, finite)]):
-                for i in fused:
-                    out[i] = tf.identity(out[i])
+        return updates
+
+
+def _ref(variable) -> Any:
+    """A hashable identity of a variable (or of another source of a tape)."""
+    return variable.ref() if hasattr(variable, "ref") else id(variable)
 
 
 def _scaled(g, factor: float):

@@ -164,20 +164,16 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         present_vars = [v for g, v in zip(grads, variables) if g is not None]
         return self._aggregator(totals, present_vars)
 
-    def compute_gradients(self, loss, var_list, tape=None):
+    def compute_gradients(self, loss, var_list, tape=None, grad_loss=None):
         """Keras' contract: this rank's gradients (aggregation happens at the hook)."""
         if _is_legacy(self._optimizer):
-            return list(self._optimizer._compute_gradients(loss, var_list, tape=tape))
+            return list(self._optimizer._compute_gradients(loss, var_list, grad_loss, tape=tape))
         return list(self._optimizer.compute_gradients(loss, var_list, tape=tape))
 
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
         """Horovod's contract: gradients already aggregated over the ranks. A following
         apply_gradients of exactly these gradients does not aggregate them again."""
-        tape = tf.GradientTape() if tape is None else tape
-        if _is_legacy(self._optimizer):
-            grads_and_vars = list(self._optimizer._compute_gradients(loss, var_list, grad_loss, tape=tape))
-        else:
-            grads_and_vars = list(self._optimizer.compute_gradients(loss, var_list, tape=tape))
+        grads_and_vars = self.compute_gradients(loss, var_list, tape=tape or tf.GradientTape(), grad_loss=grad_loss)
         grads = self._aggregate([g for g, _ in grads_and_vars], [v for _, v in grads_and_vars])
         self._just_aggregated = grads
         return list(zip(grads, [v for _, v in grads_and_vars]))
