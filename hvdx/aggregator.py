@@ -76,6 +76,7 @@ class _Book:
         self.groups: Any = None
         self.loss_scale: Any = None
         self.last_aggregation: List[comm.Aggregated] = []
+        self.last_buckets: List[Tuple[comm.Aggregated, List[Tuple[int, int, int]]]] = []
 
 
 def aggregator_options(communication, density, num_samplings, wire_dtype, compression, op,
@@ -259,6 +260,13 @@ class GradientAggregator(tf.Module):
         return self._book.last_aggregation
 
     @property
+    def last_buckets(self) -> List[Tuple[comm.Aggregated, List[Tuple[int, int, int]]]]:
+        """Each bucket of the trace in progress: its result and its pieces in buffer order,
+        (gradient index, start, stop) of the flattened gradient, so that buffer offsets
+        (e.g. of `Aggregated.local_slice`) map back to variables."""
+        return self._book.last_buckets
+
+    @property
     def residuals(self) -> List[tf.Variable]:
         """Every strategy's error-feedback residuals (per rank state)."""
         return [v for s in self._book.strategies for v in s.variables.values()]
@@ -422,6 +430,7 @@ class GradientAggregator(tf.Module):
                          out: List[Any]) -> List[Any]:
         """Aggregates the fused gradients into `out`; returns the residual updates to commit."""
         self._book.last_aggregation = []
+        self._book.last_buckets = []
         if not fused:
             return []
         strategy = self._strategy
@@ -442,6 +451,7 @@ class GradientAggregator(tf.Module):
             buffer = tf.concat([tf.cast(x, work) for x in parts], axis=0) if len(parts) > 1 else tf.cast(parts[0], work)
             result = strategy.aggregate(buffer, f"{set_key}_b{b}", residual_scale=loss_scale)
             self._book.last_aggregation.append(result)
+            self._book.last_buckets.append((result, [(p.index, p.start, p.stop) for p in bucket]))
             updates.extend(result.updates)
             averaged = result.output * tf.cast(self._world_size(), work) if self._sum and not isinstance(
                 strategy, comm.Allreduce) else result.output
