@@ -5,15 +5,22 @@ Given one step's gradients (and the variables they belong to), the aggregator
 1. leaves out the gradients of registered local variables (averaged nowhere; divided by
    the number of ranks when `scale_local_gradients`, as Horovod does) and sends sparse
    gradients (tf.IndexedSlices) through Horovod's sparse allreduce unless `sparse_as_dense`;
-2. fuses the rest into buckets: one per dtype by default, `bucket_bytes`, Horovod's
-   `groups`/`num_groups`, and never more than 2**31 - 2**20 elements (indices stay int32);
+2. fuses the rest into buckets, filled in reverse order of the variables (the order
+   backpropagation produces their gradients): per dtype, closed once they hold
+   `bucket_bytes` (DEFAULT_BUCKET_BYTES; None: one bucket per dtype), a gradient of that
+   size or more alone in its bucket (no copy into a fused buffer), or Horovod's
+   `groups`/`num_groups`, and never more than 2**31 - 2**20 elements (indices stay int32).
+   In a tf.function each bucket's collectives start as soon as its gradients exist, while
+   backpropagation continues (shi2021 Fig. 1, wait-free backpropagation + tensor fusion);
 3. checks, the first time it sees a layout, that every rank aggregates the same one
    (`hvdx.layout`);
 4. aggregates each bucket with the strategy (`hvdx.comm`), its residuals keyed by the
    variables that fill the bucket, so two models never share one;
 5. commits the sparse strategies' residual updates only if every averaged gradient of the
    step is finite: identical on every rank, so a step the loss scaler skips leaves every
-   residual as it was (non-finite values still reach the output, for the scaler to see);
+   residual as it was (non-finite values still reach the output, for the scaler to see).
+   The sparse strategies decide this on the exchanged pairs (`Aggregated.finite`), not
+   with another pass over the d-vector;
 6. splits the buckets back into gradients of their original shapes and dtypes.
 
 `last_aggregation` keeps, for the trace in progress, each bucket's `hvdx.comm.Aggregated`
@@ -34,12 +41,17 @@ from hvdx.comm.dense import OP_NAMES
 from hvdx.comm.memory import commit
 from hvdx.layout import check_agreement
 
-__all__ = ["GradientAggregator", "aggregator_options", "default_communication"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "default_communication"]
 
 _log = logging.getLogger("hvdx")
 
 #: A bucket never holds more elements than this, so indices fit int32 after HiTopK's padding.
 MAX_BUCKET_ELEMENTS = 2 ** 31 - 2 ** 20
+#: The default bucket size: a bucket closes once it holds this many bytes (PyTorch DDP's
+#: rule; Horovod's fusion threshold plays the same part). Buckets fill in reverse order of
+#: the variables, the order backpropagation produces their gradients, so the first
+#: bucket's collectives run while the backward pass of earlier layers goes on.
+DEFAULT_BUCKET_BYTES = 32 << 20
 
 
 def default_communication() -> Tuple[str, Optional[float]]:
@@ -165,8 +177,8 @@ class GradientAggregator(tf.Module):
     """
 
     def __init__(self, communication: Union[str, comm.Strategy, None] = None, *, density: Optional[float] = None,
-                 num_samplings: Optional[int] = None, wire_dtype=None, bucket_bytes: Optional[int] = None,
-                 op=hvd.Average, gradient_predivide_factor: float = 1.0, compression=None,
+                 num_samplings: Optional[int] = None, wire_dtype=None,
+                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, op=hvd.Average, gradient_predivide_factor: float = 1.0, compression=None,
                  sparse_as_dense: bool = False, process_set: hvd.ProcessSet = hvd.global_process_set,
                  groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None,
                  scale_local_gradients: bool = True, device_dense: str = "", device_sparse: str = "",
@@ -328,13 +340,17 @@ class GradientAggregator(tf.Module):
                                            compression=self.compression or hvd.Compression.none,
                                            name=f"hvdx.{kind}.{i}")
         with tf.device(self.device_dense):
-            updates = self._aggregate_fused(grads, variables, fused, out)
+            updates, checked = self._aggregate_fused(grads, variables, fused, out)
         if updates:  # residuals change only on steps whose averaged gradients are all finite
-            finite = tf.reduce_all([tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
-                                    for g in out if g is not None])
-            with tf.control_dependencies([commit(updates, finite)]):
-                out = [None if g is None else tf.identity(g) if not isinstance(g, tf.IndexedSlices)
-                       else tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for g in out]
+            with tf.name_scope("commit"):
+                finite = tf.reduce_all([*checked, *(
+                    tf.reduce_all(tf.math.is_finite(g.values if isinstance(g, tf.IndexedSlices) else g))
+                    for i, g in enumerate(out) if g is not None and i not in fused)])
+                written = commit(updates, finite)
+            if not _in_function():  # a tf.function runs every stateful op; a TF1 graph needs the edge
+                with tf.control_dependencies([written]):
+                    out = [None if g is None else tf.identity(g) if not isinstance(g, tf.IndexedSlices)
+                           else tf.IndexedSlices(tf.identity(g.values), g.indices, g.dense_shape) for g in out]
         return out
 
     def _world_size(self) -> int:
@@ -343,12 +359,14 @@ class GradientAggregator(tf.Module):
     def _bucket_plan(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int]) -> List[List[_Piece]]:
         """Buckets of consecutive pieces: by dtype, then groups / bucket_bytes, then size cap."""
         by_dtype: Dict[tf.DType, List[int]] = {}
-        for i in fused:
+        for i in reversed(fused):  # backpropagation's order: the last layer's gradients first
             by_dtype.setdefault(grads[i].dtype, []).append(i)
         plan: List[List[_Piece]] = []
         for dtype, indices in by_dtype.items():
             for group in self._groups(indices, grads, variables, dtype):
-                plan.extend(self._cap([_Piece(i, 0, grads[i].shape.num_elements()) for i in group]))
+                # Buckets are chosen in backpropagation's order; inside one, the gradients lie in
+                # the variables' order (as in one fused buffer: the same MSTopK selections).
+                plan.extend(self._cap([_Piece(i, 0, grads[i].shape.num_elements()) for i in sorted(group)]))
         return plan
 
     def _groups(self, indices: List[int], grads: List[tf.Tensor], variables: List[Any],
@@ -368,13 +386,16 @@ class GradientAggregator(tf.Module):
         if self.bucket_bytes is None:
             return [indices]
         groups, current, used = [], [], 0
-        for i in indices:
+        for i in indices:  # a bucket closes once it holds bucket_bytes (no bucket of a few bytes)
             nbytes = dtype.size * grads[i].shape.num_elements()
-            if current and used + nbytes > self.bucket_bytes:
+            if nbytes >= self.bucket_bytes and current:  # a large gradient goes alone: no fused copy of it
                 groups.append(current)
                 current, used = [], 0
             current.append(i)
             used += nbytes
+            if used >= self.bucket_bytes:
+                groups.append(current)
+                current, used = [], 0
         return groups + ([current] if current else [])
 
     def _cap(self, pieces: List[_Piece]) -> List[List[_Piece]]:
@@ -427,41 +448,53 @@ class GradientAggregator(tf.Module):
         self._book.verified.add(signature)
 
     def _aggregate_fused(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int],
-                         out: List[Any]) -> List[Any]:
-        """Aggregates the fused gradients into `out`; returns the residual updates to commit."""
+                         out: List[Any]) -> Tuple[List[Any], List[tf.Tensor]]:
+        """Aggregates the fused gradients into `out`, bucket by bucket; returns the residual
+        updates to commit and the finiteness of every bucket (scalars, from the strategy
+        where it has a cheap one, else a check of the bucket's output)."""
         self._book.last_aggregation = []
         self._book.last_buckets = []
         if not fused:
-            return []
+            return [], []
         strategy = self._strategy
         plan = self._bucket_plan(grads, variables, fused)
         set_key = self._set_key(grads, variables, fused)
         loss_scale = self._current_loss_scale() if strategy.lossy else None
-        flat = {i: tf.reshape(grads[i], [-1]) for i in fused}
+        with tf.name_scope("fuse"):
+            flat = {i: tf.reshape(grads[i], [-1]) for i in fused}
         outputs: Dict[int, List[tf.Tensor]] = {i: [] for i in fused}
-        updates = []
+        updates, checked = [], []
         for b, bucket in enumerate(plan):
             dtype = grads[bucket[0].index].dtype
             if strategy.lossy and dtype == tf.float64:
                 raise ValueError(f"{strategy!r} selects float32 values; float64 gradients need a dense strategy "
                                  "(communication='allreduce' or 'hierarchical')")
             work = tf.float32 if strategy.lossy else dtype  # sparse strategies select in float32
-            parts = [flat[p.index] if (p.start, p.stop) == (0, flat[p.index].shape[0]) else flat[p.index][p.start:p.stop]
-                     for p in bucket]
-            buffer = tf.concat([tf.cast(x, work) for x in parts], axis=0) if len(parts) > 1 else tf.cast(parts[0], work)
-            result = strategy.aggregate(buffer, f"{set_key}_b{b}", residual_scale=loss_scale)
+            with tf.name_scope("fuse"):
+                parts = [tf.cast(flat[p.index] if (p.start, p.stop) == (0, flat[p.index].shape[0])
+                                 else flat[p.index][p.start:p.stop], work) for p in bucket]
+            with tf.name_scope(strategy.key or "strategy"):
+                pieces, result = strategy.aggregate_pieces(parts, f"{set_key}_b{b}", residual_scale=loss_scale)
             self._book.last_aggregation.append(result)
             self._book.last_buckets.append((result, [(p.index, p.start, p.stop) for p in bucket]))
             updates.extend(result.updates)
-            averaged = result.output * tf.cast(self._world_size(), work) if self._sum and not isinstance(
-                strategy, comm.Allreduce) else result.output
-            pieces = tf.split(averaged, [p.stop - p.start for p in bucket]) if len(bucket) > 1 else [averaged]
+            if strategy.lossy:
+                checked.append(result.finite if result.finite is not None else tf.reduce_all(
+                    [tf.reduce_all(tf.math.is_finite(piece)) for piece in pieces]))
+            if self._sum and not isinstance(strategy, comm.Allreduce):
+                pieces = [piece * tf.cast(self._world_size(), work) for piece in pieces]
             for p, piece in zip(bucket, pieces):
                 outputs[p.index].append(tf.cast(piece, dtype))
-        for i in fused:
-            whole = outputs[i][0] if len(outputs[i]) == 1 else tf.concat(outputs[i], axis=0)
-            out[i] = tf.reshape(whole, grads[i].shape)
-        return updates
+        with tf.name_scope("split"):
+            for i in fused:
+                whole = outputs[i][0] if len(outputs[i]) == 1 else tf.concat(outputs[i], axis=0)
+                out[i] = tf.reshape(whole, grads[i].shape)
+        return updates, checked
+
+
+def _in_function() -> bool:
+    """Whether ops are being added to a tf.function's graph (which runs every stateful op)."""
+    return isinstance(tf.compat.v1.get_default_graph(), tf.__internal__.FuncGraph)
 
 
 def _ref(variable) -> Any:

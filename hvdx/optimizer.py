@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from hvdx import comm
 from hvdx.accumulation import LocalAccumulator
-from hvdx.aggregator import GradientAggregator
+from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
 from hvdx.comm.dense import OP_NAMES
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -65,8 +65,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       density, num_samplings: MSTopK's options for the sparse strategies (density 0.01 by
         default there; rejected with a dense strategy).
       wire_dtype: the type values travel in (float32, float16, bfloat16).
-      bucket_bytes: fuse gradients into buckets of at most this many bytes (default: one
-        bucket per dtype).
+      bucket_bytes: gradients are fused into buckets, filled from the last layer to the
+        first, each closed once it holds this many bytes (default 32 MiB); a bucket's
+        collectives start while backpropagation goes on. None: one buffer per dtype.
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
@@ -81,7 +82,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
-                 num_samplings: Optional[int] = None, wire_dtype=None, bucket_bytes: Optional[int] = None) -> None:
+                 num_samplings: Optional[int] = None, wire_dtype=None,
+                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:
         if isinstance(name, (comm.Strategy,)) or (isinstance(name, str) and name.lower() in (
                 "hitopk", "hierarchical", "sparse_allgather", "allreduce", "2dtar", "naiveag", "dense")):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "

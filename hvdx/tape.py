@@ -21,7 +21,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.aggregator import GradientAggregator
+from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
 
 __all__ = ["DistributedGradientTape", "shared_aggregator"]
 
@@ -56,7 +56,8 @@ class DistributedGradientTape:
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  persistent: bool = False, watch_accessed_variables: bool = True,
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
-                 num_samplings: Optional[int] = None, wire_dtype=None, bucket_bytes: Optional[int] = None,
+                 num_samplings: Optional[int] = None, wire_dtype=None,
+                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
                  loss_scale: Any = None, aggregator: Optional[GradientAggregator] = None) -> None:
         if gradtape is not None and not isinstance(gradtape, tf.GradientTape):
             raise ValueError("the first argument of hvdx.DistributedGradientTape is the tf.GradientTape to wrap "

@@ -115,3 +115,59 @@ def test_goals_are_judged_on_paired_rounds_and_a_miss_says_why():
     assert "**3.50x** faster than Hierarchical (2DTAR) (goal >= 2x: met; rounds ranged 3.00-3.50x)" in text
     assert "(inter_allgather) is 17% of its time" in text and "a 4 KiB all-gather takes 30 ms" in text
     assert "| 25,000,000 | 1600.0 | 0.75 | 0.25 | 0.25 | 4.00x (4.00-5.00) | 3.50x (3.00-3.50) |" in comm.fig7_table([row])
+
+
+def test_train_step_benchmark_writes_json_plot_and_table(tmp_path):
+    """A tiny MLP over loopback (horovodrun, 2 nodes x 1 rank), profile included."""
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "train_step.py"), "--local",
+                           "--topologies", "2x1", "--models", "mlp", "--scale", "0.02", "--batch", "4", "--rounds", "2", "--steps", "1",
+                           "--profile", "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=400, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "train_step.json").read_text())
+    from benchmarks import train_step
+
+    (run,) = result["runs"]
+    assert run["topology"] == {"nodes": 2, "ranks_per_node": 1}
+    assert sorted(run["models"]) == ["mlp"]
+    for kind, model in run["models"].items():
+        assert sorted(model["rounds"]) == sorted(train_step.OPTIMIZERS)
+        assert all(len(times) == 2 and min(times) > 0 for times in model["rounds"].values())
+        summary = run["summary"][kind]
+        horovod = model["rounds"]["horovod"]
+        for key, times in model["rounds"].items():  # speed-ups: medians of per-round ratios
+            if key != "horovod":
+                ratios = sorted(h / t for h, t in zip(horovod, times))
+                assert summary[key]["speedup_vs_horovod"] == pytest.approx((ratios[0] + ratios[1]) / 2)
+        profile = model["profile"]
+        assert sorted(profile) == sorted(train_step.OPTIMIZERS)
+        assert profile["hitopk"]["ops"]["MSTopK"] > 0 and profile["none"]["ops"]["backward"] > 0
+        assert "MSTopK" not in profile["allreduce"]["ops"]
+        assert "cross-node all-gather" in profile["hitopk"]["collectives"]  # one rank per node: no node steps
+    assert set(result["verdicts"]["2x1"]) == {"hitopk", "hierarchical", "allreduce"}
+    assert (tmp_path / "train_step.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- train-step:begin -->" in text and "| 2x1 | mlp | hvdx hitopk (HiTopKComm) |" in text
+    assert "| TF ops: " in text and "Horovod: cross-node all-gather" in text
+    assert "overlap" in result["runs"][0]["models"]["mlp"]["profile"]["hitopk"]["ops"]
+
+
+def test_train_step_models_and_profile_categories():
+    from benchmarks import train_step
+
+    assert train_step.build_model("mlp").count_params() == 21_020_682  # the issue's 1024-4096-4096-10 MLP
+    assert train_step.build_model("cnn").count_params() == 5_166_474
+
+    assert train_step.categorize("hitopk/HvdxMstopk", "HvdxMstopk") == "MSTopK"
+    assert train_step.categorize("hitopk_1/error_feedback/AddN", "AddN") == "error feedback (residual add, update)"
+    assert train_step.categorize("gradient_tape/mlp/dense/MatMul/MatMul", "_MklMatMul") == "backward"
+    assert train_step.categorize("hitopk/fuse/concat", "ConcatV2") == "fusion copies, casts"
+    assert train_step.categorize("commit/All", "All") == "finiteness check, commit"
+    assert train_step.categorize("hitopk/unstack", "Unpack") == "strategy: slices, sums, packets"
+    assert train_step.collective_kind("HorovodAlltoall_hvdx_hitopk_rs_v0_b1_a2a_0", "ALLTOALL") == \
+        "node all-to-all (reduce-scatter)"
+    assert train_step.collective_kind("hvdx.hitopk.ag2.v0_b0", "ALLGATHER") == "node all-gather"
+    assert train_step.collective_kind("hvdx.hitopk.ag.v0_b0", "ALLGATHER") == "cross-node all-gather"
+    assert train_step.collective_kind("DistributedSGD_Allreduce/cond/HorovodAllreduce_grads_0", "ALLREDUCE") == \
+        "global allreduce"

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from hvdx.topology import Topology, topology
 
-__all__ = ["Aggregated", "Strategy", "check_density", "node_reduce_scatter", "node_reduce_scatter_parts",
-           "padded_length"]
+__all__ = ["Aggregated", "SLICE_ALIGN", "Strategy", "check_density", "node_reduce_scatter",
+           "node_reduce_scatter_parts", "node_slices", "padded_length"]
 
 
 def check_density(density: float) -> float:
@@ -27,37 +27,64 @@ def check_density(density: float) -> float:
 
 
 def padded_length(d: int, parts: int) -> int:
-    """d rounded up to a multiple of `parts`: buffers are zero-padded so that the node's
-    ranks own equal slices (padding is never sent by sparse strategies: it stays zero)."""
+    """d rounded up to a multiple of `parts`."""
     return -(-d // parts) * parts
 
 
-def node_reduce_scatter_parts(padded: tf.Tensor, topo: Topology, name: str) -> List[tf.Tensor]:
-    """Tensors whose sum is the node's sum of this rank's slice of `padded` (shi2021 eq. 4).
+#: Node slices start at multiples of this many elements (64 bytes of float32), so that the
+#: slices a node's all-to-all delivers are aligned views of its output, not copies.
+SLICE_ALIGN = 16
 
-    `padded`'s length is a multiple of local_size n; slice j belongs to the j-th rank of the
-    node-local set. Under Gloo, Horovod 0.28's reducescatter is 3-5x slower than the
-    alternatives, so the node runs an all-to-all instead (rank j receives every rank's
-    slice j: the (n-1)/n d elements of eq. 7, half what an allreduce moves) and the n
-    slices are returned, for the caller to add in the pass it makes anyway (HiTopK adds
-    its residual in the same one). Measured on the emulated 2 x 2 cluster, 25M floats:
-    all-to-all + sum 0.15 s, allreduce + slice 0.25 s, reducescatter 0.79 s.
-    Elsewhere (MPI, NCCL) the native reducescatter runs and gives one part.
+
+def node_slices(d: int, n: int) -> List[Tuple[int, int]]:
+    """(offset, length) of the n node-local slices of a d-element buffer: slice j belongs to
+    the j-th rank of the node-local set. Slices are equal multiples of SLICE_ALIGN but for
+    the last, which is shorter: no padding, no copy of the buffer. A buffer too small for
+    that (d < 32 n^2) is cut into n equal slices of its zero-padded length instead (the
+    slices past d are then partly or wholly padding)."""
+    if n == 1:
+        return [(0, d)]
+    if d >= 32 * n * n:
+        size = -(-d // (n * SLICE_ALIGN)) * SLICE_ALIGN
+        return [(j * size, min(size, d - j * size)) for j in range(n)]
+    size = padded_length(d, n) // n
+    return [(j * size, size) for j in range(n)]
+
+
+def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> List[tf.Tensor]:
+    """Tensors whose sum is the node's sum of this rank's slice of `buffer` (shi2021 eq. 4),
+    the slices of `node_slices` (a small buffer is zero-padded first).
+
+    Under Gloo, Horovod 0.28's reducescatter is 3-5x slower than the alternatives, so the
+    node runs an all-to-all instead (rank j receives every rank's slice j: the (n-1)/n d
+    elements of eq. 7, half what an allreduce moves) and the n received slices are
+    returned, for the caller to add in the pass it makes anyway (HiTopK adds its residual
+    in the same one). Measured on the emulated 2 x 2 cluster, 25M floats: all-to-all + sum
+    0.15 s, allreduce + slice 0.25 s, reducescatter 0.79 s. Elsewhere (MPI, NCCL) the
+    native reducescatter runs where its even split is `node_slices`' (else the all-to-all).
     """
     import horovod.tensorflow as hvd
 
     n = topo.local_size
+    d = int(buffer.shape[0])
+    slices = node_slices(d, n)
     if n == 1:
-        return [padded]
-    if not hvd.gloo_enabled():
-        return [hvd.reducescatter(padded, op=hvd.Sum, process_set=topo.local_set, name=f"{name}.rs")]
-    received = hvd.alltoall(padded, process_set=topo.local_set, name=f"{name}.a2a")
-    return tf.unstack(tf.reshape(received, [n, int(padded.shape[0]) // n]))  # views, no copies
+        return [buffer]
+    total = slices[-1][0] + slices[-1][1]
+    if total > d:
+        buffer = tf.pad(buffer, [[0, total - d]])
+    length = slices[topo.local_set.rank()][1]
+    if not hvd.gloo_enabled() and len({size for _, size in slices}) == 1:
+        return [hvd.reducescatter(buffer, op=hvd.Sum, process_set=topo.local_set, name=f"{name}.rs")]
+    received, _ = hvd.alltoall(buffer, splits=[size for _, size in slices], process_set=topo.local_set,
+                               name=f"{name}.a2a")
+    # n slices of this rank's length: views of `received` when the length is aligned.
+    return tf.unstack(tf.reshape(received, [n, length]))
 
 
-def node_reduce_scatter(padded: tf.Tensor, topo: Topology, name: str) -> tf.Tensor:
-    """The node's sum of this rank's slice of `padded` (see `node_reduce_scatter_parts`)."""
-    parts = node_reduce_scatter_parts(padded, topo, name)
+def node_reduce_scatter(buffer: tf.Tensor, topo: Topology, name: str) -> tf.Tensor:
+    """The node's sum of this rank's slice of `buffer` (see `node_reduce_scatter_parts`)."""
+    parts = node_reduce_scatter_parts(buffer, topo, name)
     return parts[0] if len(parts) == 1 else tf.add_n(parts)
 
 
@@ -65,17 +92,22 @@ def node_reduce_scatter(padded: tf.Tensor, topo: Topology, name: str) -> tf.Tens
 class Aggregated:
     """What one strategy call leaves behind (graph tensors of the current trace).
 
-    output: the averaged buffer (length d), identical on every rank.
+    output: the averaged buffer (length d), identical on every rank; None where the
+      strategy averaged a bucket's pieces without fusing them (`Strategy.aggregate_pieces`).
     updates: residual writes not yet made, (variable, new value) pairs: the caller makes
       them only if the step's averaged gradients are finite (`hvdx.comm.memory.commit`).
     local_slice: (this rank's averaged slice of the buffer, its offset) where the strategy
       reduce-scatters inside the node (2DTAR, HiTopK): LARS/LAMB compute their partial
       norms on it instead of another pass over d (shi2021 sec. 4.2).
+    finite: a boolean scalar, identical on every rank, true iff what the ranks exchanged is
+      finite, computed on the exchanged (value, index) pairs rather than on the d-vector
+      (sparse strategies). None: the caller checks `output` itself.
     """
 
-    output: tf.Tensor
+    output: Optional[tf.Tensor]
     updates: List[Tuple[tf.Variable, tf.Tensor]] = field(default_factory=list)
     local_slice: Optional[Tuple[tf.Tensor, int]] = None
+    finite: Optional[tf.Tensor] = None
 
 
 class Strategy:
@@ -104,7 +136,8 @@ class Strategy:
 
         result = self.aggregate(self._check(buffer), name)
         if result.updates:
-            with tf.control_dependencies([commit(result.updates, tf.reduce_all(tf.math.is_finite(result.output)))]):
+            finite = result.finite if result.finite is not None else tf.reduce_all(tf.math.is_finite(result.output))
+            with tf.control_dependencies([commit(result.updates, finite)]):
                 return tf.identity(result.output)
         return result.output
 
@@ -119,6 +152,21 @@ class Strategy:
         """Averages `buffer` over all ranks. `residual_scale` multiplies stored residuals
         before use (the loss scale changed since they were stored)."""
         raise NotImplementedError
+
+    def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None
+                         ) -> Tuple[List[tf.Tensor], Aggregated]:
+        """Averages a bucket given as 1-D pieces (its gradients, flattened, in order): the
+        averaged pieces and the `Aggregated`. Fuses them into one buffer (one copy), calls
+        `aggregate`, and splits the result (another); a strategy that can average the pieces
+        as they are overrides this (`Allreduce`: Horovod fuses them in its own buffer)."""
+        pieces = list(pieces)
+        with tf.name_scope("fuse"):
+            buffer = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
+        result = self.aggregate(buffer, name, residual_scale)
+        if len(pieces) == 1:
+            return [result.output], result
+        with tf.name_scope("split"):
+            return tf.split(result.output, [int(p.shape[0]) for p in pieces]), result
 
     def create_state(self, name: str, d: int) -> None:
         """Creates the state (residuals) of buffer `name` of length d before the first call,

@@ -1,12 +1,12 @@
 """Dense aggregation: Horovod's allreduce, and 2DTAR (hierarchical allreduce on CPU too)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvdx.comm.base import Aggregated, Strategy, node_reduce_scatter, padded_length
+from hvdx.comm.base import Aggregated, Strategy, node_reduce_scatter, node_slices
 from hvdx.topology import Topology
 
 __all__ = ["Allreduce", "Hierarchical", "OP_NAMES"]
@@ -64,6 +64,26 @@ class Allreduce(Strategy):
             total = self.compression.decompress(total, ctx)
         return Aggregated(tf.cast(total, buffer.dtype))
 
+    def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None
+                         ) -> Tuple[List[tf.Tensor], Aggregated]:
+        """One grouped Horovod allreduce of the pieces as they are: Horovod copies them into
+        its fusion buffer in its own thread (what `hvd.DistributedOptimizer` does), so the
+        step makes no fused copy and no split of its own."""
+        pieces = list(pieces)
+        if len(pieces) == 1 or self.op == hvd.Adasum:  # Adasum combines whole buffers
+            return super().aggregate_pieces(pieces, name, residual_scale)
+        sent, contexts = pieces, [None] * len(pieces)
+        if self.compression is not None:
+            sent, contexts = zip(*(self.compression.compress(p) for p in pieces))
+        elif self.wire_dtype is not None:
+            sent = [tf.cast(p, self.wire_dtype) for p in pieces]
+        totals = hvd.grouped_allreduce(list(sent), op=self.op, prescale_factor=self.prescale_factor,
+                                       postscale_factor=self.postscale_factor, process_set=self.process_set,
+                                       name=f"hvdx.allreduce.{name}")
+        if self.compression is not None:
+            totals = [self.compression.decompress(t, c) for t, c in zip(totals, contexts)]
+        return [tf.cast(t, p.dtype) for t, p in zip(totals, pieces)], Aggregated(None)
+
     def __repr__(self) -> str:
         options = [f"op={OP_NAMES[self.op]}"]
         if self.prescale_factor != 1.0 or self.postscale_factor != 1.0:
@@ -95,16 +115,17 @@ class Hierarchical(Strategy):
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])
-        n = topo.local_size
+        offset, length = node_slices(d, topo.local_size)[topo.local_set.rank()]
         sent = buffer if self.wire_dtype is None else tf.cast(buffer, self.wire_dtype)
-        padded = sent if d % n == 0 else tf.pad(sent, [[0, padded_length(d, n) - d]])
-        mine = node_reduce_scatter(padded, topo, f"hvdx.2dtar.rs.{name}")
-        total = hvd.allreduce(mine, op=hvd.Sum, process_set=topo.cross_set, name=f"hvdx.2dtar.ar.{name}")
+        mine = node_reduce_scatter(sent, topo, f"hvdx.2dtar.rs.{name}")
+        total = hvd.allreduce(tf.ensure_shape(mine, [length]), op=hvd.Sum, process_set=topo.cross_set,
+                              name=f"hvdx.2dtar.ar.{name}")
         averaged = tf.cast(total, buffer.dtype) / tf.cast(topo.size, buffer.dtype)
         gathered = hvd.allgather(tf.cast(averaged, sent.dtype), process_set=topo.local_set,
-                                 name=f"hvdx.2dtar.ag.{name}")
-        output = tf.cast(gathered if d % n == 0 else gathered[:d], buffer.dtype)
-        return Aggregated(output, local_slice=(averaged, topo.local_set.rank() * int(mine.shape[0])))
+                                 name=f"hvdx.2dtar.ag.{name}")  # slices of different lengths: fine
+        # [:d] drops a small buffer's padding; otherwise it is the whole tensor (no copy).
+        output = tf.reshape(tf.cast(gathered[:d], buffer.dtype), [d])
+        return Aggregated(output, local_slice=(averaged, offset))
 
     def __repr__(self) -> str:
         return f"Hierarchical(wire_dtype={self.wire_dtype.name})" if self.wire_dtype else "Hierarchical()"

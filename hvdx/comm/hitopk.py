@@ -7,7 +7,7 @@ from typing import Dict, Optional
 import tensorflow as tf
 
 from hvdx import ops
-from hvdx.comm.base import Aggregated, node_reduce_scatter_parts, padded_length
+from hvdx.comm.base import Aggregated, node_reduce_scatter_parts, node_slices
 from hvdx.comm.sparse import TopKStrategy
 from hvdx.topology import barrier
 
@@ -25,7 +25,8 @@ class HiTopK(TopKStrategy):
     4. all-gather inside the node of the m k pairs each rank received (eq. 10 counts these
        rho d m / n elements, not the dense slice), then one sparse_accumulate of all of them
        into the d-vector (lines 15-22), divided by the number of ranks.
-    The buffer is zero-padded to a multiple of n, so every slice has the same length.
+    The node's slices are those of `node_slices` (aligned, the last one shorter; no copy
+    of the buffer), and k = density * slice length on each.
     Set `record_times = True` to keep each step's wall time (eager mode, a barrier of all
     ranks before each step) in `last_times`.
     """
@@ -39,37 +40,41 @@ class HiTopK(TopKStrategy):
         self.last_times: Dict[str, float] = {}
 
     def residual_length(self, d: int) -> int:
-        """This rank's slice of the padded buffer: d / n rounded up."""
-        n = self.topology.local_size
-        return padded_length(d, n) // n
+        """The longest node slice of a d-element buffer (`node_slices`): every rank keeps a
+        residual of that length (the shorter last slice leaves its tail at zero)."""
+        return node_slices(d, self.topology.local_size)[0][1]
 
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])
         n = topo.local_size
-        slice_length = padded_length(d, n) // n
+        slices = node_slices(d, n)
+        offset, slice_length = slices[topo.local_set.rank()]  # this rank's slice of the d-vector
         clock = _StepClock(self.record_times)
-        padded = buffer if d % n == 0 else tf.pad(buffer, [[0, padded_length(d, n) - d]])
-        parts = node_reduce_scatter_parts(padded, topo, f"hvdx.hitopk.rs.{name}")
+        parts = node_reduce_scatter_parts(buffer, topo, f"hvdx.hitopk.rs.{name}")
         clock.lap("reduce_scatter")  # (the n parts are added to the residual in the next step)
         values, indices, k, updates = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name,
-                                                   residual_scale)
+                                                   residual_scale, stored=self.residual_length(d))
         clock.lap("mstopk")
+        # The cross set's members hold the same slice (same k); the node's hold slices of
+        # different lengths (the last is shorter), so each sends its own m k pairs.
         values, indices = self._exchange(values, indices, k, topo.cross_set, f"hvdx.hitopk.ag.{name}")
         clock.lap("inter_allgather")
-        offset = topo.local_set.rank() * slice_length  # this rank's slice in the d-vector
-        values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype), topo.num_nodes * k,
+        node_k = [topo.num_nodes * self.k(length) for _, length in slices]
+        values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype),
+                                         node_k if len(set(node_k)) > 1 else node_k[0],
                                          topo.local_set, f"hvdx.hitopk.ag2.{name}")
         # Averaging the m n k pairs rather than the d-vector saves a pass over d elements.
         values = values / tf.cast(topo.size, values.dtype)
-        total = ops.sparse_accumulate(values, indices, n * slice_length)
-        if n * slice_length != d:  # padding (zeros) may be selected when few entries are nonzero
+        padded = slices[-1][0] + slices[-1][1]
+        total = ops.sparse_accumulate(values, indices, padded)
+        if padded != d:  # a small buffer's padding (zeros) may be selected when few entries are nonzero
             total = total[:d]
         clock.lap("intra_allgather")
         if self.record_times:
             self.last_times = clock.times
         mine = (total[offset:offset + slice_length] if offset + slice_length <= d else total[offset:], offset)
-        return Aggregated(total, updates, local_slice=mine)
+        return Aggregated(total, updates, local_slice=mine, finite=self._finite(values))
 
 
 class _StepClock:

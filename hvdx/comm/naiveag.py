@@ -25,4 +25,4 @@ class SparseAllgather(TopKStrategy):
         values, indices, k, updates = self._select([buffer], name, residual_scale)
         values, indices = self._exchange(values, indices, k, hvd.global_process_set, f"hvdx.naiveag.ag.{name}")
         values = values / tf.cast(topo.size, values.dtype)
-        return Aggregated(ops.sparse_accumulate(values, indices, d), updates)
+        return Aggregated(ops.sparse_accumulate(values, indices, d), updates, finite=self._finite(values))

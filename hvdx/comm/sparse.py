@@ -7,7 +7,7 @@ the wire's rounding, as its next residual (committed only on finite steps).
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -51,7 +51,9 @@ class TopKStrategy(Strategy):
         return self._memory
 
     def residual_length(self, d: int) -> int:
-        """The length of the residual kept for a d-element buffer."""
+        """The length of the residual kept for a d-element buffer: the same on every rank,
+        so that a checkpoint restores anywhere (a residual written by another rank then
+        reads as zeros, `ResidualMemory.read`)."""
         return d
 
     def create_state(self, name: str, d: int) -> None:
@@ -61,28 +63,47 @@ class TopKStrategy(Strategy):
         """How many entries of a `length`-element buffer are sent: max(1, round(density * length))."""
         return max(1, int(round(self.density * length)))
 
-    def _select(self, grads: List[tf.Tensor], name: str,
-                residual_scale: Optional[tf.Tensor]) -> Tuple[tf.Tensor, tf.Tensor, int, List[Update]]:
+    def _select(self, grads: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor],
+                stored: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor, int, List[Update]]:
         """Error feedback around MSTopK: (values, indices, k, residual updates) for
-        acc = sum(grads) + residual; the new residual is acc with the sent values taken out."""
+        acc = sum(grads) + residual; the new residual is acc with the sent values taken out.
+        `stored`: the residual's length where it exceeds the grads' (its tail stays zero)."""
         length = int(grads[0].shape[0])
         if grads[0].dtype != tf.float32:
             raise ValueError(f"{type(self).__name__} aggregates float32 buffers, got {grads[0].dtype.name}")
-        residual = self._memory.read(name, length, tf.float32, residual_scale)
-        acc = tf.add_n([*grads, residual])
+        stored = length if stored is None else stored
+        with tf.name_scope("error_feedback"):
+            residual = self._memory.read(name, stored, tf.float32, residual_scale)
+            acc = tf.add_n([*grads, residual if stored == length else residual[:length]])
         k = self.k(length)
         values, indices = ops.mstopk(acc, k, num_samplings=self.num_samplings, index_dtype=self.index_dtype)
         sent = wire.decode_sent(values, self.wire_dtype)
         # What was not sent stays: unselected entries whole, and the wire's rounding at the
         # selected ones. sparse_accumulate updates acc in place (nothing else reads it now).
-        new_residual = ops.sparse_accumulate(-sent, indices, length, out=acc)
+        with tf.name_scope("error_feedback"):
+            new_residual = ops.sparse_accumulate(-sent, indices, length, out=acc)
+            if stored != length:
+                new_residual = tf.pad(new_residual, [[0, stored - length]])
+            updates = self._memory.updates(name, new_residual, residual_scale)
         self.last_indices = indices
-        return values, indices, k, self._memory.updates(name, new_residual, residual_scale)
+        return values, indices, k, updates
 
-    def _exchange(self, values: tf.Tensor, indices: tf.Tensor, k: int, process_set: hvd.ProcessSet,
-                  name: str) -> Tuple[tf.Tensor, tf.Tensor]:
+    def _exchange(self, values: tf.Tensor, indices: tf.Tensor, k: Union[int, Sequence[int]],
+                  process_set: hvd.ProcessSet, name: str) -> Tuple[tf.Tensor, tf.Tensor]:
+        """All-gather of every member's pairs: k per member, or one k per member in order."""
         gathered = hvd.allgather(wire.pack(values, indices, self.wire_dtype), process_set=process_set, name=name)
         return wire.unpack(gathered, k, indices.dtype)
+
+    @staticmethod
+    def _finite(values: tf.Tensor) -> tf.Tensor:
+        """Whether every exchanged value is finite: identical on every rank (all hold the
+        same pairs), and a check of the m n k pairs instead of the d-vector. MSTopK ranks
+        Inf and NaN above every finite magnitude, so a non-finite entry anywhere in a rank's
+        error-feedback buffer is always among the values it sends. (Finite values whose sum
+        overflows float32 are the one case this passes: the output then holds Inf for the
+        loss scaler, and the residuals committed are finite.)"""
+        with tf.name_scope("finite"):
+            return tf.reduce_all(tf.math.is_finite(values))
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(density={self.density}, num_samplings={self.num_samplings}, "

@@ -12,11 +12,11 @@ still sees them.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Sequence, Tuple, Union
 
 import tensorflow as tf
 
-__all__ = ["WIRE_DTYPES", "pack", "unpack", "decode_sent"]
+__all__ = ["WIRE_DTYPES", "decode_sent", "pack", "packet_length", "unpack"]
 
 WIRE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
 _FLOAT16_TOP = 14  # scale so that max|v| < 2**15 (float16's largest finite value is ~2**16)
@@ -59,13 +59,23 @@ def pack(values: tf.Tensor, indices: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     return tf.concat(parts, axis=0)
 
 
-def unpack(gathered: tf.Tensor, k: int, index_dtype: tf.DType) -> Tuple[tf.Tensor, tf.Tensor]:
+def packet_length(k: int, index_dtype: tf.DType, wire: tf.DType) -> int:
+    """Elements of one sender's packet of k pairs."""
+    return k * (1 + _slots_per_index(index_dtype, wire)) + (1 if wire == tf.float16 else 0)
+
+
+def unpack(gathered: tf.Tensor, k: Union[int, Sequence[int]], index_dtype: tf.DType) -> Tuple[tf.Tensor, tf.Tensor]:
     """Inverse of `pack` for the concatenation of every sender's packet: (float32 values,
-    indices of `index_dtype`), senders in order."""
+    indices of `index_dtype`), senders in order. `k`: pairs per packet, or one count per
+    sender where senders send different numbers of pairs."""
+    if not isinstance(k, int):
+        lengths = [packet_length(kj, index_dtype, gathered.dtype) for kj in k]
+        pairs = [unpack(packet, kj, index_dtype) for packet, kj in zip(tf.split(gathered, lengths), k)]
+        return tf.concat([v for v, _ in pairs], 0), tf.concat([i for _, i in pairs], 0)
     wire = gathered.dtype
     per_index = _slots_per_index(index_dtype, wire)
     extra = 1 if wire == tf.float16 else 0
-    packets = tf.reshape(gathered, [-1, k * (1 + per_index) + extra])
+    packets = tf.reshape(gathered, [-1, packet_length(k, index_dtype, wire)])
     values = tf.cast(packets[:, :k], tf.float32)
     if extra:
         values = values * tf.pow(2.0, tf.cast(packets[:, -1:], tf.float32))

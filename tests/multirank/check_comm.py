@@ -61,30 +61,42 @@ def check_dense_equivalence(topo, d: int, step: int) -> None:
         assert_average(got, want, 1000.0, repr(strategy))  # |grads| <= 1000
 
 
+def gather_ragged(t: tf.Tensor, name: str) -> list:
+    """Every rank's 1-D tensor (lengths may differ), by rank."""
+    lengths = hvd.allgather(tf.reshape(tf.size(t), [1]), name=f"{name}.n").numpy()
+    flat = hvd.allgather(tf.reshape(t, [-1]), name=name).numpy()
+    return np.split(flat, np.cumsum(lengths)[:-1])
+
+
 def check_hitopk_simulation(topo, d: int, density: float, steps: int) -> None:
+    """HiTopK against a NumPy simulation of Algorithm 2 on the node slices of
+    `node_slices` (aligned, the last shorter; a small buffer zero-padded)."""
     strategy = comm.HiTopK(density=density)
-    n, m, size = topo.local_size, topo.num_nodes, topo.size
-    slice_len = -(-d // n)
+    n, size = topo.local_size, topo.size
+    slices = comm.base.node_slices(d, n)
+    padded_d = slices[-1][0] + slices[-1][1]
     for step in range(steps):
         rng = np.random.default_rng(1000 * step + topo.rank)
         grads = rng.integers(-8000, 8000, d) / 8
         all_grads = gather_rows(tf.constant(grads, tf.float32), f"hg{d}.{step}")
         residual = strategy.variables.get("h") if step else None
-        before = gather_rows(residual.value() if residual is not None else tf.zeros([slice_len]),
-                             f"hr{d}.{step}")
+        stored = slices[0][1]  # every rank's residual has the longest slice's length
+        before = gather_rows(residual.value() if residual is not None else tf.zeros([stored]), f"hr{d}.{step}")
         got = strategy(tf.constant(grads, tf.float32), name="h").numpy()
-        chosen = gather_rows(strategy.last_indices, f"hi{d}.{step}")
+        chosen = gather_ragged(strategy.last_indices, f"hi{d}.{step}")
         after = gather_rows(strategy.variables["h"].value(), f"ha{d}.{step}")
-        padded = np.zeros((size, n * slice_len))
+        padded = np.zeros((size, padded_d))
         padded[:, :d] = all_grads
-        total = np.zeros(n * slice_len)
+        total = np.zeros(padded_d)
         largest = 0.0
         for node, ranks in enumerate(topo.node_ranks):
             for j, r in enumerate(ranks):  # local rank j owns slice j (Alg. 2 line 1)
-                piece = slice(j * slice_len, (j + 1) * slice_len)
-                acc = padded[list(ranks), piece].sum(axis=0) + before[r]
+                offset, length = slices[j]
+                piece = slice(offset, offset + length)
+                assert not after[r][length:].any(), f"rank {r}'s residual past its slice is not zero"
+                acc = padded[list(ranks), piece].sum(axis=0) + before[r][:length]
                 selected, residual_sim = simulate_selection(acc, density, chosen[r])
-                np.testing.assert_array_equal(after[r], residual_sim, err_msg=f"residual of rank {r}")
+                np.testing.assert_array_equal(after[r][:length], residual_sim, err_msg=f"residual of rank {r}")
                 total[piece][selected] += acc[selected]
                 largest = max(largest, np.abs(acc).max())
         assert_average(got, total[:d] / size, largest)
@@ -145,7 +157,7 @@ def check_bad_input() -> None:
 def main() -> dict:
     topo = hvdx.init()
     check_bad_input()
-    for d in (64 * topo.local_size, 1000 * topo.local_size + 1):  # divisible by n, and not
+    for d in (13, 64 * topo.local_size, 1000 * topo.local_size + 1):  # padded, even slices, a shorter last slice
         for step in range(2):
             check_dense_equivalence(topo, d, step)
         check_hitopk_simulation(topo, d, density=0.05, steps=3)

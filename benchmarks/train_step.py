@@ -1,0 +1,518 @@
+"""Table 3 of shi2021 in miniature: the training step a user sees, per aggregation strategy.
+
+`model.fit`'s own train function (forward, backward, aggregation at Keras' hook, apply) of
+the same model with every optimizer: no communication at all (the floor: each rank trains
+alone), Horovod's `hvd.DistributedOptimizer` (the baseline), and `hvdx.DistributedOptimizer`
+with each strategy. Optimizers take turns within each round (a slow spell of the shared
+machine hits all of them alike); a time is the slowest rank's time of `--steps` steps over
+`--steps`; speed-ups are medians of the per-round ratios to Horovod's.
+
+    python benchmarks/train_step.py                     # emulated cluster, 2x2 and 2x1, 1 Gbit/s (root)
+    python benchmarks/train_step.py --local             # horovodrun over loopback (no shaping)
+    python benchmarks/train_step.py --profile           # also: where the time of one step goes
+
+With `--profile`, rank 0 records one step of each optimizer with TensorFlow's profiler and
+Horovod's timeline and sums the time of the step's operations by what they do (forward and
+backward, fusion copies and casts, residual update, MSTopK, sparse accumulation, each
+collective, split, apply). Writes <out>/train_step.json, .png and the table of
+benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
+    from report import markdown_table, update_readme
+except ImportError:
+    from benchmarks.report import markdown_table, update_readme
+
+HERE = Path(__file__).resolve().parent
+#: hvdx's strategies; "none" is the no-communication floor, "horovod" the baseline.
+STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
+#: "<strategy>_fused": the strategy on one fused buffer (bucket_bytes=None), no overlap.
+OPTIMIZERS = ["none", "horovod", *STRATEGIES, "hierarchical_fused", "hitopk_fused"]
+LABELS = {"none": "no communication (floor)", "horovod": "Horovod DistributedOptimizer",
+          "allreduce": "hvdx allreduce", "hierarchical": "hvdx hierarchical (2DTAR)",
+          "sparse_allgather": "hvdx sparse_allgather (NaiveAG)", "hitopk": "hvdx hitopk (HiTopKComm)",
+          "hierarchical_fused": "hvdx hierarchical, one fused buffer", "hitopk_fused": "hvdx hitopk, one fused buffer"}
+#: The issue's goals, per-round ratio medians of Horovod's step time over hvdx's (MLP, 2x2).
+GOALS = {"hitopk": 3.0, "hierarchical": 1.25, "allreduce": 1.0}
+
+
+# -- models --------------------------------------------------------------------------------
+def build_model(kind: str, scale: float = 1.0):
+    """The issue's MLP (1024-4096-4096-10, 21M parameters) or a convolutional model (VGG-like
+    on 32x32x3, 5.2M parameters); `scale` shrinks widths (the tests' tiny runs)."""
+    import tensorflow as tf
+
+    layers = tf.keras.layers
+    w = lambda n: max(4, int(n * scale))  # noqa: E731
+    if kind == "mlp":
+        return tf.keras.Sequential([tf.keras.Input((w(1024),)), layers.Dense(w(4096), activation="relu"),
+                                    layers.Dense(w(4096), activation="relu"), layers.Dense(10)], name="mlp")
+    if kind == "cnn":
+        return tf.keras.Sequential([
+            tf.keras.Input((32, 32, 3)),
+            layers.Conv2D(w(64), 3, padding="same", activation="relu"),
+            layers.Conv2D(w(128), 3, padding="same", activation="relu"), layers.MaxPool2D(),
+            layers.Conv2D(w(256), 3, padding="same", activation="relu"), layers.MaxPool2D(),
+            layers.Conv2D(w(256), 3, padding="same", activation="relu"), layers.MaxPool2D(),
+            layers.Flatten(), layers.Dense(w(1024), activation="relu"), layers.Dense(10)], name="cnn")
+    raise ValueError(f"unknown model {kind!r}: 'mlp' or 'cnn'")
+
+
+def input_shape(model) -> tuple:
+    return tuple(model.input_shape[1:])
+
+
+def make_optimizer(key: str, args: argparse.Namespace):
+    import tensorflow as tf
+
+    inner = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    if key == "none":
+        return inner
+    if key == "horovod":
+        import horovod.tensorflow.keras as hvd_keras
+
+        return hvd_keras.DistributedOptimizer(inner)
+    import hvdx
+
+    strategy, fused = (key[:-len("_fused")], True) if key.endswith("_fused") else (key, False)
+    options = {"density": args.density} if strategy in ("sparse_allgather", "hitopk") else {}
+    if fused or args.bucket_bytes is not None:
+        options["bucket_bytes"] = None if fused else args.bucket_bytes or None
+    return hvdx.DistributedOptimizer(inner, communication=strategy, **options)
+
+
+# -- the ranks -----------------------------------------------------------------------------
+def slowest(seconds: float, name: str) -> float:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
+
+
+def trainers(kind: str, args: argparse.Namespace) -> Dict[str, Callable[[int], float]]:
+    """For each optimizer, a function that runs n steps of Keras' own train function (as
+    model.fit does) and returns this rank's last loss (which waits for the step to end)."""
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    out = {}
+    for key in args.optimizers:
+        tf.keras.utils.set_random_seed(1234)  # the same initial weights for every optimizer
+        model = build_model(kind, args.scale)
+        model.compile(optimizer=make_optimizer(key, args),
+                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(hvd.rank())
+        x = rng.standard_normal((args.batch * 4, *input_shape(model))).astype("float32")
+        y = rng.integers(0, 10, args.batch * 4)
+        iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat().prefetch(2))
+        train = model.make_train_function()
+
+        def run(n: int, train=train, iterator=iterator) -> float:
+            logs = None
+            for _ in range(n):
+                logs = train(iterator)
+            return float(logs["loss"])
+
+        out[key] = run
+    return out
+
+
+def measure(kind: str, args: argparse.Namespace) -> Dict[str, List[float]]:
+    """Per round, the slowest rank's time per step of every optimizer (turns rotate)."""
+    import horovod.tensorflow as hvd
+
+    import hvdx
+
+    runs = trainers(kind, args)
+    for key, run in runs.items():  # warm-up: tracing, residuals, layout checks
+        run(2)
+        hvdx.barrier()
+    per_round: Dict[str, List[float]] = {key: [] for key in runs}
+    keys = list(runs)
+    for r in range(args.rounds):
+        order = keys[r % len(keys):] + keys[:r % len(keys)]
+        for key in order:
+            hvdx.barrier()
+            start = time.perf_counter()
+            runs[key](args.steps)
+            per_round[key].append(slowest(time.perf_counter() - start, f"ts.{kind}.{key}.{r}") / args.steps)
+        if hvd.rank() == 0:
+            print(f"[{kind}] round {r}: " + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in keys), flush=True)
+    if args.profile:
+        profiles = profile_steps(kind, runs, args)
+        return {"rounds": per_round, "profile": profiles}
+    return {"rounds": per_round}
+
+
+# -- profile -------------------------------------------------------------------------------
+_STRATEGY_SCOPE = re.compile(r"^(?:.*/)?(hitopk|hierarchical|allreduce|sparse_allgather)(?:_\d+)?/")
+CATEGORIES = [  # (category, test on (name with scopes, op type)); the first match wins
+    ("MSTopK", lambda n, t: t == "HvdxMstopk"),
+    ("error feedback (residual add, update)", lambda n, t: "error_feedback" in n),
+    ("sparse accumulation", lambda n, t: t in ("HvdxSparseAccumulate", "HvdxSparseScatter")),
+    ("collective ops (TF side)", lambda n, t: t.startswith("Horovod")),
+    ("finiteness check, commit", lambda n, t: n.startswith("commit/") or "/commit/" in n or "/finite/" in n),
+    ("fusion copies, casts", lambda n, t: n.startswith("fuse/") or "/fuse/" in n),
+    ("split", lambda n, t: n.startswith("split/") or "/split/" in n),
+    ("strategy: slices, sums, packets", lambda n, t: bool(_STRATEGY_SCOPE.match(n))),
+    ("backward", lambda n, t: n.startswith("gradient_tape/")),
+    ("forward, loss", lambda n, t: n.split("/")[0] in ("mlp", "cnn", "sparse_categorical_crossentropy")),
+    ("apply (SGD)", lambda n, t: "SGD" in n.split("/")[0]),
+]
+
+
+#: Work that only starts once a bucket's first collective has finished.
+AFTER_A_COLLECTIVE = ("MSTopK", "error feedback (residual add, update)", "sparse accumulation",
+                      "strategy: slices, sums, packets", "split")
+
+
+def categorize(name: str, op_type: str) -> str:
+    for category, test in CATEGORIES:
+        if test(name, op_type):
+            return category
+    return "other"
+
+
+def op_times(logdir: str) -> Dict[str, float]:
+    """Seconds of TensorFlow op execution in a profile, summed by category (ops run on
+    several threads at once, so the sum can exceed the step's wall time)."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    totals: Dict[str, float] = collections.Counter()
+    names: Dict[str, float] = collections.Counter()
+    backward_end, first_after = 0, None
+    for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
+        space = xplane_pb2.XSpace()
+        space.ParseFromString(Path(path).read_bytes())
+        for plane in space.planes:
+            if plane.name != "/host:CPU":
+                continue
+            for line in plane.lines:
+                if not line.name.startswith(("tf_Compute", "tf_inter_op")):
+                    continue
+                for event in line.events:
+                    label = plane.event_metadata[event.metadata_id].name
+                    if ":" not in label or "::" in label:  # TF ops are "name:Type"; executor spans are not
+                        continue
+                    name, op_type = label.rsplit(":", 1)
+                    category = categorize(name, op_type)
+                    start = line.timestamp_ns * 1000 + event.offset_ps
+                    if category == "backward":
+                        backward_end = max(backward_end, start + event.duration_ps)
+                    elif category in AFTER_A_COLLECTIVE:
+                        first_after = start if first_after is None else min(first_after, start)
+                    totals[category] += event.duration_ps * 1e-12
+                    names[f"{category} | {label}"] += event.duration_ps * 1e-12
+    if os.environ.get("HVDX_PROFILE_OPS"):
+        print("op times:\n" + "\n".join(f"  {v * 1e3:8.1f} ms  {k}" for k, v in names.most_common(40)), flush=True)
+    if backward_end and first_after is not None:
+        # > 0: a bucket's collective had finished, and its results were being worked on,
+        # that long before backpropagation ended (one clock: the profiler's)
+        totals["overlap"] = (backward_end - first_after) * 1e-12
+    return dict(totals)
+
+
+COLLECTIVES = [  # (kind, fragments of a Horovod tensor name with "_" read as "."), first match wins
+    ("node all-to-all (reduce-scatter)", ("hitopk.rs", "2dtar.rs")),
+    ("node all-gather", ("hitopk.ag2", "2dtar.ag")),
+    ("cross-node allreduce (2DTAR)", ("2dtar.ar",)),
+    ("cross-node all-gather", ("hitopk.ag",)),
+    ("global all-gather (NaiveAG)", ("naiveag",)),
+]
+
+
+def collective_kind(tensor: str, activity: str) -> str:
+    name = tensor.replace("_", ".").lower()
+    for kind, fragments in COLLECTIVES:
+        if any(fragment in name for fragment in fragments):
+            return kind
+    return f"global {activity.lower()}"  # Horovod's own gradients, hvdx's allreduce
+
+
+def horovod_times(path: str) -> Dict[str, float]:
+    """Seconds in Horovod's timeline (chrome trace): each kind of collective's run time
+    (from the end of its negotiation to its end), and the negotiation itself, which is
+    mostly waiting until every rank has submitted the tensor."""
+    text = Path(path).read_text().strip().rstrip(",")
+    events = json.loads(text if text.endswith("]") else text + "]")
+    tensors = {e["pid"]: e.get("args", {}).get("name", "") for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"}
+    stacks: Dict[tuple, List[tuple]] = collections.defaultdict(list)
+    totals: Dict[str, float] = collections.Counter()
+    for e in events:
+        key = (e.get("pid"), e.get("tid"))
+        if e.get("ph") == "B":
+            stacks[key].append((e["ts"], e.get("name", "")))
+        elif e.get("ph") == "E" and stacks[key]:
+            ts, activity = stacks[key].pop()
+            if stacks[key]:
+                continue  # nested activities are parts of the collective counted at the top
+            kind = "negotiation (waiting for all ranks)" if activity.startswith("NEGOTIATE") else \
+                collective_kind(tensors.get(e.get("pid"), ""), activity)
+            totals[kind] += (e["ts"] - ts) * 1e-6
+    return dict(totals)
+
+
+def profile_steps(kind: str, runs: Dict[str, Callable[[int], float]], args) -> Dict[str, dict]:
+    """One recorded step per optimizer (rank 0 records; every rank runs the steps)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvdx
+
+    out = {}
+    for key, run in runs.items():
+        hvdx.barrier()
+        logdir = tempfile.mkdtemp(prefix=f"hvdx-prof-{key}-")
+        timeline = os.path.join(logdir, "horovod_timeline.json")
+        if hvd.rank() == 0:
+            hvd.start_timeline(timeline, mark_cycles=False)
+            tf.profiler.experimental.start(logdir)
+        start = time.perf_counter()
+        run(args.profile_steps)
+        wall = (time.perf_counter() - start) / args.profile_steps
+        if hvd.rank() == 0:
+            tf.profiler.experimental.stop()
+            hvd.stop_timeline()
+            ops = {k: v / args.profile_steps if k != "overlap" else v for k, v in op_times(logdir).items()}
+            try:
+                colls = {k: v / args.profile_steps for k, v in horovod_times(timeline).items()}
+            except (OSError, ValueError) as error:
+                colls = {"error": str(error)}
+            out[key] = {"wall": wall, "ops": ops, "collectives": colls}
+            print(f"[{kind}] profile {key}: wall {wall * 1e3:.0f} ms, ops "
+                  + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
+                  + " | horovod " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in colls.items() if k != "error"),
+                  flush=True)
+    hvdx.barrier()
+    return out
+
+
+def run_ranks(args: argparse.Namespace) -> None:
+    import horovod.tensorflow as hvd
+
+    import hvdx
+
+    topo = hvdx.init()
+    results = {}
+    for kind in args.models:
+        results[kind] = measure(kind, args)
+    if hvd.rank() == 0:
+        network = json.loads(os.environ["HVDX_CLUSTER"]) if "HVDX_CLUSTER" in os.environ else None
+        Path(args.worker_json).write_text(json.dumps({
+            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
+            "network": network, "models": results}, indent=1))
+    hvdx.barrier()
+
+
+# -- the launcher ----------------------------------------------------------------------------
+def launch(args: argparse.Namespace, nodes: int, per_node: int, worker_json: Path) -> None:
+    worker = [sys.executable, __file__, "--worker-json", str(worker_json), *sys.argv[1:]]
+    if args.local:
+        sys.path.insert(0, str(HERE.parent))
+        from tests.harness import hosts
+
+        horovodrun = Path(sys.executable).parent / "horovodrun"
+        command = [str(horovodrun), "-np", str(nodes * per_node), "-H", hosts(nodes, per_node), "--gloo", *worker]
+    else:
+        command = [sys.executable, str(HERE.parent / "hvdx" / "runner" / "cluster.py"), "--nodes", str(nodes),
+                   "--ranks-per-node", str(per_node), "--rate", args.rate, "--no-delay", "--", *worker]
+    print("launching:", " ".join(command), flush=True)
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
+    if args.profile:
+        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # hvd.start_timeline() around the profiled steps
+    code = subprocess.call(command, env=env)
+    if code:
+        raise SystemExit(f"the {nodes}x{per_node} run failed (exit status {code})")
+
+
+def summarize(models: dict) -> Dict[str, dict]:
+    """Per model and optimizer: the median step time, and the median (min, max) over rounds
+    of the per-round ratio of Horovod's step time to this one's (> 1: faster than Horovod)."""
+    out = {}
+    for kind, result in models.items():
+        rounds = result["rounds"]
+        rows = {}
+        for key, times in rounds.items():
+            row = {"median_seconds": statistics.median(times)}
+            if "horovod" in rounds and key != "horovod":
+                ratios = [h / t for h, t in zip(rounds["horovod"], times)]
+                row.update(speedup_vs_horovod=statistics.median(ratios), speedup_range=[min(ratios), max(ratios)])
+            rows[key] = row
+        out[kind] = rows
+    return out
+
+
+def goal_verdicts(summary: Dict[str, dict]) -> Dict[str, dict]:
+    """The issue's goals on the MLP (2x2): met, or by how much the speed-up falls short."""
+    out = {}
+    for key, goal in GOALS.items():
+        row = summary.get("mlp", {}).get(key)
+        if row is None or "speedup_vs_horovod" not in row:
+            continue
+        got = row["speedup_vs_horovod"]
+        out[key] = {"goal": goal, "speedup": got, "met": got >= goal,
+                    "short_by": 0.0 if got >= goal else 1.0 - got / goal}
+    return out
+
+
+def step_table(result: dict) -> str:
+    topo = result["topology"]
+    rows = []
+    for kind, summary in result["summary"].items():
+        floor = summary.get("none", {}).get("median_seconds")
+        for key, row in summary.items():
+            speedup = row.get("speedup_vs_horovod")
+            low, high = row.get("speedup_range", (None, None))
+            rows.append([f"{topo['nodes']}x{topo['ranks_per_node']}", kind, LABELS.get(key, key),
+                         f"{row['median_seconds'] * 1e3:.0f}",
+                         "" if floor is None or key == "none" else f"{(row['median_seconds'] - floor) * 1e3:.0f}",
+                         "1 (baseline)" if key == "horovod" else "" if speedup is None
+                         else f"{speedup:.2f}x ({low:.2f}-{high:.2f})"])
+    return markdown_table(["topology", "model", "optimizer", "step (ms)", "over the floor (ms)",
+                           "speed-up vs Horovod, median (min-max) of rounds"], rows, text_columns=3)
+
+
+def profile_table(result: dict, kind: str) -> str:
+    profile = result["models"][kind].get("profile") or {}
+    keys = [k for k in OPTIMIZERS if k in profile]
+    categories = [c for c, _ in CATEGORIES] + ["other"]
+    kinds = sorted({c for k in keys for c in profile[k]["collectives"] if c != "error"})
+    header = ["where the time goes (ms per step)", *[LABELS[k] for k in keys]]
+    rows = [["wall time of a profiled step", *[f"{profile[k]['wall'] * 1e3:.0f}" for k in keys]]]
+    for category in categories:
+        values = [profile[k]["ops"].get(category, 0.0) for k in keys]
+        if any(v >= 5e-4 for v in values):
+            rows.append([f"TF ops: {category}", *[f"{v * 1e3:.0f}" for v in values]])
+    for c in kinds:
+        rows.append([f"Horovod: {c}", *[f"{profile[k]['collectives'].get(c, 0.0) * 1e3:.0f}" for k in keys]])
+    rows.append(["overlap: a bucket's results worked on before backpropagation ended by",
+                 *["" if "overlap" not in profile[k]["ops"] else f"{profile[k]['ops']['overlap'] * 1e3:.0f}"
+                   for k in keys]])
+    return markdown_table(header, rows, text_columns=1)
+
+
+def plot(results: List[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(r, kind) for r in results for kind in r["summary"]]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
+    for ax, (result, kind) in zip(axes[0], panels):
+        summary = result["summary"][kind]
+        keys = [k for k in OPTIMIZERS if k in summary]
+        times = [summary[k]["median_seconds"] * 1e3 for k in keys]
+        colors = ["#999999" if k == "none" else "#d62728" if k == "horovod" else "#1f77b4" for k in keys]
+        ax.bar(range(len(keys)), times, color=colors)
+        for i, k in enumerate(keys):
+            speedup = summary[k].get("speedup_vs_horovod")
+            if speedup is not None and k != "none":
+                ax.text(i, times[i], f"{speedup:.2f}x", ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(keys)))
+        ax.set_xticklabels([k.replace("sparse_allgather", "naiveag") for k in keys], rotation=35, fontsize=8)
+        topo = result["topology"]
+        ax.set_title(f"{kind}, {topo['nodes']} nodes x {topo['ranks_per_node']} ranks", fontsize=9)
+        ax.set_ylabel("median step time (ms)")
+    fig.suptitle("model.fit step time; labels: speed-up vs Horovod (median of per-round ratios)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args: argparse.Namespace, results: List[dict]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    verdicts = {f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']}": goal_verdicts(r["summary"])
+                for r in results}
+    (args.out / "train_step.json").write_text(json.dumps({
+        "args": {k: str(v) for k, v in vars(args).items() if k != "worker_json"},
+        "goals_mlp_2x2": GOALS, "verdicts": verdicts, "runs": results}, indent=1))
+    plot(results, args.out / "train_step.png")
+    network = next((r["network"] for r in results if r.get("network")), None)
+    where = (f"on the emulated cluster of `hvdx/runner/cluster.py`, {args.rate} links between nodes (tbf-shaped, "
+             "no added delay)" if network else "over loopback (horovodrun, unshaped)")
+    lines = [f"Measured by `python benchmarks/train_step.py{' --local' if args.local else ''}` {where}, "
+             f"2 CPU cores for all ranks; `model.fit`'s train function, per-rank batch {args.batch}, SGD with "
+             f"momentum; hvdx's sparse strategies at density {args.density}, buckets of "
+             f"{'one fused buffer' if args.bucket_bytes == 0 else (args.bucket_bytes or 'the default')} bytes. "
+             f"{args.rounds} rounds of {args.steps} steps per optimizer after a warm-up, optimizers taking turns; "
+             "a step's time is the slowest rank's. Plot: `results/train_step.png`, raw: `results/train_step.json`.",
+             ""]
+    for name, verdict in verdicts.items():
+        if verdict:
+            lines.append(f"**Goals (MLP, {name}; speed-up vs Horovod's DistributedOptimizer): " + "; ".join(
+                f"{key} {v['speedup']:.2f}x (goal {v['goal']}x: " +
+                ("met" if v["met"] else f"{v['short_by']:.0%} short") + ")" for key, v in verdict.items()) + ".**")
+            lines.append("")
+    for result in results:
+        lines += [step_table(result), ""]
+    profiled = [(r, kind) for r in results for kind in r["models"] if r["models"][kind].get("profile")]
+    if profiled:
+        result, kind = profiled[0]
+        topo = result["topology"]
+        lines += [f"Where the time of one step goes ({kind}, {topo['nodes']}x{topo['ranks_per_node']}, rank 0, "
+                  f"{args.profile_steps} profiled steps: TensorFlow's profiler and Horovod's timeline, which slow "
+                  "the step down). TF ops: summed run time of the step's operations by what they do (they run on "
+                  "several threads at once, and a rank shares 2 cores with the others, so sums can exceed the wall "
+                  "time). Horovod: time each kind of collective ran in Horovod's background thread after its "
+                  "negotiation, and the negotiation itself (mostly waiting until every rank has submitted).", "",
+                  profile_table(result, kind), ""]
+    update_readme("train-step", "\n".join(lines).rstrip(), args.readme)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--topologies", default="2x2,2x1", help="nodes x ranks per node, comma-separated")
+    parser.add_argument("--models", default="mlp,cnn", type=lambda s: s.split(","))
+    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), type=lambda s: s.split(","))
+    parser.add_argument("--rate", default="1gbit", help="inter-node link rate (tc syntax)")
+    parser.add_argument("--local", action="store_true", help="horovodrun over loopback instead of the emulated cluster")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--bucket-bytes", type=int, default=None, help="hvdx's bucket size (0: one fused buffer)")
+    parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4, help="steps timed per optimizer per round")
+    parser.add_argument("--scale", type=float, default=1.0, help="width multiplier of the models (tests: tiny)")
+    parser.add_argument("--profile", action="store_true", help="also profile one step per optimizer on rank 0")
+    parser.add_argument("--profile-steps", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--readme", type=Path, default=HERE / "README.md")
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker_json:
+        run_ranks(args)
+        return
+    results = []
+    for topology in args.topologies.split(","):
+        nodes, per_node = (int(x) for x in topology.split("x"))
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "ranks.json"
+            launch(args, nodes, per_node, path)
+            result = json.loads(path.read_text())
+        result["summary"] = summarize(result["models"])
+        results.append(result)
+    report(args, results)
+    print(json.dumps([r["summary"] for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,167 @@
+"""Buckets and overlap (issue: "End-to-end training step"), on every rank of an m x n job.
+
+Run by tests/test_buckets.py under horovodrun (2 nodes x 2 ranks). Each check returns
+what the test asserts on.
+"""
+import os
+import tempfile
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+import hvdx
+from tests.multirank.rank import run
+
+SPARSE = ("hitopk", "sparse_allgather")
+ALL = ("allreduce", "hierarchical") + SPARSE
+SMALL_BUCKETS = 16384  # bytes: the model below then has five buckets
+
+
+def model(seed: int = 0) -> tf.keras.Model:
+    """Variables (kernel, bias) x 3: 2048, 32, 19200, 2400, 24000, 40 bytes."""
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(8, activation="relu"),
+                                tf.keras.layers.Dense(600, activation="relu"), tf.keras.layers.Dense(10)])
+
+
+def batch(rank: int, n: int = 16):
+    rng = np.random.default_rng(rank)
+    return rng.standard_normal((n, 64)).astype("float32"), rng.integers(0, 10, n)
+
+
+def loss_fn(net, x, y):
+    return tf.reduce_mean(tf.keras.losses.sparse_categorical_crossentropy(y, net(x), from_logits=True))
+
+
+def check_plans(topo):
+    """The bucket plan: variable indices per bucket, in the order buckets are aggregated."""
+    net = model()
+    x, y = batch(topo.rank)
+    plans = {}
+    for name, bucket_bytes in (("small", SMALL_BUCKETS), ("medium", 30000), ("fused", None)):
+        with hvdx.DistributedGradientTape(communication="hierarchical", bucket_bytes=bucket_bytes) as tape:
+            loss = loss_fn(net, x, y)
+        tape.gradient(loss, net.trainable_variables)
+        plans[name] = [[index for index, _, _ in pieces] for _, pieces in tape.aggregator.last_buckets]
+    return plans
+
+
+def check_bucketed_equals_fused(topo):
+    """Every strategy, lossless (density 1 for the sparse ones): buckets of any size give
+    the average of the ranks' gradients, as one fused buffer does. Largest deviation."""
+    net = model()
+    x, y = batch(topo.rank)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(net, x, y)
+    local = tape.gradient(loss, net.trainable_variables)
+    want = [hvd.allreduce(g, op=hvd.Average, name=f"eq.want.{i}").numpy() for i, g in enumerate(local)]
+    out = {}
+    for strategy in ALL:
+        density = {"density": 1.0} if strategy in SPARSE else {}
+        for bucket_bytes in (None, SMALL_BUCKETS, 4096):
+            aggregator = hvdx.GradientAggregator(strategy, bucket_bytes=bucket_bytes, **density)
+            got = aggregator(local, net.trainable_variables)
+            out[f"{strategy}/{bucket_bytes}"] = max(float(np.abs(g.numpy() - w).max()) for g, w in zip(got, want))
+    return out
+
+
+def check_overlap_structure(topo):
+    """Wait-free backpropagation (shi2021 Fig. 1): in a traced train step, the collectives of
+    the first bucket (the last layer's gradients) do not wait for the first layer's
+    gradient; those of the last bucket do. Returns, per strategy, whether the first
+    layer's kernel gradient is an ancestor of the first and of the last bucket's first
+    collective."""
+    out = {}
+    for strategy in ALL:
+        net = model()
+        x, y = batch(topo.rank)
+        density = {"density": 0.1} if strategy in SPARSE else {}
+        opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication=strategy,
+                                        bucket_bytes=SMALL_BUCKETS, **density)
+        seen = {}
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(net, x, y)
+            grads = tape.gradient(loss, net.trainable_variables)
+            seen["first_kernel_grad"] = grads[0].op.name
+            opt.apply_gradients(zip(grads, net.trainable_variables))
+            return loss
+
+        graph = step.get_concrete_function(tf.TensorSpec([None, 64]), tf.TensorSpec([None], tf.int64)).graph
+        collectives = [op for op in graph.get_operations() if op.type.startswith("Horovod")]
+        by_bucket = {}
+        for op in collectives:  # the first collective of each bucket (named ..._b<bucket>...), in graph order
+            for b in range(8):
+                if f"_b{b}_" in op.name or op.name.endswith(f"_b{b}"):
+                    by_bucket.setdefault(b, op)
+        first, last = by_bucket[min(by_bucket)], by_bucket[max(by_bucket)]
+        out[strategy] = {"buckets": len(by_bucket),
+                         "first_waits": seen["first_kernel_grad"] in ancestors(first),
+                         "last_waits": seen["first_kernel_grad"] in ancestors(last)}
+        step(*batch(topo.rank))  # and it runs
+    return out
+
+
+def ancestors(op) -> set:
+    """Names of every op `op` depends on (data and control inputs), transitively."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent.name not in seen:
+                seen.add(parent.name)
+                stack.append(parent)
+    return seen
+
+
+def check_error_feedback_per_bucket(topo):
+    """HiTopK with five buckets in model.fit: a residual per bucket, each of its bucket's
+    node slice, written by training, restored from a checkpoint; switching to 2DTAR and
+    back resumes them."""
+    net = model()
+    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9), communication="hitopk",
+                                    density=0.05, bucket_bytes=SMALL_BUCKETS)
+    net.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = batch(topo.rank, 64)
+    net.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    residuals = dict(opt.communication.variables)
+    lengths = {name: int(v.shape[0]) for name, v in residuals.items()}
+    written = {name: bool(np.abs(v.numpy()).sum() > 0) for name, v in residuals.items()}
+    saved = {name: v.numpy().copy() for name, v in residuals.items()}
+    path = tempfile.mkdtemp()
+    checkpoint = tf.train.Checkpoint(model=net, optimizer=opt)
+    save_path = checkpoint.save(os.path.join(path, "ckpt"))
+    for v in residuals.values():
+        v.assign(tf.zeros_like(v))
+    checkpoint.restore(save_path).assert_consumed()
+    restored = all(np.array_equal(residuals[name].numpy(), saved[name]) for name in residuals)
+    opt.set_communication("hierarchical")
+    net.make_train_function(force=True)  # what hvdx.callbacks.SwitchCommunication does
+    net.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    opt.set_communication("hitopk")
+    net.make_train_function(force=True)
+    resumed = all(np.array_equal(opt.communication.variables[name].numpy(), saved[name]) for name in residuals)
+    net.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    weights = np.concatenate([w.numpy().ravel() for w in net.trainable_variables])
+    spread = hvd.allreduce(tf.constant(weights), op=hvd.Max, name="ef.max") - \
+        hvd.allreduce(tf.constant(weights), op=hvd.Min, name="ef.min")
+    sizes = [int(np.prod(v.shape)) for v in net.trainable_variables]
+    return {"lengths": lengths, "written": written, "restored": restored, "resumed": resumed,
+            "identical_weights": float(tf.reduce_max(tf.abs(spread))) == 0.0, "sizes": sizes,
+            "local_size": topo.local_size, "local_rank": topo.local_rank}
+
+
+def main():
+    topo = hvdx.init()
+    results = {}
+    for check in (check_plans, check_bucketed_equals_fused, check_overlap_structure, check_error_feedback_per_bucket):
+        results[check.__name__] = check(topo)
+        print(f"{check.__name__} ok", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    run(main)
