@@ -179,11 +179,6 @@ CATEGORIES = [  # (category, test on (name with scopes, op type)); the first mat
 ]
 
 
-#: Work that only starts once a bucket's first collective has finished.
-AFTER_A_COLLECTIVE = ("MSTopK", "error feedback (residual add, update)", "sparse accumulation",
-                      "strategy: slices, sums, packets", "split")
-
-
 def categorize(name: str, op_type: str) -> str:
     for category, test in CATEGORIES:
         if test(name, op_type):
@@ -198,7 +193,6 @@ def op_times(logdir: str) -> Dict[str, float]:
 
     totals: Dict[str, float] = collections.Counter()
     names: Dict[str, float] = collections.Counter()
-    backward_end, first_after = 0, None
     for path in glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True):
         space = xplane_pb2.XSpace()
         space.ParseFromString(Path(path).read_bytes())
@@ -214,19 +208,10 @@ def op_times(logdir: str) -> Dict[str, float]:
                         continue
                     name, op_type = label.rsplit(":", 1)
                     category = categorize(name, op_type)
-                    start = line.timestamp_ns * 1000 + event.offset_ps
-                    if category == "backward":
-                        backward_end = max(backward_end, start + event.duration_ps)
-                    elif category in AFTER_A_COLLECTIVE:
-                        first_after = start if first_after is None else min(first_after, start)
                     totals[category] += event.duration_ps * 1e-12
                     names[f"{category} | {label}"] += event.duration_ps * 1e-12
     if os.environ.get("HVDX_PROFILE_OPS"):
         print("op times:\n" + "\n".join(f"  {v * 1e3:8.1f} ms  {k}" for k, v in names.most_common(40)), flush=True)
-    if backward_end and first_after is not None:
-        # > 0: a bucket's collective had finished, and its results were being worked on,
-        # that long before backpropagation ended (one clock: the profiler's)
-        totals["overlap"] = (backward_end - first_after) * 1e-12
     return dict(totals)
 
 
@@ -292,7 +277,7 @@ def profile_steps(kind: str, runs: Dict[str, Callable[[int], float]], args) -> D
         if hvd.rank() == 0:
             tf.profiler.experimental.stop()
             hvd.stop_timeline()
-            ops = {k: v / args.profile_steps if k != "overlap" else v for k, v in op_times(logdir).items()}
+            ops = {k: v / args.profile_steps for k, v in op_times(logdir).items()}
             try:
                 colls = {k: v / args.profile_steps for k, v in horovod_times(timeline).items()}
             except (OSError, ValueError) as error:
@@ -400,13 +385,10 @@ def profile_table(result: dict, kind: str) -> str:
     rows = [["wall time of a profiled step", *[f"{profile[k]['wall'] * 1e3:.0f}" for k in keys]]]
     for category in categories:
         values = [profile[k]["ops"].get(category, 0.0) for k in keys]
-        if any(v >= 5e-4 for v in values):
+        if any(v > 0 for v in values):
             rows.append([f"TF ops: {category}", *[f"{v * 1e3:.0f}" for v in values]])
     for c in kinds:
         rows.append([f"Horovod: {c}", *[f"{profile[k]['collectives'].get(c, 0.0) * 1e3:.0f}" for k in keys]])
-    rows.append(["overlap: a bucket's results worked on before backpropagation ended by",
-                 *["" if "overlap" not in profile[k]["ops"] else f"{profile[k]['ops']['overlap'] * 1e3:.0f}"
-                   for k in keys]])
     return markdown_table(header, rows, text_columns=1)
 
 
@@ -455,7 +437,11 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
              f"momentum; hvdx's sparse strategies at density {args.density}, buckets of "
              f"{'one fused buffer' if args.bucket_bytes == 0 else (args.bucket_bytes or 'the default')} bytes. "
              f"{args.rounds} rounds of {args.steps} steps per optimizer after a warm-up, optimizers taking turns; "
-             "a step's time is the slowest rank's. Plot: `results/train_step.png`, raw: `results/train_step.json`.",
+             "a step's time is the slowest rank's. Plot: `results/train_step.png`, raw: `results/train_step.json`. "
+             "The machine's 1-minute load average when each topology's run started (other work sharing the 2 "
+             "cores; the run adds its own ranks): " + ", ".join(
+                 f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']} {r['load_average'][0]:.1f}"
+                 for r in results) + ".",
              ""]
     for name, verdict in verdicts.items():
         if verdict:
@@ -493,7 +479,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=4, help="steps timed per optimizer per round")
     parser.add_argument("--scale", type=float, default=1.0, help="width multiplier of the models (tests: tiny)")
     parser.add_argument("--profile", action="store_true", help="also profile one step per optimizer on rank 0")
-    parser.add_argument("--profile-steps", type=int, default=1)
+    parser.add_argument("--profile-steps", type=int, default=2)
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--readme", type=Path, default=HERE / "README.md")
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
@@ -504,11 +490,15 @@ def main(argv: Optional[List[str]] = None) -> None:
     results = []
     for topology in args.topologies.split(","):
         nodes, per_node = (int(x) for x in topology.split("x"))
+        load_before = os.getloadavg()[0]
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "ranks.json"
             launch(args, nodes, per_node, path)
             result = json.loads(path.read_text())
         result["summary"] = summarize(result["models"])
+        # The machine may be shared: its 1-minute load average (runnable processes on 2
+        # cores) before and after the run, so that a reader knows how busy it was.
+        result["load_average"] = [load_before, os.getloadavg()[0]]
         results.append(result)
     report(args, results)
     print(json.dumps([r["summary"] for r in results], indent=1))
