@@ -45,7 +45,7 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "
 
 _log = logging.getLogger("hvdx")
 
-#: A bucket never holds more elements than this, so indices fit int32 after HiTopK's padding.
+#: A bucket never holds more elements than this, so indices fit int32 (padding included).
 MAX_BUCKET_ELEMENTS = 2 ** 31 - 2 ** 20
 #: The default bucket size: a bucket closes once it holds this many bytes (PyTorch DDP's
 #: rule; Horovod's fusion threshold plays the same part). Buckets fill in reverse order of
@@ -178,7 +178,8 @@ class GradientAggregator(tf.Module):
 
     def __init__(self, communication: Union[str, comm.Strategy, None] = None, *, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, op=hvd.Average, gradient_predivide_factor: float = 1.0, compression=None,
+                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, op=hvd.Average,
+                 gradient_predivide_factor: float = 1.0, compression=None,
                  sparse_as_dense: bool = False, process_set: hvd.ProcessSet = hvd.global_process_set,
                  groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None,
                  scale_local_gradients: bool = True, device_dense: str = "", device_sparse: str = "",
@@ -357,7 +358,8 @@ class GradientAggregator(tf.Module):
         return self.process_set.size() if self.process_set is not hvd.global_process_set else hvd.size()
 
     def _bucket_plan(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int]) -> List[List[_Piece]]:
-        """Buckets of consecutive pieces: by dtype, then groups / bucket_bytes, then size cap."""
+        """Buckets of pieces: by dtype, then groups / bucket_bytes (in backpropagation's order),
+        then the size cap."""
         by_dtype: Dict[tf.DType, List[int]] = {}
         for i in reversed(fused):  # backpropagation's order: the last layer's gradients first
             by_dtype.setdefault(grads[i].dtype, []).append(i)
