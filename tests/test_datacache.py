@@ -78,6 +78,10 @@ def test_samples_are_byte_identical_through_both_levels(digits_root, tmp_path):
         for image, label, i in zip(images, labels, ids):
             assert np.array_equal(image, direct(cache.catalog.paths[i]))
             assert label == cache.catalog.labels[i] == int(os.path.basename(os.path.dirname(cache.catalog.paths[i]))[5:])
+    # ... and equal to what a plain tf.data pipeline decodes from the source (graph mode)
+    plain = tf.data.Dataset.from_tensor_slices(cache.catalog.paths).map(lambda p: decode_image(tf.io.read_file(p), RES))
+    by_id = dict(zip(ids, images))
+    assert all(np.array_equal(x.numpy(), by_id[i]) for i, x in enumerate(plain))
     for path in cache.catalog.paths:  # level 1: the copies are the source's bytes
         with open(path, "rb") as f:
             assert cache.disk.read(path) == f.read()
@@ -116,6 +120,8 @@ def test_progressive_resizing_keeps_each_resolution_under_its_own_key(digits_roo
         images, _, ids = epoch(cache.dataset(16, resolution=res, with_index=True))
         assert images.shape[1:] == (res, res, 3)
         assert all(np.array_equal(x, direct(cache.catalog.paths[i], res)) for x, i in zip(images, ids))
+        graph = tf.function(lambda p, r=res: decode_image(tf.io.read_file(p), r))  # tf.data's way, the same pixels
+        assert all(np.array_equal(x, graph(cache.catalog.paths[i]).numpy()) for x, i in zip(images[:8], ids[:8]))
     assert source.total_reads == 48  # the second phase decodes from level 1
     assert len(cache.store.keys()) == 96
     assert {k[8:] for k in cache.store.keys()} == {sample_key(0, (8, 8))[8:], sample_key(0, (20, 20))[8:]}

@@ -45,7 +45,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdx.data.catalog import ImageFolder, TFRecordShards
-from hvdx.data.decode import compiled_decoder, normalize_resolution
+from hvdx.data.decode import decode_image_eager, normalize_resolution
 from hvdx.data.disk import DiskCache
 from hvdx.data.source import GFileSource, Source
 from hvdx.data.store import NodeStore, sample_key
@@ -208,7 +208,9 @@ class DataCache:
             "split_seed": self.split_seed}, memory_bytes=memory_bytes)
 
         self._lock = threading.Lock()
-        self._inflight: Dict[Tuple[int, object], Future] = {}
+        self._inflight: Dict[Tuple[int, object], Tuple[Future, Callable[[], None]]] = {}
+        self._taken: set = set()  # samples the reader has asked for (the prefetcher skips them)
+        self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
         self._feeder_stop: Optional[threading.Event] = None
         self.skipped: Dict[str, str] = {}
         self._bad: set = set()
@@ -235,15 +237,17 @@ class DataCache:
         p = self.placement
         return epoch_share(self.part, epoch, self.seed, p.local_rank, p.local_size, self.per_rank)[0]
 
-    # -- loading one sample: level 2, else level 1 + decode + put --------------------------------
+    # -- loading: level 2, else level 1 + decode (ahead of the reader), then put ----------------
 
-    def _load(self, sample: int, resolution) -> Optional[Tuple[np.ndarray, int]]:
-        """Reads and decodes `sample`, stores it; None if it is undecodable and skipped."""
+    def _decode(self, sample: int, resolution) -> Optional[Tuple[np.ndarray, int]]:
+        """`sample` read through level 1 and decoded; None if it is undecodable and skipped.
+        Any number of threads may wait on the source; at most one decode per core runs at once."""
         if sample in self._bad:
             return None
         data, label = self.catalog.read(sample, self.disk)
         try:
-            image = compiled_decoder(resolution, self.channels)(tf.constant(data)).numpy()
+            with self._decode_slots:
+                image = decode_image_eager(data, resolution, self.channels)
         except (tf.errors.InvalidArgumentError, tf.errors.UnknownError, ValueError) as exc:
             where = self.catalog.describe(sample)
             message = getattr(exc, "message", str(exc)).strip().splitlines()[0]
@@ -256,75 +260,82 @@ class DataCache:
             if first:
                 warnings.warn(f"hvdx.data: skipping undecodable {where}: {message}", RuntimeWarning)
             return None
-        label = -1 if label is None else label
-        self.store.put_many([(sample_key(sample, resolution), image, label)])
-        return image, label
+        return image, -1 if label is None else label
 
-    def _fill(self, sample: int, resolution) -> None:
-        try:
-            if not self.store.contains([sample_key(sample, resolution)])[0]:
-                self._load(sample, resolution)
-        finally:
-            with self._lock:
-                self._inflight.pop((sample, resolution), None)
-
-    def _claim(self, sample: int, resolution, pool: ThreadPoolExecutor) -> Tuple[Future, bool]:
-        """The future that loads `sample` (the one in flight, else a new one on `pool`), and
-        whether it is new."""
-        with self._lock:
-            future = self._inflight.get((sample, resolution))
-            if future is not None:
-                return future, False
-            future = pool.submit(self._fill, sample, resolution)
-            self._inflight[(sample, resolution)] = future
-            return future, True
+    def _decode_and_put(self, sample: int, resolution) -> None:
+        decoded = self._decode(sample, resolution)
+        if decoded is not None:
+            self.store.put_many([(sample_key(sample, resolution), *decoded)])
 
     def _start_epoch(self, epoch: int, resolution) -> np.ndarray:
-        """This rank's order of `epoch`; starts filling its missing samples in that order."""
+        """This rank's order of `epoch`; starts preparing its missing samples in that order."""
         p = self.placement
         share, leftover = epoch_share(self.part, epoch, self.seed, p.local_rank, p.local_size, self.per_rank)
         if self._feeder_stop is not None:
             self._feeder_stop.set()
-        wanted = np.concatenate([share, leftover])
-        present = self.store.contains(sample_key(int(s), resolution) for s in wanted)
-        missing = [int(s) for s, ok in zip(wanted, present) if not ok and int(s) not in self._bad]
-        if missing and not self.store.full:
+        with self._lock:
+            self._taken.clear()
+        share_list = list(dict.fromkeys(int(s) for s in share))  # pad may repeat a sample
+        leftover_list = [int(s) for s in leftover] if not self.store.full else []
+        wanted = share_list + leftover_list
+        present = self.store.contains(sample_key(s, resolution) for s in wanted)
+        missing = [(s, j >= len(share_list)) for j, (s, ok) in enumerate(zip(wanted, present))
+                   if not ok and s not in self._bad]
+        if missing:
             stop = threading.Event()
             self._feeder_stop = stop
             threading.Thread(target=self._feed, args=(missing, resolution, stop), daemon=True,
                              name="hvdx-datacache-feeder").start()
         return share.astype(np.int64)
 
-    def _feed(self, missing: List[int], resolution, stop: threading.Event) -> None:
-        """Clairvoyant prefetch: fetch, decode and store `missing` in reading order, at most
-        `lookahead` samples in flight."""
+    def _feed(self, missing: List[Tuple[int, bool]], resolution, stop: threading.Event) -> None:
+        """Clairvoyant prefetch (beyond the paper): read and decode the epoch's missing samples
+        in the order the reader will want them, at most `lookahead` ahead of it. Leftovers
+        (remainder="drop") are put into the store by the worker; the others are handed to
+        the reader, which puts a whole batch in one transaction."""
         slots = threading.BoundedSemaphore(self.lookahead)
-        for sample in dict.fromkeys(missing):  # pad may repeat a sample
+        for sample, leftover in missing:
             slots.acquire()
-            if stop.is_set() or self.store.full:
+            if stop.is_set():
                 return
-            future, new = self._claim(sample, resolution, self._pool)
-            if new:
-                future.add_done_callback(lambda _: slots.release())
-            else:
-                slots.release()
+            key = (sample, resolution)
+            with self._lock:
+                if key in self._inflight or key in self._taken:
+                    slots.release()
+                    continue
+                if leftover:
+                    future = self._pool.submit(self._decode_and_put, sample, resolution)
+                    future.add_done_callback(lambda _: slots.release())
+                    continue
+                self._inflight[key] = (self._pool.submit(self._decode, sample, resolution), slots.release)
+
+    def _take(self, sample: int, resolution) -> Optional[Future]:
+        """The prefetched future of `sample`, removed from the prefetcher's books."""
+        with self._lock:
+            entry = self._inflight.pop((sample, resolution), None)
+            self._taken.add((sample, resolution))
+        if entry is None:
+            return None
+        entry[1]()  # its slot is free again
+        return entry[0]
 
     def _read_block(self, samples: np.ndarray, resolution) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The samples of one batch: from the store, else from the prefetchers, else loaded now."""
+        """The samples of one batch: from the store, else prefetched, else read and decoded now."""
         samples = [int(s) for s in samples]
         got: List[Optional[Tuple[np.ndarray, int]]] = self.store.get_many(
             [sample_key(s, resolution) for s in samples])
-        futures = {j: self._claim(s, resolution, self._read_pool)[0]
-                   for j, s in enumerate(samples) if got[j] is None}
+        futures = {}
+        for j, s in enumerate(samples):
+            future = self._take(s, resolution)
+            if got[j] is None:
+                futures[j] = future or self._read_pool.submit(self._decode, s, resolution)
+        new = []
         for j, future in futures.items():
-            future.result()  # raises its error, with the file's path
-        if futures:
-            again = self.store.get_many([sample_key(samples[j], resolution) for j in futures])
-            for j, value in zip(futures, again):
-                # Not in the store: skipped, or the store is full (then decode it here).
-                got[j] = value if value is not None else self._load(samples[j], resolution)
-        valid = [g for g in got if g is not None]
-        if not valid:
+            got[j] = future.result()  # raises its error, with the file's path
+            if got[j] is not None:
+                new.append((sample_key(samples[j], resolution), *got[j]))
+        self.store.put_many(new)
+        if not any(g is not None for g in got):
             raise ValueError("hvdx.data: every sample of a batch is undecodable: "
                              + ", ".join(self.catalog.describe(s) for s in samples))
         out_samples = []
@@ -392,11 +403,13 @@ class DataCache:
         return ds.prefetch(prefetch)
 
     def close(self) -> None:
-        """Stops the prefetchers (the stores stay for later runs)."""
+        """Stops the prefetchers and closes the store's handle (both levels stay for the
+        node's other ranks and later runs). Datasets made by this cache stop working."""
         if self._feeder_stop is not None:
             self._feeder_stop.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._read_pool.shutdown(wait=True, cancel_futures=True)
+        self.store.close()
 
     def __repr__(self) -> str:
         p = self.placement

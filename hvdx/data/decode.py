@@ -4,7 +4,7 @@
 JPEG that is at least 2, 4 or 8 times larger than the target in both dimensions is decoded
 at that reduced scale by libjpeg itself (`decode_jpeg(ratio=...)`), which costs a fraction
 of a full decode: low-resolution phases of progressive resizing (sec. 5.6) decode cheaply.
-The result is then resized (bilinear, antialiased) to exactly (height, width). The same
+The result is then resized (bilinear) to exactly (height, width). The same
 function is used in and out of DataCache, so cached samples equal directly decoded ones.
 """
 from __future__ import annotations
@@ -13,9 +13,10 @@ import functools
 import threading
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import tensorflow as tf
 
-__all__ = ["decode_image", "normalize_resolution"]
+__all__ = ["decode_image", "decode_image_eager", "normalize_resolution"]
 
 Resolution = Optional[Tuple[int, int]]
 _RATIOS = (1, 2, 4, 8)
@@ -37,8 +38,16 @@ def normalize_resolution(resolution: Union[None, int, Tuple[int, int]], name: st
 
 
 def _resize(image: tf.Tensor, resolution: Tuple[int, int]) -> tf.Tensor:
-    resized = tf.image.resize(image, resolution, method="bilinear", antialias=True)
-    return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+    """Bilinear resize to `resolution`, rounded; an image already at that size is kept as is.
+    (A JPEG decoded at reduced scale is less than twice the target: no antialiasing needed.)"""
+    def resize() -> tf.Tensor:
+        resized = tf.image.resize(image, resolution, method="bilinear")
+        return tf.cast(tf.clip_by_value(tf.round(resized), 0, 255), tf.uint8)
+
+    if tf.executing_eagerly():
+        return image if tuple(image.shape[:2]) == tuple(resolution) else resize()
+    same = tf.reduce_all(tf.equal(tf.shape(image)[:2], resolution))
+    return tf.cond(same, lambda: image, resize)
 
 
 def _decode_jpeg(data: tf.Tensor, resolution: Tuple[int, int], channels: int) -> tf.Tensor:
@@ -68,16 +77,15 @@ def decode_image(data: tf.Tensor, resolution: Union[None, int, Tuple[int, int]] 
     return tf.ensure_shape(_resize(image, resolution), [*resolution, channels])
 
 
-_decoders: dict = {}
-_decoders_lock = threading.Lock()
-
-
-def compiled_decoder(resolution: Resolution, channels: int):
-    """`decode_image` for one resolution, traced once (one call instead of ~15 eager ops);
-    safe to call from several threads."""
-    key = (resolution, channels)
-    with _decoders_lock:
-        if key not in _decoders:
-            fn = tf.function(functools.partial(decode_image, resolution=resolution, channels=channels))
-            _decoders[key] = fn.get_concrete_function(tf.TensorSpec([], tf.string))
-        return _decoders[key]
+def decode_image_eager(data: bytes, resolution: Resolution, channels: int = 3) -> np.ndarray:
+    """`decode_image` for Python threads (DataCache's readers): the same kernels with the same
+    arguments, so the same pixels, run eagerly in the calling thread. (A tf.function would
+    run on TensorFlow's inter-op pool, which tf.data's own threads may all be occupying.)"""
+    if resolution is None or data[:3] != b"\xff\xd8\xff":
+        return decode_image(data, resolution, channels).numpy()
+    tensor = tf.constant(data)
+    height, width = (int(v) for v in tf.io.extract_jpeg_shape(tensor).numpy()[:2])
+    h, w = resolution
+    ratio = max(r for r in _RATIOS if -(-height // r) >= h and -(-width // r) >= w) if (
+        height >= h and width >= w) else 1
+    return _resize(tf.io.decode_jpeg(tensor, channels=channels, ratio=ratio), resolution).numpy()

@@ -166,5 +166,13 @@ class NodeStore:
         st = os.stat(os.path.join(self.path, "data.mdb"))
         return st.st_blocks * 512
 
+    def close(self) -> None:
+        """Closes this process' handle (every NodeStore of this path in the process shares it).
+        The store stays on /dev/shm for the node's other ranks and later runs."""
+        with _envs_lock:
+            if _envs.get(self.path) is self.env:
+                del _envs[self.path]
+        self.env.close()
+
     def __repr__(self) -> str:
         return f"NodeStore({self.path!r}, {self.memory_bytes} bytes)"
