@@ -422,3 +422,32 @@ def test_bad_arguments_are_rejected_by_name(digits_root, tmp_path):
         Placement(node=2, num_nodes=2)
     with pytest.raises(ValueError, match="too small"):
         make_cache(digits_root, tmp_path / "p", placement=Placement(0, 64, 0, 1))
+
+
+# -- the benchmark (Figure 9) runs end to end (tiny sizes; timings are never asserted) --------
+
+def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--quick",
+                           "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "datacache.json").read_text())
+    assert result["config"]["images"] == 64 and result["config"]["rounds"] == 1
+    rounds = result["rounds_seconds"]
+    assert sorted(rounds) == sorted(["no_cache", "no_cache_16", "tf_cache", "datacache", "datacache_rerun"])
+    assert all(len(r) == 1 and len(r[0]) == 2 and min(r[0]) > 0 for m, r in rounds.items() if m != "datacache_rerun")
+    assert len(rounds["datacache_rerun"][0]) == 1
+    assert sorted(result["training_step_s"]) == ["datacache", "no_cache", "tf_cache"]
+    assert result["memory_per_node_bytes"]["datacache"] > result["decoded_bytes"] > 0  # the store holds it all
+    assert (tmp_path / "datacache.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- datacache:begin -->" in text and "| DataCache, later run |" in text
+    assert "Epoch 2+ input time, no cache over DataCache" in text and "goal >= 10x" in text
+
+
+def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():
+    from benchmarks import datacache
+
+    assert datacache.verdict([8.0, 9.0, 12.0], 10.0) == "**9.00x** (goal >= 10x: missed by 10%; rounds 8.00-12.00x)"
+    assert datacache.verdict([1.2], 1.0) == "**1.20x** (goal >= 1x: met; rounds 1.20-1.20x)"

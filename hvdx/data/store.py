@@ -131,6 +131,23 @@ class NodeStore:
             self.stats["misses"] += len(out) - hits
         return out
 
+    def get_batch(self, keys: Sequence[bytes], shape: Tuple[int, int, int]) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+        """(images [len(keys), *shape], labels) if every key is present with that shape, read
+        in one transaction straight into the batch; else None (nothing counted)."""
+        images = np.empty((len(keys), *shape), np.uint8)
+        labels = np.empty(len(keys), np.int64)
+        size = int(np.prod(shape))
+        with self.env.begin(buffers=True) as txn:
+            for j, key in enumerate(keys):
+                value = txn.get(key)
+                if value is None or len(value) != _HEADER.size + size:
+                    return None
+                labels[j] = _HEADER.unpack_from(value)[0]
+                images[j] = np.frombuffer(value, np.uint8, count=size, offset=_HEADER.size).reshape(shape)
+        with self._stats_lock:
+            self.stats["hits"] += len(keys)
+        return images, labels
+
     def contains(self, keys: Iterable[bytes]) -> List[bool]:
         with self.env.begin(buffers=True) as txn:
             return [txn.get(key) is not None for key in keys]
