@@ -160,6 +160,35 @@ def test_every_sample_once_per_epoch_and_every_rank_the_same_count(n, remainder)
     assert not np.array_equal(e0, epoch_share(parts[0], 1, 1, 0, 2, per_rank)[0])
 
 
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_the_ranks_of_a_node_share_its_store_and_split_every_epoch(digits_root, tmp_path, remainder):
+    """Five local ranks of one node (in one process): 48 samples, 9 (drop) or 10 (pad) each."""
+    source = CountingSource()
+    caches = [make_cache(digits_root, tmp_path, source=source, remainder=remainder, placement=Placement(0, 1, l, 5))
+              for l in range(5)]
+    assert len({c.store.path for c in caches}) == 1
+    per_rank = {"drop": 9, "pad": 10}[remainder]
+    datasets = [c.dataset(4, with_index=True) for c in caches]
+    for e in range(2):
+        shares = [epoch(ds)[2] for ds in datasets]
+        assert [len(s) for s in shares] == [per_rank] * 5 and all(c.samples_per_rank == per_rank for c in caches)
+        read = np.concatenate(shares)
+        if remainder == "drop":
+            assert len(set(read)) == 45  # 3 left over, never one twice
+        else:
+            assert set(read) == set(range(48)) and len(read) == 50
+        if e == 0:
+            assert len(caches[0].store.keys()) == 48 and source.total_reads == 48  # leftovers stored too
+            source.reset()
+    assert source.total_reads == 0
+    for augment in (None, tf.image.flip_left_right):  # two epochs in one iteration: batches never straddle
+        sizes = [len(i) for _, _, i in caches[0].dataset(4, epochs=2, augment=augment, with_index=True)]
+        assert sizes == [4, 4, per_rank - 8] * 2
+        sizes = [len(i) for _, _, i in caches[0].dataset(4, epochs=2, augment=augment, drop_remainder=True,
+                                                           with_index=True)]
+        assert sizes == [4, 4] * 2 and caches[0].steps_per_epoch(4, drop_remainder=True) == 2
+
+
 @pytest.mark.multirank
 def test_two_by_two_ranks_one_store_per_node_each_with_its_part(tmp_path):
     """Horovod's 2-node topology on one machine: both "nodes" share the level-1 directory

@@ -56,6 +56,7 @@ log = logging.getLogger(__name__)
 DEFAULT_STORE_DIR = "/dev/shm/hvdx-datacache"
 REMAINDERS = ("drop", "pad")
 ON_ERROR = ("raise", "skip")
+READ_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,9 @@ class DataCache:
     - `io_threads`: workers fetching and decoding ahead of the reader; `lookahead`: how many
       samples they may run ahead of what they finished.
     - `placement`: override the node / local rank read from hvdx's topology.
+
+    With `tfrecords` on several nodes, building a DataCache is collective (the nodes agree
+    on their parts' sizes through Horovod): every rank must build it.
     """
 
     def __init__(self, root: Optional[str] = None, *, tfrecords: Union[None, str, Sequence[str]] = None,
@@ -295,7 +299,9 @@ class DataCache:
         the reader, which puts a whole batch in one transaction."""
         slots = threading.BoundedSemaphore(self.lookahead)
         for sample, leftover in missing:
-            slots.acquire()
+            while not slots.acquire(timeout=0.1):  # a reader that stopped mid-epoch frees no slot
+                if stop.is_set():
+                    return
             if stop.is_set():
                 return
             key = (sample, resolution)
@@ -385,6 +391,7 @@ class DataCache:
         def read(samples: np.ndarray):
             return self._read_block(samples, res)
 
+        @tf.autograph.experimental.do_not_convert
         def read_fn(samples: tf.Tensor):
             # numpy_function: no eager tensors in between, measurably lighter than py_function
             images, labels, ids = tf.numpy_function(read, [samples], [tf.uint8, tf.int64, tf.int64], stateful=True)
@@ -393,20 +400,36 @@ class DataCache:
             ids.set_shape([None])
             return images, labels, ids
 
+        # Samples are read a batch at a time without augmentation; with it, in chunks of whole
+        # batches of at least READ_CHUNK samples (one Python call and one store transaction per
+        # chunk), then augmented one by one and batched again. The reads, augmentation and
+        # batching run outside the per-epoch flat_map where they can (tf.data fuses map and
+        # batch there, not inside it): always without augmentation, and with it whenever no
+        # batch can straddle two epochs (one epoch per iteration, or whole batches only).
+        chunk = batch_size * max(1, READ_CHUNK // batch_size) if augment is not None else batch_size
+        usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
+        straddles = augment is not None and epochs != 1 and usable % batch_size != 0
+
+        def augmented(ds: tf.data.Dataset) -> tf.data.Dataset:
+            ds = ds.map(read_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
+            ds = ds.map(lambda x, y, i: (augment(x), y, i), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+            return ds.batch(batch_size, drop_remainder=drop_remainder)
+
+        @tf.autograph.experimental.do_not_convert
         def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
             samples = tf.numpy_function(order, [epoch], tf.int64, stateful=True)
             samples.set_shape([self.per_rank])
-            ds = tf.data.Dataset.from_tensor_slices(samples).batch(batch_size, drop_remainder=drop_remainder)
-            ds = ds.map(read_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            if augment is not None:
-                ds = ds.unbatch().map(lambda x, y, i: (augment(x), y, i), num_parallel_calls=tf.data.AUTOTUNE,
-                                      deterministic=True).batch(batch_size, drop_remainder=drop_remainder)
-            return ds
+            ds = tf.data.Dataset.from_tensor_slices(samples[:usable]).batch(chunk)
+            return augmented(ds) if straddles else ds
 
         epochs_ds = tf.data.Dataset.range(epochs) if epochs is not None else tf.data.Dataset.range(2**62)
         ds = epochs_ds.flat_map(one_epoch)
+        if augment is None:
+            ds = ds.map(read_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        elif not straddles:
+            ds = augmented(ds)
         if not with_index:
-            ds = ds.map(lambda x, y, i: (x, y))
+            ds = ds.map(tf.autograph.experimental.do_not_convert(lambda x, y, i: (x, y)))
         return ds.prefetch(prefetch)
 
     def close(self) -> None:
