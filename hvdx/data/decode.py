@@ -10,7 +10,6 @@ function is used in and out of DataCache, so cached samples equal directly decod
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Optional, Tuple, Union
 
 import numpy as np
