@@ -195,8 +195,10 @@ def test_two_by_two_ranks_one_store_per_node_each_with_its_part(tmp_path):
     """Horovod's 2-node topology on one machine: both "nodes" share the level-1 directory
     (file locks), each keeps its own store, named by its node."""
     root = write_digits(tmp_path / "data", 66)
-    job = harness.launch("check_datacache.py", root, str(tmp_path / "disk"), str(tmp_path / "shm"), np=4,
-                         hosts=harness.hosts(2, 2), timeout=240)
+    write_tfrecords(sorted(DataCache(root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s0"),
+                                     memory_bytes=2**24).catalog.paths)[:40], tmp_path / "records", shards=4)
+    job = harness.launch("check_datacache.py", root, str(tmp_path / "disk"), str(tmp_path / "shm"),
+                         str(tmp_path / "records" / "train-*.tfrecord"), np=4, hosts=harness.hosts(2, 2), timeout=240)
     data = job.check()
     assert sorted(os.listdir(tmp_path / "shm")) == sorted(
         f"{name}{suffix}" for name in {r["store_path"].rsplit("/", 1)[1] for r in data.values()}
@@ -216,6 +218,12 @@ def test_two_by_two_ranks_one_store_per_node_each_with_its_part(tmp_path):
         assert all(r["epochs"][e]["labels_ok"] for r in data.values())
     assert sum(r["epochs"][0]["source_reads"] for r in data.values()) == 66  # every file once per job
     assert sum(r["epochs"][1]["source_reads"] for r in data.values()) == 0
+    # TFRecords: 4 files of 10 records, two whole files per node, 10 records per rank, each once
+    tf_parts = {r["node"]: r["tfrecord_part"] for r in data.values()}
+    assert sorted(tf_parts[0] + tf_parts[1]) == sorted(s * 2**32 + j for s in range(4) for j in range(10))
+    assert {len({i // 2**32 for i in part}) for part in tf_parts.values()} == {2}
+    ids = [i for r in data.values() for i in r["tfrecord_ids"]]
+    assert len(ids) == len(set(ids)) == 40 and all(len(r["tfrecord_ids"]) == 10 for r in data.values())
 
 
 # -- concurrency: one writer per file, two processes filling one store ------------------------
@@ -296,6 +304,10 @@ def test_caches_of_another_data_set_or_version_are_rebuilt(digits_root, tmp_path
     new = DiskCache(str(tmp_path / "disk"), "data-set-B", CountingSource())
     assert not os.path.exists(new.path_of(path))
     assert json.loads((tmp_path / "disk" / "CACHE.json").read_text())["fingerprint"] == "data-set-B"
+    new.read(path)
+    with monkeypatch.context() as m:  # the same data set, cached by another hvdx version
+        m.setattr(hvdx, "__version__", "99.0")
+        assert not os.path.exists(DiskCache(str(tmp_path / "disk"), "data-set-B", CountingSource()).path_of(path))
 
     store = NodeStore(str(tmp_path / "store"), {"fingerprint": "A", "node": 0}, 2**24)
     store.put_many([(sample_key(1, None), np.zeros((2, 2, 3), np.uint8), 1)])
@@ -388,22 +400,25 @@ def test_a_bounded_disk_evicts_the_least_recently_used(digits_root, tmp_path):
 
 # -- inputs and use: TFRecords, Model.fit, arguments ------------------------------------------
 
-def test_tfrecord_shards_are_cached_like_a_folder_tree(digits_root, tmp_path):
-    paths = sorted(DataCache(digits_root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s"),
-                             memory_bytes=2**24).catalog.paths)
-    shards = []
-    for s in range(3):
-        shard = str(tmp_path / f"train-{s}.tfrecord")
-        with tf.io.TFRecordWriter(shard) as writer:
-            for j, path in enumerate(paths[s::3]):
+def write_tfrecords(paths, folder, shards):
+    """The JPEGs at `paths` as tf.train.Examples, file s holding paths[s::shards], labelled
+    100 s + j for the j-th record of file s."""
+    os.makedirs(folder, exist_ok=True)
+    for s in range(shards):
+        with tf.io.TFRecordWriter(os.path.join(folder, f"train-{s}.tfrecord")) as writer:
+            for j, path in enumerate(paths[s::shards]):
                 with open(path, "rb") as f:
                     encoded = f.read()
                 example = tf.train.Example(features=tf.train.Features(feature={
-                    "image/encoded": tf.train.Feature(
-                        bytes_list=tf.train.BytesList(value=[encoded])),
+                    "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded])),
                     "image/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[100 * s + j]))}))
                 writer.write(example.SerializeToString())
-        shards.append(shard)
+
+
+def test_tfrecord_shards_are_cached_like_a_folder_tree(digits_root, tmp_path):
+    paths = sorted(DataCache(digits_root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s"),
+                             memory_bytes=2**24).catalog.paths)
+    write_tfrecords(paths, tmp_path, shards=3)
     source = CountingSource()
     cache = DataCache(tfrecords=str(tmp_path / "train-*.tfrecord"), resolution=RES, source=source,
                       cache_dir=str(tmp_path / "disk"), store_dir=str(tmp_path / "shm"), memory_bytes=2**26)

@@ -1,7 +1,7 @@
 """DataCache on an m x n job (shi2021 sec. 4.1): every rank reads two epochs of a JPEG folder
 tree through a counting source and reports what it read; tests/test_datacache.py asserts.
 
-    check_datacache.py ROOT CACHE_DIR STORE_DIR
+    check_datacache.py ROOT CACHE_DIR STORE_DIR TFRECORD_GLOB
 """
 import sys
 
@@ -13,7 +13,7 @@ from tests.multirank.rank import run
 
 
 def main() -> dict:
-    root, cache_dir, store_dir = sys.argv[1:4]
+    root, cache_dir, store_dir, tfrecords = sys.argv[1:5]
     topo = hvdx.init()
     source = CountingSource()
     cache = DataCache(root, resolution=24, cache_dir=cache_dir, store_dir=store_dir, source=source, seed=7,
@@ -30,7 +30,14 @@ def main() -> dict:
         epochs.append({"ids": ids, "batches": batches, "labels_ok": labels_ok, "source_reads": source.total_reads})
         source.reset()
     stored = sorted(int.from_bytes(k[:8], "big") for k in cache.store.keys())
-    return {"node": topo.node, "local_rank": topo.local_rank, "part": [int(i) for i in cache.part],
+    # TFRecord files are dealt whole to the nodes, which agree on their parts' sizes (collective).
+    shards = DataCache(tfrecords=tfrecords, resolution=24, cache_dir=cache_dir + "-tfrecord",
+                       store_dir=store_dir + "-tfrecord", seed=7, memory_bytes=2**26)
+    tfrecord_ids = [int(i) for _, _, index in shards.dataset(batch_size=4, with_index=True)
+                    for i in index.numpy()]
+    hvdx.barrier()
+    return {"tfrecord_ids": tfrecord_ids, "tfrecord_part": [int(i) for i in shards.part], "node": topo.node,
+            "local_rank": topo.local_rank, "part": [int(i) for i in cache.part],
             "store_path": cache.store.path, "stored": stored, "epochs": epochs,
             "steps_per_epoch": cache.steps_per_epoch(5), "per_rank": cache.samples_per_rank}
 
