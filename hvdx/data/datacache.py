@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 DEFAULT_STORE_DIR = "/dev/shm/hvdx-datacache"
 REMAINDERS = ("drop", "pad")
 ON_ERROR = ("raise", "skip")
-READ_CHUNK = 256
 
 
 @dataclass(frozen=True)
@@ -400,13 +399,12 @@ class DataCache:
             ids.set_shape([None])
             return images, labels, ids
 
-        # Samples are read a batch at a time without augmentation; with it, in chunks of whole
-        # batches of at least READ_CHUNK samples (one Python call and one store transaction per
-        # chunk), then augmented one by one and batched again. The reads, augmentation and
-        # batching run outside the per-epoch flat_map where they can (tf.data fuses map and
-        # batch there, not inside it): always without augmentation, and with it whenever no
-        # batch can straddle two epochs (one epoch per iteration, or whole batches only).
-        chunk = batch_size * max(1, READ_CHUNK // batch_size) if augment is not None else batch_size
+        # Samples are read a batch at a time (one Python call and one store transaction; larger
+        # chunks measured slower), with augmentation unbatched, augmented one by one and batched
+        # again. The reads, augmentation and batching run outside the per-epoch flat_map where
+        # they can (tf.data fuses map and batch there, not inside it): always without
+        # augmentation, and with it whenever no batch can straddle two epochs (one epoch per
+        # iteration, or whole batches only).
         usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
         straddles = augment is not None and epochs != 1 and usable % batch_size != 0
 
@@ -419,7 +417,7 @@ class DataCache:
         def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
             samples = tf.numpy_function(order, [epoch], tf.int64, stateful=True)
             samples.set_shape([self.per_rank])
-            ds = tf.data.Dataset.from_tensor_slices(samples[:usable]).batch(chunk)
+            ds = tf.data.Dataset.from_tensor_slices(samples[:usable]).batch(batch_size)
             return augmented(ds) if straddles else ds
 
         epochs_ds = tf.data.Dataset.range(epochs) if epochs is not None else tf.data.Dataset.range(2**62)
