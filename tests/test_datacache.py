@@ -490,9 +490,17 @@ def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
     assert sorted(result["training_step_s"]) == ["datacache", "no_cache", "tf_cache"]
     assert result["memory_per_node_bytes"]["datacache"] > result["decoded_bytes"] > 0  # the store holds it all
     assert (tmp_path / "datacache.png").stat().st_size > 10_000
+    assert sorted(result["training_step_seconds"]) == ["datacache", "no_cache", "tf_cache"]
     text = readme.read_text()
     assert "<!-- datacache:begin -->" in text and "| DataCache, later run |" in text
     assert "Epoch 2+ input time, no cache over DataCache" in text and "goal >= 10x" in text
+    readme.write_text("# benchmarks\n")  # --render redoes table, plot and summary from the raw JSON alone
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--render",
+                           "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=120, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    block = text[text.index("<!-- datacache:begin -->"):]
+    assert readme.read_text() == "# benchmarks\n\n" + block
 
 
 def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():
