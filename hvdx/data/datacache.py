@@ -25,9 +25,15 @@ read exactly once per epoch. Every rank reads the same number of samples, `sampl
 Batches are cut per rank from its share: the same number on every rank, the last one
 partial unless `drop_remainder=True`. Augmentation runs after the cache, on the fly.
 
-Epoch 1 prefetches clairvoyantly: the order of every epoch is known from the seed, so as
-soon as an epoch starts, `io_threads` workers fetch, decode and store this rank's missing
-samples in the order the reader will want them, instead of the reader waiting on each file.
+Epoch 1 prefetches clairvoyantly (beyond the paper): the order of every epoch is known from
+the seed, so as soon as an epoch starts, `io_threads` workers fetch and decode this rank's
+missing samples in the order the reader will want them (at most `lookahead` ahead, at most
+one decode per core at a time), instead of the reader waiting on each file; the reader
+puts each batch into the store in one transaction.
+
+From epoch 2, a batch is one Python call that copies its samples out of the store's memory
+map (one LMDB read transaction); with augmentation it is unbatched, augmented per sample and
+batched again, outside the per-epoch part of the pipeline so that tf.data fuses the steps.
 """
 from __future__ import annotations
 
