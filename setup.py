@@ -72,7 +72,7 @@ setup(
     packages=find_packages(include=["hvdx", "hvdx.*"]),
     ext_modules=[CMakeExtension("hvdx._hvdx_ops")],
     cmdclass={"build_ext": CMakeBuild},
-    install_requires=["numpy<2", "horovod>=0.28.1"],
+    install_requires=["numpy<2", "horovod>=0.28.1", "lmdb>=1.4"],
     extras_require={
         "cpu": [f"tensorflow-cpu=={TF_PIN}"],
         "gpu": [f"tensorflow=={TF_PIN}"],

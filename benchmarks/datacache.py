@@ -1,0 +1,426 @@
+"""Figure 9 of shi2021 (sec. 5.4): training with and without DataCache (sec. 4.1).
+
+A JPEG data set is generated on the fly (scikit-learn's digits upscaled to --size px, with
+noise so that they compress like photographs) and read through `hvdx.data.SlowSource`,
+which sleeps --latency-ms per open and 1/--mib-per-s s per MiB: the network file system of
+a cloud cluster. Three input pipelines, the same decode (`hvdx.data.decode_image` to
+--resolution px), augmentation (random crop after 4-px padding, random flip), batching and
+prefetching, take turns in every round, each round starting cold (no local copy, no store):
+
+- `no_cache`: tf.data reads and decodes every file every epoch (`num_parallel_calls=AUTOTUNE`);
+- `no_cache_16`: the same with 16 parallel reads (a generous baseline for epoch 1);
+- `tf_cache`: tf.data's in-memory `.cache()` after decoding, then a full shuffle;
+- `datacache`: `hvdx.data.DataCache(...).dataset(...)`;
+- `datacache_rerun` (epoch 1 only): DataCache again with its level-1 directory warm (a later
+  run of a hyper-parameter sweep), the node store cold.
+
+Input time is the time to iterate one epoch with nothing else to do. End-to-end, a small CNN
+trains on each pipeline (cold, one round) and the time per step is reported. Memory per
+node: DataCache keeps one store per node (its file's blocks on /dev/shm, measured); a
+`.cache()` rank holds its own copy (RSS growth, measured), so a node whose n ranks reshuffle
+its part every epoch holds n copies (--local-size n).
+
+    python benchmarks/datacache.py                       # the figure (a few minutes)
+    python benchmarks/datacache.py --quick --out /tmp/x  # smoke run
+
+Writes <out>/datacache.json, <out>/datacache.png and the table of benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import hvdx  # noqa: E402
+from hvdx.data import DataCache, SlowSource, decode_image  # noqa: E402
+from hvdx.data.catalog import ImageFolder  # noqa: E402
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
+    from report import markdown_table, update_readme  # noqa: E402
+except ImportError:
+    from benchmarks.report import markdown_table, update_readme  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+INPUT_METHODS = ("no_cache", "no_cache_16", "tf_cache", "datacache")
+TRAIN_METHODS = ("no_cache", "tf_cache", "datacache")
+LABELS = {"no_cache": "no cache (tf.data, AUTOTUNE)", "no_cache_16": "no cache (tf.data, 16 parallel reads)",
+          "tf_cache": "tf.data `.cache()`", "datacache": "DataCache", "datacache_rerun": "DataCache, later run"}
+GOAL_EPOCH2 = 10.0
+
+
+def make_dataset(root: Path, n: int, size: int, seed: int = 0) -> None:
+    """`n` RGB JPEGs of `size` px, one folder per digit."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        j = i % len(data.images)
+        image = tf.image.resize(data.images[j][..., None] * 12, (size, size)).numpy()
+        tint = rng.uniform(0.5, 1.5, 3)
+        image = image * tint + rng.normal(60, 25, (size, size, 3))
+        image = np.clip(image, 0, 255).astype(np.uint8)
+        folder = root / f"digit{data.target[j]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        tf.io.write_file(str(folder / f"{i:06d}.jpg"), tf.io.encode_jpeg(image, quality=90))
+
+
+def augment(resolution: int) -> Callable[[tf.Tensor], tf.Tensor]:
+    def fn(image: tf.Tensor) -> tf.Tensor:
+        padded = tf.image.pad_to_bounding_box(image, 4, 4, resolution + 8, resolution + 8)
+        return tf.image.random_flip_left_right(tf.image.random_crop(padded, [resolution, resolution, 3]))
+    return fn
+
+
+def tf_pipeline(paths: List[str], labels: np.ndarray, source: SlowSource, args: argparse.Namespace,
+                cache: bool, parallel: int) -> tf.data.Dataset:
+    """The plain tf.data pipeline: read (through the slow source), decode, [cache], augment."""
+    res = args.resolution
+
+    def read(path: tf.Tensor) -> tf.Tensor:
+        return tf.py_function(lambda p: source.read(p.numpy().decode()), [path], tf.string)
+
+    def load(path: tf.Tensor, label: tf.Tensor):
+        data = read(path)
+        data.set_shape([])
+        return decode_image(data, res), label
+
+    ds = tf.data.Dataset.from_tensor_slices((paths, labels))
+    if not cache:
+        ds = ds.shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
+    ds = ds.map(load, num_parallel_calls=parallel)
+    if cache:
+        ds = ds.cache().shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
+    ds = ds.map(lambda x, y: (augment(res)(x), y), num_parallel_calls=tf.data.AUTOTUNE)
+    return ds.batch(args.batch).prefetch(tf.data.AUTOTUNE)
+
+
+class Run:
+    """One cold start of one method: its dataset and what must be cleaned up after it."""
+
+    def __init__(self, method: str, root: Path, work: Path, args: argparse.Namespace, disk_dir: Optional[Path] = None):
+        self.method = method
+        self.source = SlowSource(latency_s=args.latency_ms / 1e3, mib_per_s=args.mib_per_s)
+        self.cache: Optional[DataCache] = None
+        self.dirs: List[Path] = []
+        if method.startswith("datacache"):
+            disk = disk_dir or Path(tempfile.mkdtemp(prefix="disk-", dir=work))
+            store = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-", dir="/dev/shm"))
+            self.dirs += [store] + ([] if disk_dir else [disk])
+            self.disk_dir = disk
+            self.cache = DataCache(str(root), resolution=args.resolution, source=self.source, cache_dir=str(disk),
+                                   store_dir=str(store), seed=args.seed, memory_bytes=2**33)
+            self.dataset = self.cache.dataset(args.batch, augment=augment(args.resolution))
+        else:
+            folder = ImageFolder(str(root), self.source)  # DataCache's listing: the same files and labels
+            parallel = 16 if method == "no_cache_16" else tf.data.AUTOTUNE
+            self.dataset = tf_pipeline(folder.paths, folder.labels, self.source, args, method == "tf_cache", parallel)
+
+    def close(self) -> None:
+        if self.cache is not None:
+            self.cache.close()
+        for d in self.dirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def time_epoch(dataset: tf.data.Dataset, step: Optional[Callable] = None) -> tuple:
+    """(wall seconds, batches, CPU seconds of this process) of one pass; `step(x, y)` per
+    batch when training. CPU time is the cost of the pass whatever else runs on the machine."""
+    start, cpu, batches = time.perf_counter(), time.process_time(), 0
+    for x, y in dataset:
+        if step is not None:
+            step(x, y)
+        batches += 1
+    return time.perf_counter() - start, batches, time.process_time() - cpu
+
+
+def rss() -> int:
+    gc.collect()
+    return psutil.Process().memory_info().rss
+
+
+def small_cnn(resolution: int) -> tf.keras.Model:
+    tf.keras.utils.set_random_seed(0)
+    return tf.keras.Sequential([
+        tf.keras.layers.Input((resolution, resolution, 3)), tf.keras.layers.Rescaling(1 / 255.0),
+        tf.keras.layers.Conv2D(16, 3, strides=2, activation="relu"),
+        tf.keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
+        tf.keras.layers.Conv2D(64, 3, strides=2, activation="relu"),
+        tf.keras.layers.GlobalAveragePooling2D(), tf.keras.layers.Dense(10)])
+
+
+def bench_input(root: Path, work: Path, args: argparse.Namespace) -> dict:
+    """Input time per epoch of every method, methods taking turns, each round cold."""
+    times: Dict[str, List[List[float]]] = {m: [] for m in INPUT_METHODS + ("datacache_rerun",)}
+    cpu: Dict[str, List[List[float]]] = {m: [] for m in INPUT_METHODS + ("datacache_rerun",)}
+    memory: Dict[str, int] = {}
+    for r in range(args.rounds):
+        order = INPUT_METHODS if r % 2 == 0 else INPUT_METHODS[::-1]
+        for method in order:
+            before = rss()
+            run = Run(method, root, work, args)
+            epochs = [time_epoch(run.dataset) for _ in range(args.epochs)]
+            times[method].append([e[0] for e in epochs])
+            cpu[method].append([e[2] for e in epochs])
+            if method == "tf_cache" and "tf_cache_rank" not in memory:
+                memory["tf_cache_rank"] = rss() - before
+            if method == "datacache":
+                memory.setdefault("datacache_node", run.cache.store.memory_used())
+                disk_dir = run.disk_dir
+                run.dirs.remove(disk_dir)
+                run.close()
+                rerun = Run("datacache_rerun", root, work, args, disk_dir=disk_dir)  # level 1 warm, store cold
+                seconds, _, cpu_seconds = time_epoch(rerun.dataset)
+                times["datacache_rerun"].append([seconds])
+                cpu["datacache_rerun"].append([cpu_seconds])
+                rerun.close()
+                shutil.rmtree(disk_dir, ignore_errors=True)
+            else:
+                run.close()
+            del run
+            print(json.dumps({"round": r, "method": method, "epochs_s": [round(t, 3) for t in times[method][-1]]}),
+                  flush=True)
+    return {"rounds_seconds": times, "rounds_cpu_seconds": cpu, "memory_bytes": memory}
+
+
+def bench_training(root: Path, work: Path, args: argparse.Namespace) -> dict:
+    """Seconds per training step of a small CNN fed by each pipeline, epoch 1 (cold) and 2+."""
+    out = {}
+    for method in TRAIN_METHODS:
+        model = small_cnn(args.resolution)
+        optimizer = tf.keras.optimizers.SGD(0.01)
+        loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+        @tf.function(input_signature=[tf.TensorSpec([None, args.resolution, args.resolution, 3], tf.uint8),
+                                      tf.TensorSpec([None], tf.int64)])
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+            return loss
+
+        run = Run(method, root, work, args)
+        step(tf.zeros([args.batch, args.resolution, args.resolution, 3], tf.uint8),
+             tf.zeros([args.batch], tf.int64))  # traced before timing
+        per_step = []
+        for _ in range(args.epochs):
+            seconds, batches, _ = time_epoch(run.dataset, step)
+            per_step.append(seconds / batches)
+        run.close()
+        out[method] = per_step
+        print(json.dumps({"train": method, "step_s": [round(t, 4) for t in per_step]}), flush=True)
+    return out
+
+
+# -- reporting -------------------------------------------------------------------------------------
+
+def summarize(inputs: dict, training: dict, args: argparse.Namespace) -> dict:
+    t = inputs["rounds_seconds"]
+    n = args.images
+    rows = {}
+    for method, rounds in t.items():
+        first = statistics.median(r[0] for r in rounds)
+        later = statistics.median(statistics.median(r[1:]) for r in rounds) if len(rounds[0]) > 1 else None
+        c = inputs["rounds_cpu_seconds"][method]
+        rows[method] = {"epoch1_s": first, "epoch2plus_s": later, "epoch1_samples_per_s": n / first,
+                        "epoch2plus_samples_per_s": n / later if later else None,
+                        "epoch1_cpu_s": statistics.median(r[0] for r in c),
+                        "epoch2plus_cpu_s": statistics.median(statistics.median(r[1:]) for r in c) if later else None}
+
+    def paired(num: str, den: str, epoch: slice) -> List[float]:
+        return [statistics.median(a[epoch]) / statistics.median(b[epoch]) for a, b in zip(t[num], t[den])]
+
+    later = slice(1, None)
+    decoded = n * args.resolution ** 2 * 3
+    mem = inputs["memory_bytes"]
+    c = inputs["rounds_cpu_seconds"]
+    goals = {
+        "epoch2_no_cache_over_datacache": paired("no_cache", "datacache", later),
+        "epoch2_datacache_throughput_over_tf_cache": paired("tf_cache", "datacache", later),
+        "epoch2_datacache_cpu_throughput_over_tf_cache": [  # samples per CPU second: what load does not change
+            statistics.median(a[later]) / statistics.median(b[later]) for a, b in zip(c["tf_cache"], c["datacache"])],
+        "epoch1_no_cache_over_datacache": paired("no_cache", "datacache", slice(0, 1)),
+    }
+    return {"methods": rows, "paired_ratios": goals, "decoded_bytes": decoded,
+            "memory_per_node_bytes": {"datacache": mem.get("datacache_node"),
+                                      "tf_cache": mem.get("tf_cache_rank", 0) * args.local_size},
+            "tf_cache_rank_bytes": mem.get("tf_cache_rank"), "training_step_s": {
+                m: {"epoch1": s[0], "epoch2plus": statistics.median(s[1:]) if len(s) > 1 else None}
+                for m, s in training.items()}}
+
+
+def verdict(ratios: List[float], goal: float) -> str:
+    value = statistics.median(ratios)
+    spread = f"rounds {min(ratios):.2f}-{max(ratios):.2f}x"
+    if value >= goal:
+        return f"**{value:.2f}x** (goal >= {goal:g}x: met; {spread})"
+    return f"**{value:.2f}x** (goal >= {goal:g}x: missed by {100 * (1 - value / goal):.0f}%; {spread})"
+
+
+def goals_text(summary: dict, args: argparse.Namespace) -> str:
+    g = summary["paired_ratios"]
+    mem = summary["memory_per_node_bytes"]
+    steps = summary["training_step_s"]
+    mib = 2**20
+    lines = [
+        f"- Epoch 2+ input time, no cache over DataCache: {verdict(g['epoch2_no_cache_over_datacache'], GOAL_EPOCH2)}.",
+        f"- Epoch 2+ throughput, DataCache over tf.data `.cache()`: "
+        f"{verdict(g['epoch2_datacache_throughput_over_tf_cache'], 1.0)}; per CPU second (what the machine's "
+        f"other load does not change): {verdict(g['epoch2_datacache_cpu_throughput_over_tf_cache'], 1.0)}.",
+        f"- Epoch 1 input time, no cache over DataCache (DataCache no slower): "
+        f"{verdict(g['epoch1_no_cache_over_datacache'], 1.0)}.",
+        f"- Memory per node ({args.local_size} ranks per node, the node's part = {args.images} samples, "
+        f"{summary['decoded_bytes'] / mib:.1f} MiB decoded): DataCache's one store "
+        f"{mem['datacache'] / mib:.1f} MiB; `.cache()` {summary['tf_cache_rank_bytes'] / mib:.1f} MiB per rank "
+        f"(RSS growth) x {args.local_size} ranks = {mem['tf_cache'] / mib:.1f} MiB.",
+        f"- End to end, epoch 2+ steps of a small CNN: DataCache {steps['datacache']['epoch2plus'] * 1e3:.1f} ms, "
+        f"`.cache()` {steps['tf_cache']['epoch2plus'] * 1e3:.1f} ms, no cache {steps['no_cache']['epoch2plus'] * 1e3:.1f} "
+        f"ms; epoch 1: {steps['datacache']['epoch1'] * 1e3:.1f}, {steps['tf_cache']['epoch1'] * 1e3:.1f} and "
+        f"{steps['no_cache']['epoch1'] * 1e3:.1f} ms.",
+    ]
+    return "\n".join(lines)
+
+
+def input_table(summary: dict) -> str:
+    rows = []
+    base = summary["methods"]["no_cache"]
+    for method, r in summary["methods"].items():
+        later = r["epoch2plus_s"]
+        rows.append([LABELS[method], f"{r['epoch1_s']:.2f}", f"{r['epoch1_samples_per_s']:.0f}",
+                     f"{base['epoch1_s'] / r['epoch1_s']:.2f}x", f"{r['epoch1_cpu_s']:.2f}",
+                     "" if later is None else f"{later:.3f}",
+                     "" if later is None else f"{r['epoch2plus_samples_per_s']:.0f}",
+                     "" if later is None else f"{base['epoch2plus_s'] / later:.1f}x",
+                     "" if later is None else f"{r['epoch2plus_cpu_s']:.3f}"])
+    return markdown_table(["input pipeline", "epoch 1 (s)", "epoch 1 (samples/s)", "epoch 1 speed-up", "epoch 1 CPU (s)",
+                           "epoch 2+ (s)", "epoch 2+ (samples/s)", "epoch 2+ speed-up", "epoch 2+ CPU (s)"], rows,
+                          text_columns=1)
+
+
+def training_table(summary: dict) -> str:
+    steps = summary["training_step_s"]
+    base = steps["no_cache"]
+    rows = [[LABELS[m], f"{s['epoch1'] * 1e3:.1f}", f"{base['epoch1'] / s['epoch1']:.2f}x",
+             "" if s["epoch2plus"] is None else f"{s['epoch2plus'] * 1e3:.1f}",
+             "" if s["epoch2plus"] is None else f"{base['epoch2plus'] / s['epoch2plus']:.2f}x"]
+            for m, s in steps.items()]
+    return markdown_table(["small CNN fed by", "step, epoch 1 (ms)", "speed-up", "step, epoch 2+ (ms)", "speed-up"],
+                          rows, text_columns=1)
+
+
+def plot(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    methods = [m for m in summary["methods"] if m != "datacache_rerun"]
+    x = np.arange(len(methods))
+    rows = summary["methods"]
+    left.bar(x - 0.2, [rows[m]["epoch1_s"] for m in methods], 0.4, label="epoch 1 (cold)")
+    left.bar(x + 0.2, [rows[m]["epoch2plus_s"] for m in methods], 0.4, label="epoch 2+")
+    left.set_yscale("log")
+    left.set_xticks(x, [LABELS[m].replace(" (", "\n(") for m in methods], fontsize=8)
+    left.set(ylabel="input time per epoch (s, log)", title="Input time (Figure 9: I/O)")
+    left.legend()
+    steps = summary["training_step_s"]
+    names = list(steps)
+    x = np.arange(len(names))
+    right.bar(x - 0.2, [steps[m]["epoch1"] * 1e3 for m in names], 0.4, label="epoch 1 (cold)")
+    right.bar(x + 0.2, [(steps[m]["epoch2plus"] or 0) * 1e3 for m in names], 0.4, label="epoch 2+")
+    right.set_xticks(x, [LABELS[m].replace(" (", "\n(") for m in names], fontsize=8)
+    right.set(ylabel="time per training step (ms)", title="End to end, small CNN (Figure 9: iteration time)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=2048)
+    parser.add_argument("--size", type=int, default=192, help="source images' side (px)")
+    parser.add_argument("--resolution", type=int, default=96, help="training resolution (px), as in Figure 9")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--latency-ms", type=float, default=5.0, help="emulated NFS latency per open")
+    parser.add_argument("--mib-per-s", type=float, default=100.0, help="emulated NFS bandwidth")
+    parser.add_argument("--local-size", type=int, default=2, help="ranks per node, for memory per node")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--readme", type=Path, default=None,
+                        help="README to update (default: benchmarks/README.md when --out is the default)")
+    parser.add_argument("--render", action="store_true",
+                        help="redo the JSON's summary, the plot and the table from <out>/datacache.json")
+    args = parser.parse_args()
+    readme = args.readme or (HERE / "README.md" if args.out == HERE / "results" else None)
+    if args.render:
+        render(json.loads((args.out / "datacache.json").read_text()), args.out, readme)
+        return
+    if args.quick:
+        args.images, args.size, args.resolution, args.batch = 64, 48, 24, 16
+        args.epochs, args.rounds, args.latency_ms = 2, 1, 1.0
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-"))
+    try:
+        root = work / "nfs"
+        make_dataset(root, args.images, args.size)
+        file_bytes = sum(p.stat().st_size for p in root.rglob("*.jpg"))
+        inputs = bench_input(root, work, args)
+        training = bench_training(root, work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
+               "tensorflow": tf.__version__, "hvdx": hvdx.__version__}
+    config = {k: getattr(args, k) for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "latency_ms",
+                                            "mib_per_s", "local_size", "seed", "quick")}
+    result = {"figure": "shi2021 Figure 9", "config": config, "machine": machine,
+              "mean_file_bytes": file_bytes / args.images, "rounds_seconds": inputs["rounds_seconds"],
+              "rounds_cpu_seconds": inputs["rounds_cpu_seconds"], "memory_bytes": inputs["memory_bytes"],
+              "training_step_seconds": training}
+    render(result, args.out, readme)
+
+
+def render(result: dict, out: Path, readme: Optional[Path]) -> None:
+    """Summary, JSON, plot and README table of a run's raw measurements (`--render` redoes
+    them from results/datacache.json without measuring again)."""
+    args = argparse.Namespace(**result["config"])
+    inputs = {k: result[k] for k in ("rounds_seconds", "rounds_cpu_seconds", "memory_bytes")}
+    summary = summarize(inputs, result["training_step_seconds"], args)
+    result = {**result, **summary}
+    (out / "datacache.json").write_text(json.dumps(result, indent=2))
+    plot(summary, out / "datacache.png")
+    text = goals_text(summary, args)
+    print(text)
+    print(input_table(summary))
+    print(training_table(summary))
+    if readme is not None:
+        machine = result["machine"]
+        body = (f"Measured by `python benchmarks/datacache.py{' --quick' if args.quick else ''}` on "
+                f"{machine['cpus']} CPU cores (TensorFlow {machine['tensorflow']}): {args.images} JPEGs of {args.size} "
+                f"px (mean {result['mean_file_bytes'] / 1024:.1f} KiB) read through `SlowSource` "
+                f"({args.latency_ms:g} ms per open, {args.mib_per_s:g} MiB/s), decoded to {args.resolution} px, "
+                f"batches of {args.batch}; {args.rounds} rounds, each cold, methods taking turns; times are "
+                f"medians over rounds (epoch 2+: of epochs 2-{args.epochs}), goals are medians of per-round "
+                "ratios. Plot: `results/datacache.png`, raw times: `results/datacache.json`.\n\n"
+                + text + "\n\n" + input_table(summary) + "\n\n" + training_table(summary))
+        update_readme("datacache", body, readme)
+
+
+if __name__ == "__main__":
+    main()

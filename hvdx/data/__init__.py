@@ -1,0 +1,25 @@
+"""DataCache (shi2021 sec. 4.1, Fig. 5): training data read once from slow storage, decoded
+once per node, and served from node memory from the second epoch on.
+
+    cache = hvdx.data.DataCache("/nfs/imagenet/train", resolution=96)
+    dataset = cache.dataset(batch_size=256, augment=tf.image.random_flip_left_right)
+
+Modules: `source` (where files come from), `disk` (level 1, local disk), `store` (level 2,
+an LMDB store per node on /dev/shm; lmdb is imported only when a store is opened),
+`catalog` (folder trees and TFRecord files), `decode` (decoding at a resolution),
+`datacache` (the split and the tf.data pipeline).
+"""
+from hvdx.data.datacache import DataCache, Placement, epoch_share, node_part, samples_per_rank
+from hvdx.data.decode import decode_image
+from hvdx.data.disk import DiskCache
+from hvdx.data.source import CountingSource, GFileSource, SlowSource, Source
+from hvdx.data.store import NodeStore, sample_key
+
+__all__ = ["CountingSource", "DataCache", "DiskCache", "GFileSource", "NodeStore", "Placement", "SlowSource",
+           "Source", "decode_image", "epoch_share", "node_part", "sample_key", "samples_per_rank"]
+
+
+def _hvdx_version() -> str:
+    import hvdx
+
+    return hvdx.__version__

@@ -1,0 +1,127 @@
+"""Where DataCache reads training files from: the slow shared storage of shi2021 sec. 4.1.
+
+A source reads a whole file by path. `GFileSource` reads any path `tf.io.gfile` can read
+(local, NFS mounts, gs://, hdfs://); `CountingSource` counts what passes through another
+source (tests check that the second epoch reads nothing); `SlowSource` adds the latency of
+each open and the time of each MiB of a network file system (the benchmark's stand-in for
+NFS, FUSE-free: it sleeps, so it costs no CPU and overlaps like real I/O).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Dict, List
+
+__all__ = ["CountingSource", "GFileSource", "SlowSource", "Source"]
+
+
+class Source:
+    """Reads files by path. Subclasses implement `read` and may override `listdir`/`isdir`."""
+
+    def read(self, path: str) -> bytes:
+        raise NotImplementedError
+
+    def listdir(self, path: str) -> List[str]:
+        import tensorflow as tf
+
+        return sorted(tf.io.gfile.listdir(path))
+
+    def isdir(self, path: str) -> bool:
+        import tensorflow as tf
+
+        return tf.io.gfile.isdir(path)
+
+    def glob(self, pattern: str) -> List[str]:
+        import tensorflow as tf
+
+        return sorted(tf.io.gfile.glob(pattern))
+
+
+class GFileSource(Source):
+    """Any path `tf.io.gfile` can read."""
+
+    def read(self, path: str) -> bytes:
+        import tensorflow as tf
+
+        with tf.io.gfile.GFile(path, "rb") as f:
+            return f.read()
+
+    def __repr__(self) -> str:
+        return "GFileSource()"
+
+
+class CountingSource(Source):
+    """Counts the reads (and bytes) that go through `inner`, per path; thread-safe."""
+
+    def __init__(self, inner: Source | None = None) -> None:
+        self.inner = inner or GFileSource()
+        self._lock = threading.Lock()
+        self.reads: Dict[str, int] = {}
+        self.bytes_read = 0
+
+    def read(self, path: str) -> bytes:
+        data = self.inner.read(path)
+        with self._lock:
+            self.reads[path] = self.reads.get(path, 0) + 1
+            self.bytes_read += len(data)
+        return data
+
+    @property
+    def total_reads(self) -> int:
+        with self._lock:
+            return sum(self.reads.values())
+
+    def reset(self) -> None:
+        with self._lock:
+            self.reads.clear()
+            self.bytes_read = 0
+
+    def listdir(self, path: str) -> List[str]:
+        return self.inner.listdir(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.inner.isdir(path)
+
+    def glob(self, pattern: str) -> List[str]:
+        return self.inner.glob(pattern)
+
+
+class SlowSource(Source):
+    """`inner` slowed to a network file system: `latency_s` per open plus 1/`mib_per_s` s per MiB.
+
+    The delay is a sleep, so concurrent reads overlap as they do against a real server
+    (`max_concurrent` caps how many are served at once, like a server's threads).
+    """
+
+    def __init__(self, inner: Source | None = None, latency_s: float = 0.005, mib_per_s: float = 100.0,
+                 max_concurrent: int = 64) -> None:
+        if latency_s < 0:
+            raise ValueError(f"latency_s must be >= 0, got {latency_s}")
+        if mib_per_s <= 0:
+            raise ValueError(f"mib_per_s must be > 0, got {mib_per_s}")
+        if max_concurrent < 1:
+            raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+        self.inner = inner or GFileSource()
+        self.latency_s = latency_s
+        self.mib_per_s = mib_per_s
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+
+    def read(self, path: str) -> bytes:
+        with self._slots:
+            start = time.perf_counter()
+            data = self.inner.read(path)
+            delay = self.latency_s + len(data) / (self.mib_per_s * 2**20)
+            time.sleep(max(0.0, delay - (time.perf_counter() - start)))
+        return data
+
+    def listdir(self, path: str) -> List[str]:
+        return self.inner.listdir(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.inner.isdir(path)
+
+    def glob(self, pattern: str) -> List[str]:
+        return self.inner.glob(pattern)
+
+    def __repr__(self) -> str:
+        return f"SlowSource(latency_s={self.latency_s}, mib_per_s={self.mib_per_s})"

@@ -1,0 +1,510 @@
+"""DataCache (shi2021 sec. 4.1, Fig. 5): files are read once from the slow source, decoded
+once per node, and served from node memory from the second epoch on; the node's ranks share
+one store and read disjoint shares; bad data and full caches degrade with a message.
+
+Data: scikit-learn's digits upscaled to 40 px, encoded as JPEG files into tmp dirs.
+"""
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hvdx
+from hvdx.data import CountingSource, DataCache, DiskCache, NodeStore, Placement, decode_image, sample_key
+from hvdx.data import epoch_share, node_part, samples_per_rank
+from tests import harness
+
+RES = 24
+
+
+def write_digits(root, n, size=40, seed=0):
+    """`n` digits as RGB JPEGs of `size` px under root/<digit>/; returns the paths by label."""
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        image = tf.image.resize(data.images[i][..., None] * 15, (size, size))
+        noise = rng.integers(0, 40, (size, size, 3))
+        image = tf.cast(tf.clip_by_value(tf.tile(image, [1, 1, 3]) + noise, 0, 255), tf.uint8)
+        folder = os.path.join(root, f"digit{data.target[i]}")
+        os.makedirs(folder, exist_ok=True)
+        tf.io.write_file(os.path.join(folder, f"{i:04d}.jpg"), tf.io.encode_jpeg(image, quality=90))
+    return str(root)
+
+
+@pytest.fixture(scope="module")
+def digits_root(tmp_path_factory):
+    return write_digits(tmp_path_factory.mktemp("digits"), 48)
+
+
+def make_cache(root, tmp_path, source=None, **kwargs):
+    kwargs.setdefault("resolution", RES)
+    kwargs.setdefault("memory_bytes", 2**26)
+    return DataCache(root, cache_dir=str(tmp_path / "disk"), store_dir=str(tmp_path / "shm"),
+                     source=source or CountingSource(), **kwargs)
+
+
+def epoch(ds):
+    """(images, labels, sample ids) of one pass over a `with_index` dataset."""
+    images, labels, ids = [], [], []
+    for x, y, i in ds:
+        images.append(x.numpy())
+        labels.append(y.numpy())
+        ids.append(i.numpy())
+    return np.concatenate(images), np.concatenate(labels), np.concatenate(ids)
+
+
+def direct(path, resolution=RES):
+    return decode_image(tf.io.read_file(path), resolution).numpy()
+
+
+# -- both levels: byte-identical, and the source read once -----------------------------------
+
+def test_samples_are_byte_identical_through_both_levels(digits_root, tmp_path):
+    cache = make_cache(digits_root, tmp_path)
+    ds = cache.dataset(8, with_index=True)
+    for _ in range(2):  # epoch 1 (decoded now) and epoch 2 (from the store)
+        images, labels, ids = epoch(ds)
+        assert sorted(ids) == list(range(48))
+        for image, label, i in zip(images, labels, ids):
+            assert np.array_equal(image, direct(cache.catalog.paths[i]))
+            folder = os.path.basename(os.path.dirname(cache.catalog.paths[i]))
+            assert label == cache.catalog.labels[i] == int(folder[len("digit"):])
+    # ... and equal to what a plain tf.data pipeline decodes from the source (graph mode)
+    plain = tf.data.Dataset.from_tensor_slices(cache.catalog.paths).map(lambda p: decode_image(tf.io.read_file(p), RES))
+    by_id = dict(zip(ids, images))
+    assert all(np.array_equal(x.numpy(), by_id[i]) for i, x in enumerate(plain))
+    for path in cache.catalog.paths:  # level 1: the copies are the source's bytes
+        with open(path, "rb") as f:
+            assert cache.disk.read(path) == f.read()
+
+
+def test_second_epoch_reads_nothing_from_the_source_nor_the_disk(digits_root, tmp_path):
+    source = CountingSource()
+    cache = make_cache(digits_root, tmp_path, source=source, seed=3)
+    ds = cache.dataset(6, with_index=True)
+    _, _, first = epoch(ds)
+    assert source.total_reads == 48 and set(source.reads.values()) == {1}  # every file once
+    disk_reads = cache.disk.stats["hits"] + cache.disk.stats["misses"]
+    source.reset()
+    _, _, second = epoch(ds)
+    assert source.total_reads == 0
+    assert cache.disk.stats["hits"] + cache.disk.stats["misses"] == disk_reads  # from node memory only
+    assert sorted(second) == sorted(first) and list(second) != list(first)  # a new order each epoch
+
+
+def test_a_second_run_reads_nothing_from_the_source_through_level_1(digits_root, tmp_path):
+    first = CountingSource()
+    epoch(make_cache(digits_root, tmp_path, source=first).dataset(16, with_index=True))
+    assert first.total_reads == 48
+    second = CountingSource()  # a new run: new process state, a new node store, the same disk
+    cache = DataCache(digits_root, resolution=RES, cache_dir=str(tmp_path / "disk"),
+                      store_dir=str(tmp_path / "shm-run2"), memory_bytes=2**26, source=second)
+    images, _, ids = epoch(cache.dataset(16, with_index=True))
+    assert second.total_reads == 0 and cache.disk.stats["hits"] == 48
+    assert all(np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids))
+
+
+def test_progressive_resizing_keeps_each_resolution_under_its_own_key(digits_root, tmp_path):
+    source = CountingSource()
+    cache = make_cache(digits_root, tmp_path, source=source)
+    for res in (8, 20):  # 40 px JPEGs: 8 px is decoded by libjpeg at 1/4 scale, 20 px at 1/2
+        images, _, ids = epoch(cache.dataset(16, resolution=res, with_index=True))
+        assert images.shape[1:] == (res, res, 3)
+        assert all(np.array_equal(x, direct(cache.catalog.paths[i], res)) for x, i in zip(images, ids))
+        graph = tf.function(lambda p, r=res: decode_image(tf.io.read_file(p), r))  # tf.data's way, the same pixels
+        assert all(np.array_equal(x, graph(tf.constant(cache.catalog.paths[i])).numpy())
+                   for x, i in zip(images[:8], ids[:8]))
+    assert source.total_reads == 48  # the second phase decodes from level 1
+    assert len(cache.store.keys()) == 96
+    assert {k[8:] for k in cache.store.keys()} == {sample_key(0, (8, 8))[8:], sample_key(0, (20, 20))[8:]}
+
+
+def test_reduced_size_jpeg_decoding_is_close_to_a_full_decode(digits_root):
+    data = tf.io.read_file(os.path.join(digits_root, "digit0", "0000.jpg"))
+    reduced = decode_image(data, 10).numpy().astype(int)  # 40 -> 10: decode_jpeg(ratio=4)
+    full = tf.image.resize(tf.io.decode_jpeg(data, channels=3), (10, 10), antialias=True).numpy()
+    assert np.abs(reduced - full).mean() < 8
+
+
+# -- the split: parts per node, disjoint shares, equal counts --------------------------------
+
+@pytest.mark.parametrize("n,remainder", [(40, "drop"), (43, "drop"), (43, "pad")])
+def test_every_sample_once_per_epoch_and_every_rank_the_same_count(n, remainder):
+    ids = np.arange(n)
+    parts = [node_part(ids, 2, j, split_seed=5) for j in range(2)]
+    assert sorted(np.concatenate(parts)) == list(ids)  # each node keeps only its part
+    per_rank = samples_per_rank([len(p) for p in parts], 2, remainder)
+    for e in range(3):
+        read, left = [], []
+        for part in parts:
+            for lr in range(2):
+                share, leftover = epoch_share(part, e, seed=1, local_rank=lr, local_size=2, per_rank=per_rank)
+                assert len(share) == per_rank and set(share) <= set(part)
+                read.extend(share)
+                left.extend(leftover)
+        if remainder == "drop":
+            assert per_rank == n // 4 and len(set(read)) == len(read)  # never twice
+            assert sorted(read + left) == list(ids)  # leftovers are still decoded into the store
+        else:
+            assert per_rank == -(-n // 4) and set(read) == set(ids)  # everyone at least once
+            assert len(read) - len(set(read)) == 4 * per_rank - n
+    e0 = epoch_share(parts[0], 0, 1, 0, 2, per_rank)[0]
+    assert not np.array_equal(e0, epoch_share(parts[0], 1, 1, 0, 2, per_rank)[0])
+
+
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_the_ranks_of_a_node_share_its_store_and_split_every_epoch(digits_root, tmp_path, remainder):
+    """Five local ranks of one node (in one process): 48 samples, 9 (drop) or 10 (pad) each."""
+    source = CountingSource()
+    caches = [make_cache(digits_root, tmp_path, source=source, remainder=remainder, placement=Placement(0, 1, l, 5))
+              for l in range(5)]
+    assert len({c.store.path for c in caches}) == 1
+    per_rank = {"drop": 9, "pad": 10}[remainder]
+    datasets = [c.dataset(4, with_index=True) for c in caches]
+    for e in range(2):
+        shares = [epoch(ds)[2] for ds in datasets]
+        assert [len(s) for s in shares] == [per_rank] * 5 and all(c.samples_per_rank == per_rank for c in caches)
+        read = np.concatenate(shares)
+        if remainder == "drop":
+            assert len(set(read)) == 45  # 3 left over, never one twice
+        else:
+            assert set(read) == set(range(48)) and len(read) == 50
+        if e == 0:
+            assert len(caches[0].store.keys()) == 48 and source.total_reads == 48  # leftovers stored too
+            source.reset()
+    assert source.total_reads == 0
+    for augment in (None, tf.image.flip_left_right):  # two epochs in one iteration: batches never straddle
+        sizes = [len(i) for _, _, i in caches[0].dataset(4, epochs=2, augment=augment, with_index=True)]
+        assert sizes == [4, 4, per_rank - 8] * 2
+        sizes = [len(i) for _, _, i in caches[0].dataset(4, epochs=2, augment=augment, drop_remainder=True,
+                                                           with_index=True)]
+        assert sizes == [4, 4] * 2 and caches[0].steps_per_epoch(4, drop_remainder=True) == 2
+
+
+@pytest.mark.multirank
+def test_two_by_two_ranks_one_store_per_node_each_with_its_part(tmp_path):
+    """Horovod's 2-node topology on one machine: both "nodes" share the level-1 directory
+    (file locks), each keeps its own store, named by its node."""
+    root = write_digits(tmp_path / "data", 66)
+    write_tfrecords(sorted(DataCache(root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s0"),
+                                     memory_bytes=2**24).catalog.paths)[:40], tmp_path / "records", shards=4)
+    job = harness.launch("check_datacache.py", root, str(tmp_path / "disk"), str(tmp_path / "shm"),
+                         str(tmp_path / "records" / "train-*.tfrecord"), np=4, hosts=harness.hosts(2, 2), timeout=240)
+    data = job.check()
+    assert sorted(os.listdir(tmp_path / "shm")) == sorted(
+        f"{name}{suffix}" for name in {r["store_path"].rsplit("/", 1)[1] for r in data.values()}
+        for suffix in ("", ".lock"))
+    stores = {r["node"]: r["store_path"] for r in data.values()}
+    assert len(stores) == 2 and all(data[r]["store_path"] == stores[data[r]["node"]] for r in data)
+    parts = {r["node"]: r["part"] for r in data.values()}
+    assert sorted(parts[0] + parts[1]) == list(range(66)) and len(parts[0]) == len(parts[1]) == 33
+    for r in data.values():
+        assert r["stored"] == parts[r["node"]]  # the node's part, all of it, and nothing else
+        assert r["per_rank"] == 16 and r["steps_per_epoch"] == 4
+    for e in range(2):
+        ids = [i for r in data.values() for i in r["epochs"][e]["ids"]]
+        assert len(ids) == len(set(ids)) == 64  # 66 = 4 x 16 + 2 dropped this epoch, none twice
+        assert all(set(r["epochs"][e]["ids"]) <= set(parts[r["node"]]) for r in data.values())
+        assert {r["epochs"][e]["batches"] for r in data.values()} == {4}
+        assert all(r["epochs"][e]["labels_ok"] for r in data.values())
+    assert sum(r["epochs"][0]["source_reads"] for r in data.values()) == 66  # every file once per job
+    assert sum(r["epochs"][1]["source_reads"] for r in data.values()) == 0
+    # TFRecords: 4 files of 10 records, two whole files per node, 10 records per rank, each once
+    tf_parts = {r["node"]: r["tfrecord_part"] for r in data.values()}
+    assert sorted(tf_parts[0] + tf_parts[1]) == sorted(s * 2**32 + j for s in range(4) for j in range(10))
+    assert {len({i // 2**32 for i in part}) for part in tf_parts.values()} == {2}
+    ids = [i for r in data.values() for i in r["tfrecord_ids"]]
+    assert len(ids) == len(set(ids)) == 40 and all(len(r["tfrecord_ids"]) == 10 for r in data.values())
+
+
+# -- concurrency: one writer per file, two processes filling one store ------------------------
+
+def test_concurrent_readers_fetch_each_file_once(digits_root, tmp_path):
+    source = CountingSource()
+    paths = DataCache(digits_root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s"),
+                      memory_bytes=2**24).catalog.paths
+    disks = [DiskCache(str(tmp_path / "disk"), "fp", source) for _ in range(4)]  # as 4 ranks would
+    threads = [threading.Thread(target=lambda d=d: [d.read(p) for p in paths]) for d in disks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert source.total_reads == len(paths) and set(source.reads.values()) == {1}
+
+
+def _fill(path, meta, start, barrier):
+    store = NodeStore(path, meta, 2**26)
+    barrier.wait()
+    for i in range(start, start + 300):  # one transaction each: many interleaved writers
+        image = np.full((16, 16, 3), i % 251, np.uint8)
+        store.put_many([(sample_key(i, (16, 16)), image, i)])
+
+
+def test_two_processes_filling_one_node_store_at_once_do_not_corrupt_it(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    path, meta = str(tmp_path / "store"), {"fingerprint": "f", "node": 0}
+    procs = [ctx.Process(target=_fill, args=(path, meta, start, barrier)) for start in (0, 150)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    check = subprocess.run([sys.executable, "-c", f"""
+import lmdb, struct, numpy as np
+env = lmdb.open({path!r}, readonly=True, lock=False)
+with env.begin() as txn:
+    out = {{}}
+    for k, v in txn.cursor():
+        if len(k) != 16: continue  # the metadata
+        i = struct.unpack(">QII", k)[0]
+        label, h, w, c = struct.unpack_from("<qIII", v)
+        px = np.frombuffer(v, np.uint8, offset=20)
+        out[i] = bool(label == i and (h, w, c) == (16, 16, 3) and px.size == 768 and (px == i % 251).all())
+print(len(out), all(out.values()))
+"""], capture_output=True, text=True, timeout=60)
+    assert check.stdout.split() == ["450", "True"], check.stdout + check.stderr
+
+
+# -- damaged copies, foreign caches, bad data, limits -----------------------------------------
+
+def test_a_truncated_cached_copy_is_detected_and_fetched_again(digits_root, tmp_path):
+    source = CountingSource()
+    disk = DiskCache(str(tmp_path / "disk"), "fp", source)
+    path = os.path.join(digits_root, "digit1", "0001.jpg")
+    original = disk.read(path)
+    local = disk.path_of(path)
+    with open(local, "r+b") as f:
+        f.truncate(os.path.getsize(local) // 2)
+    source.reset()
+    assert disk.read(path) == original and source.total_reads == 1 and disk.stats["refetched"] == 1
+    with open(local, "r+b") as f:  # same size, one byte flipped: the checksum catches it
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    assert disk.read(path) == original and source.total_reads == 2 and disk.read(path) == original
+    assert source.total_reads == 2
+
+
+def test_caches_of_another_data_set_or_version_are_rebuilt(digits_root, tmp_path, monkeypatch):
+    path = os.path.join(digits_root, "digit1", "0001.jpg")
+    old = DiskCache(str(tmp_path / "disk"), "data-set-A", CountingSource())
+    old.read(path)
+    assert os.path.exists(old.path_of(path))
+    new = DiskCache(str(tmp_path / "disk"), "data-set-B", CountingSource())
+    assert not os.path.exists(new.path_of(path))
+    assert json.loads((tmp_path / "disk" / "CACHE.json").read_text())["fingerprint"] == "data-set-B"
+    new.read(path)
+    with monkeypatch.context() as m:  # the same data set, cached by another hvdx version
+        m.setattr(hvdx, "__version__", "99.0")
+        assert not os.path.exists(DiskCache(str(tmp_path / "disk"), "data-set-B", CountingSource()).path_of(path))
+
+    store = NodeStore(str(tmp_path / "store"), {"fingerprint": "A", "node": 0}, 2**24)
+    store.put_many([(sample_key(1, None), np.zeros((2, 2, 3), np.uint8), 1)])
+    again = NodeStore(str(tmp_path / "store"), {"fingerprint": "A", "node": 0}, 2**24)
+    assert not again.rebuilt and len(again.keys()) == 1
+    monkeypatch.setattr(hvdx, "__version__", "99.0")  # written by another hvdx version
+    newer = NodeStore(str(tmp_path / "store"), {"fingerprint": "A", "node": 0}, 2**24)
+    assert newer.rebuilt and newer.keys() == []
+    other = NodeStore(str(tmp_path / "store"), {"fingerprint": "B", "node": 0}, 2**24)
+    assert other.rebuilt and other.keys() == []
+
+
+@pytest.fixture
+def bad_root(tmp_path):
+    root = write_digits(tmp_path / "bad", 16)
+    with open(os.path.join(root, "digit0", "0000.jpg"), "rb") as f:
+        good = f.read()
+    with open(os.path.join(root, "digit0", "truncated.jpg"), "wb") as f:
+        f.write(good[: len(good) // 3])
+    with open(os.path.join(root, "digit1", "garbage.jpg"), "wb") as f:
+        f.write(b"this is not an image" * 10)
+    return root
+
+
+def test_an_undecodable_jpeg_is_reported_with_its_path(bad_root, tmp_path):
+    cache = make_cache(bad_root, tmp_path)
+    with pytest.raises(tf.errors.OpError, match=r"cannot decode .*digit(0/truncated|1/garbage)\.jpg"):
+        epoch(cache.dataset(4, with_index=True))
+
+
+def test_undecodable_files_can_be_skipped_and_counted(bad_root, tmp_path):
+    cache = make_cache(bad_root, tmp_path / "skip", on_error="skip")
+    with pytest.warns(RuntimeWarning, match="skipping undecodable"):
+        images, labels, ids = epoch(cache.dataset(6, with_index=True))
+    assert len(ids) == 18 and cache.steps_per_epoch(6) == 3  # replaced in their batch: counts stay equal
+    assert cache.stats["skipped"] == 2
+    assert sorted(os.path.basename(p) for p in cache.skipped) == ["garbage.jpg", "truncated.jpg"]
+    assert all(np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids))
+
+
+def test_an_exhausted_memory_budget_reads_through_with_one_warning(digits_root, tmp_path):
+    source = CountingSource()
+    cache = make_cache(digits_root, tmp_path, source=source, memory_bytes=40 * 1024)  # ~20 samples
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            images, _, ids = epoch(cache.dataset(8, with_index=True))
+            assert sorted(ids) == list(range(48))
+            assert all(np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids))
+    full = [w for w in caught if "is full" in str(w.message)]
+    assert len(full) == 1 and cache.store.full
+    assert source.total_reads == 48  # what memory cannot hold is decoded again from level 1
+
+
+def test_a_full_disk_reads_through_with_one_warning(digits_root, tmp_path, monkeypatch):
+    import errno
+
+    from hvdx.data import disk as disk_module
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    source = CountingSource()
+    disk = DiskCache(str(tmp_path / "disk"), "fp", source)
+    monkeypatch.setattr(disk_module.os, "replace", no_space)
+    paths = [os.path.join(digits_root, "digit0", "0000.jpg"), os.path.join(digits_root, "digit1", "0001.jpg")]
+    with pytest.warns(RuntimeWarning, match="disk is full") as caught:
+        for path in paths * 2:
+            with open(path, "rb") as f:
+                assert disk.read(path) == f.read()
+    assert len([w for w in caught if "disk is full" in str(w.message)]) == 1
+    assert source.total_reads == 4 and disk.stats["read_through"] == 3
+    assert not [name for _, _, names in os.walk(tmp_path / "disk" / "files") for name in names]  # no debris
+
+
+def test_a_bounded_disk_evicts_the_least_recently_used(digits_root, tmp_path):
+    source = CountingSource()
+    paths = sorted(DataCache(digits_root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s"),
+                             memory_bytes=2**24).catalog.paths)[:8]
+    bound = sum(os.path.getsize(p) + 16 for p in paths[:4])
+    disk = DiskCache(str(tmp_path / "disk"), "fp", source, max_bytes=bound)
+    for p in paths[:4]:
+        disk.read(p)
+    disk.read(paths[0])  # recently used again
+    for p in paths[4:6]:
+        disk.read(p)
+    assert disk.size_bytes() <= bound and disk.stats["evicted"] >= 2
+    assert os.path.exists(disk.path_of(paths[0])) and not os.path.exists(disk.path_of(paths[1]))
+
+
+# -- inputs and use: TFRecords, Model.fit, arguments ------------------------------------------
+
+def write_tfrecords(paths, folder, shards):
+    """The JPEGs at `paths` as tf.train.Examples, file s holding paths[s::shards], labelled
+    100 s + j for the j-th record of file s."""
+    os.makedirs(folder, exist_ok=True)
+    for s in range(shards):
+        with tf.io.TFRecordWriter(os.path.join(folder, f"train-{s}.tfrecord")) as writer:
+            for j, path in enumerate(paths[s::shards]):
+                with open(path, "rb") as f:
+                    encoded = f.read()
+                example = tf.train.Example(features=tf.train.Features(feature={
+                    "image/encoded": tf.train.Feature(bytes_list=tf.train.BytesList(value=[encoded])),
+                    "image/class/label": tf.train.Feature(int64_list=tf.train.Int64List(value=[100 * s + j]))}))
+                writer.write(example.SerializeToString())
+
+
+def test_tfrecord_shards_are_cached_like_a_folder_tree(digits_root, tmp_path):
+    paths = sorted(DataCache(digits_root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s"),
+                             memory_bytes=2**24).catalog.paths)
+    write_tfrecords(paths, tmp_path, shards=3)
+    source = CountingSource()
+    cache = DataCache(tfrecords=str(tmp_path / "train-*.tfrecord"), resolution=RES, source=source,
+                      cache_dir=str(tmp_path / "disk"), store_dir=str(tmp_path / "shm"), memory_bytes=2**26)
+    assert source.total_reads == 3  # each shard fetched once, whole
+    for _ in range(2):
+        images, labels, ids = epoch(cache.dataset(10, with_index=True))
+        assert len(ids) == 48 == len(set(ids))
+        for x, y, i in zip(images, labels, ids):
+            shard, record = divmod(int(i), 2**32)
+            assert y == 100 * shard + record
+            assert np.array_equal(x, direct(paths[shard::3][record]))
+    assert source.total_reads == 3
+
+
+def test_model_fit_trains_on_it_with_augmentation_after_the_cache(digits_root, tmp_path):
+    source = CountingSource()
+    cache = make_cache(digits_root, tmp_path, source=source)
+    seen = []
+
+    def augment(image):
+        return tf.image.random_flip_left_right(image)
+
+    ds = cache.dataset(16, augment=augment).map(lambda x, y: (tf.cast(x, tf.float32) / 255.0, y))
+    model = tf.keras.Sequential([tf.keras.layers.Input((RES, RES, 3)), tf.keras.layers.Conv2D(4, 3),
+                                 tf.keras.layers.GlobalAveragePooling2D(), tf.keras.layers.Dense(10)])
+    model.compile("sgd", tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    callback = tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: seen.append(source.total_reads))
+    history = model.fit(ds, epochs=3, verbose=0, callbacks=[callback])
+    assert len(history.history["loss"]) == 3 and np.isfinite(history.history["loss"]).all()
+    assert seen == [48, 48, 48]  # Keras re-iterates the dataset every epoch: no file read again
+
+
+def test_bad_arguments_are_rejected_by_name(digits_root, tmp_path):
+    with pytest.raises(ValueError, match="remainder"):
+        make_cache(digits_root, tmp_path, remainder="wrap")
+    with pytest.raises(ValueError, match="on_error"):
+        make_cache(digits_root, tmp_path, on_error="ignore")
+    with pytest.raises(ValueError, match="resolution"):
+        make_cache(digits_root, tmp_path, resolution=(0, 4))
+    with pytest.raises(ValueError, match="exactly one of root"):
+        DataCache()
+    with pytest.raises(ValueError, match="root .* is not a directory"):
+        make_cache(str(tmp_path / "missing"), tmp_path)
+    cache = make_cache(digits_root, tmp_path)
+    with pytest.raises(ValueError, match="batch_size"):
+        cache.dataset(0)
+    with pytest.raises(ValueError, match="placement"):
+        Placement(node=2, num_nodes=2)
+    with pytest.raises(ValueError, match="too small"):
+        make_cache(digits_root, tmp_path / "p", placement=Placement(0, 64, 0, 1))
+
+
+# -- the benchmark (Figure 9) runs end to end (tiny sizes; timings are never asserted) --------
+
+def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--quick",
+                           "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "datacache.json").read_text())
+    assert result["config"]["images"] == 64 and result["config"]["rounds"] == 1
+    rounds = result["rounds_seconds"]
+    assert sorted(rounds) == sorted(["no_cache", "no_cache_16", "tf_cache", "datacache", "datacache_rerun"])
+    assert all(len(r) == 1 and len(r[0]) == 2 and min(r[0]) > 0 for m, r in rounds.items() if m != "datacache_rerun")
+    assert len(rounds["datacache_rerun"][0]) == 1
+    cpu = result["rounds_cpu_seconds"]
+    assert all(len(cpu[m][0]) == len(rounds[m][0]) and min(cpu[m][0]) > 0 for m in rounds)
+    assert sorted(result["training_step_s"]) == ["datacache", "no_cache", "tf_cache"]
+    assert result["memory_per_node_bytes"]["datacache"] > result["decoded_bytes"] > 0  # the store holds it all
+    assert (tmp_path / "datacache.png").stat().st_size > 10_000
+    assert sorted(result["training_step_seconds"]) == ["datacache", "no_cache", "tf_cache"]
+    text = readme.read_text()
+    assert "<!-- datacache:begin -->" in text and "| DataCache, later run |" in text
+    assert "Epoch 2+ input time, no cache over DataCache" in text and "goal >= 10x" in text
+    readme.write_text("# benchmarks\n")  # --render redoes table, plot and summary from the raw JSON alone
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--render",
+                           "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=120, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    block = text[text.index("<!-- datacache:begin -->"):]
+    assert readme.read_text() == "# benchmarks\n\n" + block
+
+
+def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():
+    from benchmarks import datacache
+
+    assert datacache.verdict([8.0, 9.0, 12.0], 10.0) == "**9.00x** (goal >= 10x: missed by 10%; rounds 8.00-12.00x)"
+    assert datacache.verdict([1.2], 1.0) == "**1.20x** (goal >= 1x: met; rounds 1.20-1.20x)"
