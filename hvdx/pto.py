@@ -152,12 +152,14 @@ def parallel_map(op: Callable[..., tf.Tensor], items: Sequence[Items], *, output
     if size == 1:
         return tf.stack([tf.ensure_shape(tf.cast(op(*_as_tuple(item)), output_dtype), output_shape) for item in items])
     shares = partition(sizes if sizes is not None else [_num_elements(item) for item in items], size)
-    mine = [tf.ensure_shape(tf.cast(op(*_as_tuple(items[i])), output_dtype), output_shape)
-            for i in shares.parts[rank]]
-    pad = shares.width - len(mine)
-    block = tf.stack(mine) if mine else tf.zeros([0, *output_shape], output_dtype)
-    if pad:
-        block = tf.concat([block, tf.zeros([pad, *output_shape], output_dtype)], axis=0)
+    # An empty share computes the cheapest item into its (discarded) padding row: in a graph
+    # its all-gather then waits for the same inputs as everyone's. With a constant block it
+    # would start first thing, and Horovod's all-gather holds an executor thread until all
+    # ranks join, so the collectives that produce the items (the gradient aggregation) never
+    # start on this rank while the other ranks wait for them there (a hang, seen on 2 x 2).
+    indices = shares.parts[rank] or (min(range(len(items)), key=lambda i: (_num_elements(items[i]), i)),)
+    mine = [tf.ensure_shape(tf.cast(op(*_as_tuple(items[i])), output_dtype), output_shape) for i in indices]
+    block = tf.stack(mine + [tf.zeros(output_shape, output_dtype)] * (shares.width - len(mine)))
     gathered = hvd.allgather(block, name=name, process_set=process_set or hvd.global_process_set)
     gathered = tf.ensure_shape(gathered, [size * shares.width, *output_shape])
     where = [owner * shares.width + position for owner, position in shares.owner()]
@@ -185,3 +187,4 @@ def parallel_elementwise(op: Callable[[tf.Tensor], tf.Tensor], tensor: tf.Tensor
     gathered = hvd.allgather(mine, name=name, process_set=process_set or hvd.global_process_set)
     parts = [gathered[p * width:p * width + (b - a)] for p, (a, b) in enumerate(ranges)]
     return tf.reshape(tf.concat(parts, axis=0), tensor.shape)
+
