@@ -151,17 +151,17 @@ def run_model(name: str, shapes: List[Shape], repeats: int) -> dict:
                  for i, s in enumerate(shapes)]
     grads = [tf.constant(rng.standard_normal(s, dtype=np.float32) * 1e-3) for s in shapes]
     pairs = list(zip(grads, variables))
-    options = dict(learning_rate=0.1, momentum=0.9, weight_decay=1e-4, eeta=0.001)
-    optimizers = {m: LARS(**options, parallel={"fused": None}.get(m, m), name=f"LARS_{name}_{m}")
-                  for m in METHODS if m != "naive"}
-    optimizers["naive"] = LARS(**options, name=f"LARS_{name}_naive")
+    # One optimizer (one set of momentum slots) for every method: each method's tf.function
+    # is traced with its own mode, which the trace keeps.
+    optimizer = LARS(learning_rate=0.1, momentum=0.9, weight_decay=1e-4, eeta=0.001, name=f"LARS_{name}")
+    optimizer.build(variables)
     # The slices of a 2DTAR (Hierarchical) aggregation of these gradients, as
     # hvdx.DistributedOptimizer leaves them (one real aggregation, outside the timings).
     aggregator = hvdx.GradientAggregator("hierarchical")
     aggregator([tf.identity(g) for g in grads], variables)
-    optimizers["slices"].note_aggregation(aggregator, variables)
-    for optimizer in optimizers.values():
-        optimizer.build(variables)
+    optimizer.note_aggregation(aggregator, variables)
+    del aggregator
+    mode_of = {"fused": None, "pto": "pto", "slices": "slices"}
 
     def naive_rates():  # TF's reference LARS: per variable, eagerly
         out = []
@@ -170,25 +170,27 @@ def run_model(name: str, shapes: List[Shape], repeats: int) -> dict:
             out.append(0.001 * w_norm / (g_norm + 1e-4 * w_norm))
         return [float(r) for r in out[-1:]]
 
-    def graph_rates(optimizer):
-        return tf.function(lambda: tf.stack(optimizer.trust_ratios(variables, grads)))
-
-    rates = {"naive": naive_rates}
-    for method in ("fused", "pto", "slices"):
-        function = graph_rates(optimizers[method])
-        rates[method] = lambda f=function: f().numpy()
-    rate_rounds = rounds(rates, repeats, f"{name}.rates")
-    modes = {m: optimizers[m].last_mode for m in ("fused", "pto", "slices")}
+    rates: Dict[str, Callable[[], object]] = {"naive": naive_rates}
+    steps: Dict[str, Callable[[], object]] = {}
+    modes = {}
+    for method, mode in mode_of.items():
+        rate_fn = tf.function(lambda m=mode: tf.stack(optimizer.trust_ratios(variables, grads, mode=m)))
+        rate_fn.get_concrete_function()
+        modes[method] = optimizer.last_mode
+        rates[method] = lambda f=rate_fn: f().numpy()
+        optimizer.parallel = mode
+        step_fn = tf.function(lambda: optimizer.apply_gradients(pairs))
+        step_fn.get_concrete_function()
+        assert optimizer.last_mode == modes[method], (method, optimizer.last_mode)
+        steps[method] = lambda f=step_fn: f().numpy()
     assert modes == {"fused": None, "pto": "pto", "slices": "slices"}, modes
 
     def naive_step():  # update_step per variable, each computing its own rate
         for g, w in pairs:
-            optimizers["naive"].update_step(g, w)
+            optimizer.update_step(g, w)
 
-    steps = {"naive": naive_step}
-    for method in ("fused", "pto", "slices"):
-        function = tf.function(lambda o=optimizers[method]: o.apply_gradients(pairs))
-        steps[method] = lambda f=function: f().numpy()
+    steps = {"naive": naive_step, **steps}
+    rate_rounds = rounds(rates, repeats, f"{name}.rates")
     step_rounds = rounds(steps, repeats, f"{name}.step")
 
     # The parts: the fused reduction, one rank's PTO share, the all-gathers alone.

@@ -283,7 +283,7 @@ def test_single_process_modes_are_the_replicated_computation():
 
 @pytest.fixture(scope="module")
 def ranks():
-    job = harness.launch("check_lars.py", "--full", "--digits-epochs", "10", np=4, hosts=harness.hosts(2, 2),
+    job = harness.launch("check_lars.py", "--full", "--digits-epochs", "6", np=4, hosts=harness.hosts(2, 2),
                          timeout=600)
     return job.check()
 
@@ -302,18 +302,19 @@ def test_every_parallel_mode_gives_the_same_weights_on_2x2(ranks):
     for key in ("lars.hierarchical", "lamb.hierarchical", "lars_nesterov_step.hitopk"):
         assert modes[key]["modes"] == {"None": None, "pto": "pto", "slices": "slices"}, key
         assert modes[key]["slices_error"] < 1e-4
+        assert modes[key]["pto_error"] == 0.0, key  # pto's norms are the replicated ones, bit for bit
     assert modes["lars.allreduce"]["modes"]["slices"] == "pto"  # no slices under a dense allreduce
     assert modes["loss_scale_slices_error"] < 1e-4
-    assert modes["horovod_vs_hvdx"] < 1e-6
+    assert modes["horovod_vs_hvdx"] < 1e-4 and modes["horovod_pto_vs_replicated"] < 1e-4
 
 
 @pytest.mark.multirank
 def test_resnet_with_lars_and_hitopk_trains_like_momentum_sgd(ranks):
-    accuracy = ranks[0]["digits"]
-    print("digits test accuracy:", accuracy)
-    assert all(ranks[r]["digits"] == accuracy for r in ranks)
-    assert accuracy["sgd"] > 0.8
-    assert accuracy["lars"] >= accuracy["sgd"] - 0.05
+    for r in sorted(ranks):  # each rank evaluates with its own batch-norm statistics
+        accuracy = ranks[r]["digits"]
+        print(f"rank {r}: digits test accuracy {accuracy}")
+        assert accuracy["sgd"] > 0.85
+        assert accuracy["lars"] >= accuracy["sgd"] - 0.05
 
 
 # -- the benchmark, tiny -----------------------------------------------------------------

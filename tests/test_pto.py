@@ -109,3 +109,5 @@ def test_pto_and_parallel_modes_on_3x2():
         for key in ("lars.hierarchical", "lamb.hierarchical"):
             assert rank["modes"][key]["modes"] == {"None": None, "pto": "pto", "slices": "slices"}
             assert rank["modes"][key]["slices_error"] < 1e-4
+        assert rank["modes"]["lars.hierarchical"]["pto_error"] == 0.0  # one bucket: deterministic aggregation
+        assert rank["modes"]["lamb.hierarchical"]["pto_error"] < 1e-4  # buckets fused by Horovod at random
