@@ -17,7 +17,7 @@ of per-round ratios. The run also times the parts (the fused reduction alone, on
 share alone, each all-gather alone) and models the PTO time on P ranks from them.
 
     python benchmarks/lars.py                 # relaunches itself with horovodrun on 2 x 2
-    python benchmarks/lars.py --scale 0.002   # tiny tensors (the CI smoke test)
+    python benchmarks/lars.py --scale 0.01 --limit 24   # tiny (the CI smoke test)
 
 Writes <out>/lars.json, lars.png and the `lars` table of benchmarks/README.md.
 """
@@ -211,26 +211,42 @@ def run_model(name: str, shapes: List[Shape], repeats: int) -> dict:
     parts = {k: statistics.median(v) for k, v in part_rounds.items()}
     return {"model": name, "tensors": len(shapes), "elements": int(sum(sizes)), "modes": modes,
             "share_imbalance": shares.imbalance, "rates": summary(rate_rounds), "step": summary(step_rounds),
-            "parts_seconds": parts, "parts_rounds_seconds": part_rounds,
-            "model_p": model_on_p_ranks(parts, rate_rounds, topo.size)}
+            "parts_seconds": parts, "parts_rounds_seconds": part_rounds}
 
 
-def model_on_p_ranks(parts: Dict[str, float], rate_rounds: Dict[str, List[float]], size: int) -> List[dict]:
-    """PTO's rate time on P ranks from the measured parts: the replicated reduction T_r
-    (fused_reduction, measured with every rank of this machine busy at once) split P ways,
-    plus an all-gather of latency alpha log2 P, alpha from the measured 4-rank all-gather,
-    plus the fixed cost of the rate formula (fused rates minus their reduction). The fused
-    replicated time does not depend on P."""
+def share_fractions(shapes: Sequence[Shape], ranks: Sequence[int]) -> Dict[int, float]:
+    """The largest PTO share (w and g of whole tensors, hvdx.pto.partition) as a fraction of
+    all the work, on each number of ranks: it stops shrinking once it is one large tensor."""
+    import numpy as np
+
+    from hvdx import pto
+
+    sizes = [2 * int(np.prod(s)) for s in shapes]
+    fractions = {}
+    for p in ranks:
+        loads = pto.partition(sizes, p).loads
+        fractions[p] = max(loads) / sum(loads)
+    return fractions
+
+
+def model_on_p_ranks(model: dict, size: int, fractions: Dict[int, float]) -> List[dict]:
+    """PTO's rate time on P ranks, calibrated on this run: T(P) = S (f_P / f_size) + alpha
+    log2 P + c, with S one rank's measured share, f_P the largest share's fraction of the
+    work on P ranks (share_fractions), alpha the measured all-gather over log2 of this run's
+    ranks, and c what the measured PTO rates cost beyond share and all-gather (the formula,
+    stacking). The fused replicated time F (measured) does not depend on P."""
     import math
 
-    fused = statistics.median(rate_rounds["fused"])
-    reduction = parts["fused_reduction"]
-    fixed = max(0.0, fused - reduction)
-    alpha = parts["allgather_global"] / math.log2(size)
+    parts = model["parts_seconds"]
+    fused = model["rates"]["median_seconds"]["fused"]
+    share, gather = parts["pto_share"], parts["allgather_global"]
+    alpha = gather / math.log2(size)
+    rest = max(0.0, model["rates"]["median_seconds"]["pto"] - share - gather)
     out = []
     for p in MODEL_RANKS:
-        t = reduction / p + alpha * math.log2(p) + fixed
-        out.append({"ranks": p, "pto_seconds": t, "fused_seconds": fused, "speedup": fused / t})
+        t = share * fractions[p] / fractions[size] + alpha * math.log2(p) + rest
+        out.append({"ranks": p, "pto_seconds": t, "fused_seconds": fused, "speedup": fused / t,
+                    "largest_share": fractions[p]})
     return out
 
 
@@ -307,7 +323,15 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def model_shapes(result: dict, name: str) -> List[Shape]:
+    return scaled(MODELS[name]()[:result.get("limit")], result["scale"])
+
+
 def report(result: dict, out: Path, readme: Path) -> None:
+    size = result["topology"]["nodes"] * result["topology"]["ranks_per_node"]
+    for m in result["models"]:
+        m["model_p"] = model_on_p_ranks(m, size, share_fractions(model_shapes(result, m["model"]),
+                                                                  sorted({size, *MODEL_RANKS})))
     out.mkdir(parents=True, exist_ok=True)
     (out / "lars.json").write_text(json.dumps(result, indent=1))
     plot(result, out / "lars.png")
@@ -322,10 +346,17 @@ def report(result: dict, out: Path, readme: Path) -> None:
             "rank's balanced PTO share of it, and the all-gathers alone:\n\n" + parts_table(result)
             + "\n\nWith 4 ranks on 2 cores, every rank's compute is contended: the replicated reduction runs 4 "
             "times at once on 2 cores, and a PTO share of 1/4 of it does not run 4x faster than the whole on "
-            "an otherwise idle core. A small Gloo collective costs several milliseconds here (a dedicated "
-            "cluster: tens of microseconds). Modelled PTO speed-up of the rates on P ranks, T(P) = T_reduction / "
-            "P + alpha log2 P + T_formula, with alpha from the measured 4-rank all-gather and T_formula the fused "
-            "rates' time beyond the reduction:\n\n" + model_table(result))
+            "an otherwise idle core. A small Gloo collective costs about 10 ms here, through Horovod's "
+            "background thread and loopback TCP on busy cores. A whole step gains less than the rates: its "
+            "momentum updates read and write every parameter on every rank, and PTO removes only the norms. "
+            "Modelled speed-up of PTO's rates over the fused ones on P ranks, "
+            "from this run's parts: T_pto(P) = S f_P / f_4 + alpha log2 P + c (S: one rank's measured share; f_P: "
+            "the largest balanced share's fraction of the work on P ranks, which stops shrinking at the largest "
+            "tensor, 2 x 2.4M elements of ResNet-50, 2 x 18.9M of the Transformer; alpha: the measured 4-rank "
+            "all-gather / 2; c: the measured PTO rates beyond share and all-gather), against the measured fused "
+            "time, which does not depend on P. With this machine's millisecond collectives the all-gather's "
+            "log2 P term dominates at large P; with a cluster's microsecond ones the share term does:\n\n"
+            + model_table(result))
     update_readme("lars", body, readme)
 
 
@@ -333,10 +364,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--scale", type=float, default=1.0, help="tensor sizes x this (smoke tests)")
+    parser.add_argument("--limit", type=int, default=None, help="only each model's first LIMIT tensors (smoke tests)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--out", type=Path, default=HERE / "results")
     parser.add_argument("--readme", type=Path, default=HERE / "README.md")
+    parser.add_argument("--report-only", type=Path, default=None,
+                        help="rewrite the PNG, the model and the table from this JSON of an earlier run")
     args = parser.parse_args()
+    if args.report_only is not None:
+        sys.path.insert(0, str(HERE.parent))
+        report(json.loads(args.report_only.read_text()), args.out, args.readme)
+        return
     if not under_launcher():
         raise SystemExit(relaunch())
     import tensorflow as tf
@@ -346,12 +384,13 @@ def main() -> None:
     topo = hvdx.init()
     models = []
     for name in args.models:
-        models.append(run_model(name, scaled(MODELS[name](), args.scale), args.repeats))
+        models.append(run_model(name, scaled(MODELS[name]()[:args.limit], args.scale), args.repeats))
         if topo.rank == 0:
             print(json.dumps({k: v for k, v in models[-1].items() if k in ("model", "rates", "step", "parts_seconds")},
                              indent=1, default=str), flush=True)
     if topo.rank == 0:
         result = {"topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size}, "scale": args.scale,
+                  "limit": args.limit,
                   "repeats": args.repeats, "models": models,
                   "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
                               "tensorflow": tf.__version__}}

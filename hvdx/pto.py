@@ -154,7 +154,7 @@ def parallel_map(op: Callable[..., tf.Tensor], items: Sequence[Items], *, output
     shares = partition(sizes if sizes is not None else [_num_elements(item) for item in items], size)
     # An empty share computes the cheapest item into its (discarded) padding row: in a graph
     # its all-gather then waits for the same inputs as everyone's. With a constant block it
-    # would start first thing, and Horovod's all-gather holds an executor thread until all
+    # would start first thing, and Horovod's all-gather appears to hold an executor thread until all
     # ranks join, so the collectives that produce the items (the gradient aggregation) never
     # start on this rank while the other ranks wait for them there (a hang, seen on 2 x 2).
     indices = shares.parts[rank] or (min(range(len(items)), key=lambda i: (_num_elements(items[i]), i)),)

@@ -299,10 +299,12 @@ def test_pto_is_bit_exact_on_2x2(ranks):
 def test_every_parallel_mode_gives_the_same_weights_on_2x2(ranks):
     modes = ranks[0]["modes"]
     print(json.dumps(modes, indent=1))
-    for key in ("lars.hierarchical", "lamb.hierarchical", "lars_nesterov_step.hitopk"):
+    for key in ("lars.hierarchical", "lamb.hierarchical"):
         assert modes[key]["modes"] == {"None": None, "pto": "pto", "slices": "slices"}, key
-        assert modes[key]["slices_error"] < 1e-4
         assert modes[key]["pto_error"] == 0.0, key  # pto's norms are the replicated ones, bit for bit
+    assert modes["lars_nesterov_step.hitopk"]["modes"] == {"None": None, "slices": "slices"}
+    for key in ("lars.hierarchical", "lamb.hierarchical", "lars_nesterov_step.hitopk"):
+        assert modes[key]["slices_error"] < 1e-4, key
     assert modes["lars.allreduce"]["modes"]["slices"] == "pto"  # no slices under a dense allreduce
     assert modes["loss_scale_slices_error"] < 1e-4
     assert modes["horovod_vs_hvdx"] < 1e-4 and modes["horovod_pto_vs_replicated"] < 1e-4
@@ -322,15 +324,15 @@ def test_resnet_with_lars_and_hitopk_trains_like_momentum_sgd(ranks):
 @pytest.mark.multirank
 def test_lars_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"
-    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "lars.py"), "--scale", "0.002",
-                           "--repeats", "2", "--out", str(tmp_path), "--readme", str(readme)],
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "lars.py"), "--scale", "0.01",
+                           "--limit", "8", "--repeats", "1", "--out", str(tmp_path), "--readme", str(readme)],
                           capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "lars.json").read_text())
     assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
     assert [m["model"] for m in result["models"]] == ["resnet50", "transformer_base"]
     resnet = result["models"][0]
-    assert resnet["tensors"] == 161
+    assert resnet["tensors"] == 8 and result["models"][1]["tensors"] == 8
     for part in ("rates", "step"):
         assert sorted(resnet[part]["median_seconds"]) == ["fused", "naive", "pto", "slices"]
         assert all(t > 0 for t in resnet[part]["median_seconds"].values())

@@ -214,7 +214,6 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer):
         the variables whose gradients it aggregated, in the order of its buckets' pieces.
         Records which variables' gradients are averaged over all ranks and, where the
         strategy left reduce-scattered slices, this rank's element ranges of each."""
-        self._book.aggregator = aggregator
         buckets = list(getattr(aggregator, "last_buckets", []) or [])
         ranges = slice_ranges(buckets)
         indices = {int(index) for _, pieces in buckets for index, _, _ in pieces}
@@ -335,7 +334,6 @@ class _Book:
     def __init__(self) -> None:
         self.decay_patterns: Tuple[str, ...] = ()
         self.adaptation_patterns: Optional[Tuple[str, ...]] = None
-        self.aggregator: Any = None  # the wrapping hvdx.DistributedOptimizer's (note_aggregation)
         self.aggregated: Optional[Dict[Any, Optional[Ranges]]] = None  # variable ref -> this rank's ranges
         self.pending: Dict[Any, Tuple[tf.Tensor, tf.Tensor]] = {}  # var key -> (direction, ratio), one step
         self.last_mode: Optional[str] = None
