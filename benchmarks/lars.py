@@ -287,7 +287,8 @@ def verdict(result: dict) -> str:
     if value >= GOAL:
         return text + "met.**"
     parts = resnet["parts_seconds"]
-    return text + (f"missed by {(1 - value / GOAL):.0%}.** One all-gather costs {parts['allgather_global'] * 1e3:.1f} ms "
+    return text + (f"missed by {(1 - value / GOAL):.0%}.** One all-gather costs "
+                   f"{parts['allgather_global'] * 1e3:.1f} ms "
                    f"here against a fused reduction of {parts['fused_reduction'] * 1e3:.1f} ms, so the collective's "
                    "latency, not the arithmetic, bounds the speed-up.")
 

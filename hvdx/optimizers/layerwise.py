@@ -127,7 +127,8 @@ def number(value: Any, argument: str, low: float = 0.0, high: Optional[float] = 
     value = float(value)
     if value < low or (low_open and value == low) or (high is not None and (
             value > high or (high_open and value == high))):
-        interval = f"{'(' if low_open else '['}{low}, {'inf' if high is None else high}{')' if high_open or high is None else ']'}"
+        upper = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
+        interval = f"{'(' if low_open else '['}{low}, {upper}"
         raise ValueError(f"{argument} must be in {interval}, got {value!r}")
     return value
 
