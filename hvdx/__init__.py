@@ -8,7 +8,7 @@ and poorly connected between each other.
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
 """
-from hvdx import callbacks, comm, data, ops
+from hvdx import callbacks, comm, data, ops, optimizers, pto
 from hvdx.aggregator import GradientAggregator
 from hvdx.layout import RankMismatchError
 from hvdx.loading import load_model
@@ -21,4 +21,4 @@ __version__ = "0.2.0"
 
 __all__ = ["DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "PartialDistributedOptimizer",
            "RankMismatchError", "Topology", "TopologyError", "barrier", "callbacks", "comm", "data", "init",
-           "load_model", "mstopk", "ops", "shutdown", "sparse_accumulate", "topology"]
+           "load_model", "mstopk", "ops", "optimizers", "pto", "shutdown", "sparse_accumulate", "topology"]

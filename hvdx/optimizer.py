@@ -160,11 +160,20 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         variables = list(variables)
         if self._agg_helper is not None:
             return self._agg_helper(list(grads), lambda totals: self._aggregate_present(totals, grads, variables))
-        return self._aggregator(list(grads), variables)
+        return self._noted(self._aggregator(list(grads), variables), variables)
 
     def _aggregate_present(self, totals, grads, variables):
         present_vars = [v for g, v in zip(grads, variables) if g is not None]
-        return self._aggregator(totals, present_vars)
+        return self._noted(self._aggregator(totals, present_vars), present_vars)
+
+    def _noted(self, aggregated: List[Any], variables: List[Any]) -> List[Any]:
+        """Tells a wrapped optimizer that defines note_aggregation(aggregator, variables)
+        (hvdx.optimizers.LARS / LAMB) which variables `aggregator.last_buckets` indexes: they
+        compute their layer norms on the strategy's reduce-scattered slices."""
+        note = getattr(self._optimizer, "note_aggregation", None)
+        if note is not None:
+            note(self._aggregator, variables)
+        return aggregated
 
     def compute_gradients(self, loss, var_list, tape=None, grad_loss=None):
         """Keras' contract: this rank's gradients (aggregation happens at the hook)."""

@@ -1,0 +1,109 @@
+"""LARS: momentum SGD with layer-wise adaptive rates (You et al. 2017; shi2021 eq. 11).
+
+Each layer l gets the local rate (eq. 11, gamma = `eeta`, epsilon of the paper = the weight
+decay, plus a numerical `epsilon`)
+
+    trust = eeta * ||w|| / (||g|| + weight_decay * ||w|| + epsilon)      (1 if ||w|| or ||g|| is 0)
+    v <- momentum * v + learning_rate * trust * (g + weight_decay * w);   w <- w - v
+
+("classic" momentum, as TensorFlow's TPU reference LARS and the DAWNBench recipes). With
+classic_momentum=False the momentum is applied first and the trust ratio measures the step
+instead (SimCLR's variant): v <- momentum * v + g + wd w, u = v (Nesterov: momentum v + g +
+wd w), trust = eeta ||w|| / (||u|| + epsilon), w <- w - learning_rate * trust * u.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import tensorflow as tf
+
+from hvdx.optimizers.layerwise import LayerwiseOptimizer, number
+
+__all__ = ["LARS"]
+
+
+@tf.keras.utils.register_keras_serializable(package="hvdx")
+class LARS(LayerwiseOptimizer):
+    """Layer-wise adaptive rate scaling (tf.keras optimizer, Keras 2 API).
+
+    Args:
+      learning_rate: eta_t, a float >= 0 or a LearningRateSchedule.
+      momentum: in [0, 1).
+      weight_decay: L2 weight decay (>= 0), added to the gradient and to eq. 11's denominator.
+      eeta: the trust coefficient gamma of eq. 11 (> 0).
+      epsilon: added to the denominator (>= 0).
+      nesterov: Nesterov momentum.
+      classic_momentum: trust ratio from the gradient (True, eq. 11) or from the momentum
+        step (False).
+      exclude_from_weight_decay: regex patterns (a string is one pattern) of variable names
+        that get no weight decay, e.g. ["bias", "batch_normalization", "_bn/"].
+      exclude_from_layer_adaptation: patterns of variables whose trust ratio is 1 (default:
+        exclude_from_weight_decay's).
+      min_trust_ratio, max_trust_ratio: clip the trust ratio (e.g. 1e-5 and 1.0).
+      parallel: None (replicated, fused), "pto" or "slices": see hvdx.optimizers.layerwise.
+    """
+
+    def __init__(self, learning_rate=0.1, momentum: float = 0.9, weight_decay: float = 1e-4, eeta: float = 0.001,
+                 epsilon: float = 0.0, nesterov: bool = False, classic_momentum: bool = True,
+                 exclude_from_weight_decay=None, exclude_from_layer_adaptation=None,
+                 min_trust_ratio: Optional[float] = None, max_trust_ratio: Optional[float] = None,
+                 parallel: Optional[str] = None, name: str = "LARS", **kwargs) -> None:
+        super().__init__(name, weight_decay=weight_decay, exclude_from_weight_decay=exclude_from_weight_decay,
+                         exclude_from_layer_adaptation=exclude_from_layer_adaptation,
+                         min_trust_ratio=min_trust_ratio, max_trust_ratio=max_trust_ratio, parallel=parallel,
+                         **kwargs)
+        self._check_learning_rate(learning_rate)
+        self._learning_rate = self._build_learning_rate(learning_rate)
+        self.momentum = number(momentum, "momentum", 0.0, 1.0, high_open=True)
+        self.eeta = number(eeta, "eeta", low_open=True)
+        self.epsilon = number(epsilon, "epsilon")
+        self.nesterov = bool(nesterov)
+        self.classic_momentum = bool(classic_momentum)
+
+    def build(self, var_list):
+        super().build(var_list)
+        if getattr(self, "_built", False):
+            return
+        self._built = True
+        self.momentums = [self.add_variable_from_reference(v, "m") for v in var_list]
+
+    def _momentum(self, variable):
+        return self.momentums[self._index_dict[self._var_key(variable)]]
+
+    def _decayed(self, gradient: tf.Tensor, variable) -> tf.Tensor:
+        if not self._decays(variable):
+            return gradient
+        return gradient + tf.cast(self.weight_decay, variable.dtype) * variable
+
+    def _prepare(self, gradients: List[tf.Tensor], variables: List[Any]) -> List[tf.Tensor]:
+        if self.classic_momentum:  # eq. 11 measures the gradient itself
+            return list(gradients)
+        steps = []
+        for g, v in zip(gradients, variables):
+            g = self._decayed(g, v)
+            m = self._momentum(v)
+            momentum = tf.cast(self.momentum, v.dtype)
+            m.assign(momentum * m + g)
+            steps.append(momentum * m + g if self.nesterov else tf.convert_to_tensor(m))
+        return steps
+
+    def _ratio(self, w_norm: tf.Tensor, d_norm: tf.Tensor, decay: tf.Tensor) -> tf.Tensor:
+        if self.classic_momentum:
+            return self.eeta * w_norm / (d_norm + decay * w_norm + self.epsilon)
+        return self.eeta * w_norm / (d_norm + self.epsilon)
+
+    def _apply(self, gradient: tf.Tensor, direction: tf.Tensor, variable, ratio: tf.Tensor):
+        rate = tf.cast(self.learning_rate, variable.dtype) * tf.cast(ratio, variable.dtype)
+        if self.classic_momentum:  # one fused kernel: accum = momentum accum - rate g; w += accum
+            return tf.raw_ops.ResourceApplyKerasMomentum(
+                var=variable.handle, accum=self._momentum(variable).handle, lr=rate,
+                grad=self._decayed(gradient, variable), momentum=tf.cast(self.momentum, variable.dtype),
+                use_nesterov=self.nesterov)
+        return variable.assign_sub(rate * direction)
+
+    def get_config(self) -> Dict[str, Any]:
+        config = super().get_config()
+        config.update(learning_rate=self._serialize_hyperparameter(self._learning_rate), momentum=self.momentum,
+                      eeta=self.eeta, epsilon=self.epsilon, nesterov=self.nesterov,
+                      classic_momentum=self.classic_momentum)
+        return config

@@ -1,0 +1,354 @@
+"""Layer-wise adaptive rates: what LARS and LAMB share (shi2021 sec. 4.2, eq. 11).
+
+Both scale each layer's step by a trust ratio computed from two per-layer norms, ||w|| and
+||d|| (d: the gradient for LARS, eq. 11; the Adam direction for LAMB). Every rank holds the
+same w and d after aggregation, so the norms can be computed in three ways (`parallel=`):
+
+- None: replicated; every rank computes every layer's sums of squares, in one graph (all
+  L reductions dispatched together, not a Python loop of tf.norm calls);
+- "pto": the parallel tensor operator (hvdx.pto.parallel_map): each rank reduces a share of
+  the layers balanced by element count, one all-gather of the 2L scalars. Bit-identical to
+  the replicated norms;
+- "slices": where the aggregation strategy reduce-scattered the gradient buffer inside the
+  node (hvdx.DistributedOptimizer with "hierarchical" or "hitopk"), each rank reduces the
+  element ranges of its own slice, and one all-gather of 2L partial sums inside the node
+  (the fast links) gives every rank all the norms, folded in rank order (apex's
+  DistributedFusedLAMB works this way). Float-tolerance equal to the replicated norms.
+  Where no slices exist (dense allreduce, Horovod's DistributedOptimizer, a tape) it falls
+  back to "pto".
+
+"pto" and "slices" assume what aggregation guarantees: the gradients and weights are the
+same on every rank. Variables that stay local (hvdx's / Horovod's register_local_var) are
+reduced locally in every mode.
+"""
+from __future__ import annotations
+
+import numbers
+import re
+import zlib
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+from hvdx import pto
+
+__all__ = ["LayerwiseOptimizer", "MODES", "squared_norm", "slice_ranges"]
+
+MODES = (None, "pto", "slices")
+
+Ranges = List[Tuple[int, int]]
+
+
+def squared_norm(x: tf.Tensor) -> tf.Tensor:
+    """sum(x**2) in float32: the one reduction every mode uses, so that the per-layer scalars
+    of "pto" are bit-identical to the replicated ones (same kernel, same contiguous data)."""
+    x = tf.convert_to_tensor(x)
+    if x.dtype != tf.float32:
+        x = tf.cast(x, tf.float32)
+    return tf.reduce_sum(tf.square(x))
+
+
+def range_squared_norm(x: tf.Tensor, ranges: Ranges) -> tf.Tensor:
+    """sum(x.flat[a:b]**2) over `ranges`, added in the order given."""
+    n = x.shape.num_elements()
+    if ranges == [(0, n)]:
+        return squared_norm(x)
+    if not ranges:
+        return tf.zeros([], tf.float32)
+    flat = tf.reshape(x, [-1])
+    total = squared_norm(flat[ranges[0][0]:ranges[0][1]])
+    for a, b in ranges[1:]:
+        total = total + squared_norm(flat[a:b])
+    return total
+
+
+def slice_ranges(buckets: Sequence[Tuple[Any, Sequence[Tuple[int, int, int]]]]) -> Optional[Dict[int, Ranges]]:
+    """For each gradient index of an aggregation, the element ranges of its flattened
+    gradient that lie in this rank's reduce-scattered slices; None if a bucket has no slice.
+
+    `buckets` is GradientAggregator.last_buckets: (Aggregated, pieces) with pieces
+    (gradient index, start, stop) in buffer order and Aggregated.local_slice = (slice,
+    offset). A slice may reach into the buffer's padding (HiTopK / 2DTAR pad to a multiple
+    of the node size): only real elements are counted. Every gradient of a bucket gets an
+    entry (possibly empty: another rank of the node covers it)."""
+    out: Dict[int, Ranges] = {}
+    for result, pieces in buckets:
+        local = getattr(result, "local_slice", None)
+        if local is None:
+            return None
+        tensor, offset = local
+        length = tensor.shape[0]
+        if length is None:
+            return None
+        lo, hi = int(offset), int(offset) + int(length)
+        position = 0
+        for index, start, stop in pieces:
+            a, b = max(lo, position), min(hi, position + stop - start)
+            ranges = out.setdefault(int(index), [])
+            if a < b:
+                ranges.append((start + a - position, start + b - position))
+            position += stop - start
+    return out
+
+
+def patterns(value: Union[None, str, Iterable[str]], argument: str) -> Optional[Tuple[str, ...]]:
+    """Regex patterns from None, one string (one pattern, not a list of characters) or a list;
+    ValueError naming `argument` for anything else or a pattern that does not compile."""
+    if value is None:
+        return None
+    items = (value,) if isinstance(value, str) else value
+    try:
+        items = tuple(items)
+    except TypeError:
+        raise ValueError(f"{argument} must be a regex string or a list of them, got {value!r}") from None
+    for item in items:
+        if not isinstance(item, str):
+            raise ValueError(f"{argument} must be a regex string or a list of them, got {item!r} in {value!r}")
+        try:
+            re.compile(item)
+        except re.error as exc:
+            raise ValueError(f"{argument}: {item!r} is not a valid regular expression ({exc})") from None
+    return items
+
+
+def variable_name(variable) -> str:
+    """The name patterns are matched against: Keras' variable name without ':0'."""
+    return re.sub(r":\d+$", "", getattr(variable, "path", None) or variable.name)
+
+
+def number(value: Any, argument: str, low: float = 0.0, high: Optional[float] = None, *,
+           low_open: bool = False, high_open: bool = False, optional: bool = False) -> Optional[float]:
+    """A real number in the given interval, as a float; ValueError naming `argument` otherwise."""
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
+        raise ValueError(f"{argument} must be a number, got {value!r}")
+    value = float(value)
+    if value < low or (low_open and value == low) or (high is not None and (
+            value > high or (high_open and value == high))):
+        upper = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
+        interval = f"{'(' if low_open else '['}{low}, {upper}"
+        raise ValueError(f"{argument} must be in {interval}, got {value!r}")
+    return value
+
+
+class LayerwiseOptimizer(tf.keras.optimizers.Optimizer):
+    """Base of hvdx.optimizers.LARS and LAMB (Keras 2 optimizer API of TF 2.15).
+
+    A step runs in three phases over all variables at once (`_internal_apply_gradients`):
+    `_prepare` (each layer's direction d, updating moment slots), the trust ratios from
+    ||w|| and ||d|| in the configured mode, and `_apply` (per variable, through Keras'
+    update_step). Subclasses define those and `_ratio` (the formula, vectorised over layers).
+
+    Weight decay belongs to the update rule (weight_decay=, exclude_from_weight_decay=), not
+    to Keras' decoupled weight decay, which stays off. Layers matching
+    exclude_from_layer_adaptation (default: the weight-decay exclusions) keep ratio 1.
+    Trust ratios are clipped to [min_trust_ratio, max_trust_ratio] when given.
+    """
+
+    def __init__(self, name: str, *, weight_decay: float, exclude_from_weight_decay, exclude_from_layer_adaptation,
+                 min_trust_ratio: Optional[float], max_trust_ratio: Optional[float], parallel: Optional[str],
+                 **kwargs) -> None:
+        kwargs.pop("jit_compile", None)  # the rates are computed outside update_step: no per-variable XLA
+        super().__init__(name=name, weight_decay=None, jit_compile=False, **kwargs)
+        self.weight_decay = number(weight_decay, "weight_decay")
+        self._book = _Book()  # Python-side state, kept out of tf.Module's attribute tracking
+        self._book.decay_patterns = patterns(exclude_from_weight_decay, "exclude_from_weight_decay") or ()
+        self._book.adaptation_patterns = patterns(exclude_from_layer_adaptation, "exclude_from_layer_adaptation")
+        self.min_trust_ratio = number(min_trust_ratio, "min_trust_ratio", optional=True)
+        self.max_trust_ratio = number(max_trust_ratio, "max_trust_ratio", low_open=True, optional=True)
+        if self.min_trust_ratio is not None and self.max_trust_ratio is not None \
+                and self.min_trust_ratio > self.max_trust_ratio:
+            raise ValueError(f"min_trust_ratio ({self.min_trust_ratio}) must not exceed max_trust_ratio "
+                             f"({self.max_trust_ratio})")
+        if parallel not in MODES:
+            raise ValueError(f"parallel must be one of {MODES}, got {parallel!r}")
+        self.parallel = parallel
+
+    @property
+    def last_mode(self) -> Optional[str]:
+        """The mode the last trust-ratio computation used (None: replicated)."""
+        return self._book.last_mode
+
+    # -- configuration -----------------------------------------------------------------
+    def _check_learning_rate(self, learning_rate) -> None:
+        if isinstance(learning_rate, numbers.Real):
+            number(learning_rate, "learning_rate")
+
+    @property
+    def exclude_from_weight_decay_patterns(self) -> Tuple[str, ...]:
+        return self._book.decay_patterns
+
+    @property
+    def exclude_from_layer_adaptation_patterns(self) -> Tuple[str, ...]:
+        book = self._book
+        return book.adaptation_patterns if book.adaptation_patterns is not None else book.decay_patterns
+
+    def _decays(self, variable) -> bool:
+        """Whether weight decay applies to `variable` (Keras' exclude_from_weight_decay()
+        method is honoured too)."""
+        name = variable_name(variable)
+        return bool(self.weight_decay) and self._use_weight_decay(variable) and not any(
+            re.search(p, name) for p in self._book.decay_patterns)
+
+    def _adapts(self, variable) -> bool:
+        name = variable_name(variable)
+        return not any(re.search(p, name) for p in self.exclude_from_layer_adaptation_patterns)
+
+    def _apply_weight_decay(self, variables) -> None:
+        """Keras' decoupled weight decay: off (the update rules apply their own)."""
+
+    def get_config(self) -> Dict[str, Any]:
+        config = super().get_config()
+        book = self._book
+        config.update(weight_decay=self.weight_decay, exclude_from_weight_decay=list(book.decay_patterns),
+                      exclude_from_layer_adaptation=None if book.adaptation_patterns is None
+                      else list(book.adaptation_patterns),
+                      min_trust_ratio=self.min_trust_ratio, max_trust_ratio=self.max_trust_ratio,
+                      parallel=self.parallel)
+        return config
+
+    # -- the hook of hvdx.DistributedOptimizer -------------------------------------------
+    def note_aggregation(self, aggregator, variables: Sequence[Any]) -> None:
+        """Called by hvdx.DistributedOptimizer after each aggregation with its aggregator and
+        the variables whose gradients it aggregated, in the order of its buckets' pieces.
+        Records which variables' gradients are averaged over all ranks and, where the
+        strategy left reduce-scattered slices, this rank's element ranges of each."""
+        buckets = list(getattr(aggregator, "last_buckets", []) or [])
+        ranges = slice_ranges(buckets)
+        indices = {int(index) for _, pieces in buckets for index, _, _ in pieces}
+        self._book.aggregated = {variables[i].ref(): (ranges.get(i) if ranges is not None else None)
+                            for i in sorted(indices) if i < len(variables) and variables[i] is not None}
+
+    # -- the step ------------------------------------------------------------------------
+    def _prepare(self, gradients: List[tf.Tensor], variables: List[Any]) -> List[tf.Tensor]:
+        raise NotImplementedError
+
+    def _ratio(self, w_norm: tf.Tensor, d_norm: tf.Tensor, decay: tf.Tensor) -> tf.Tensor:
+        raise NotImplementedError
+
+    def _apply(self, gradient: tf.Tensor, direction: tf.Tensor, variable, ratio: tf.Tensor):
+        raise NotImplementedError
+
+    def _internal_apply_gradients(self, grads_and_vars):
+        grads_and_vars = [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]  # IndexedSlices: dense
+        variables = [v for _, v in grads_and_vars]
+        directions = self._prepare([g for g, _ in grads_and_vars], variables)
+        ratios = self.trust_ratios(variables, directions)
+        self._book.pending = {self._var_key(v): (d, r) for v, d, r in zip(variables, directions, ratios)}
+        try:
+            return super()._internal_apply_gradients(grads_and_vars)
+        finally:
+            self._book.pending = {}
+
+    def update_step(self, gradient, variable):
+        gradient = tf.convert_to_tensor(gradient)
+        pending = self._book.pending.pop(self._var_key(variable), None)
+        if pending is None:  # called on its own: this variable's rate, replicated
+            direction = self._prepare([gradient], [variable])[0]
+            ratio = self.trust_ratios([variable], [direction], mode=None)[0]
+        else:
+            direction, ratio = pending
+        return self._apply(gradient, direction, variable, ratio)
+
+    # -- trust ratios ----------------------------------------------------------------------
+    def trust_ratios(self, variables: Sequence[Any], directions: Sequence[tf.Tensor],
+                     mode: Union[str, None, bool] = True) -> List[tf.Tensor]:
+        """Every layer's trust ratio (1 for layers excluded from adaptation), as float32
+        scalars. mode: True for the configured `parallel`, or None / "pto" / "slices"."""
+        mode = self.parallel if mode is True else mode
+        adapted = [i for i, v in enumerate(variables) if self._adapts(v)]
+        ratios: List[tf.Tensor] = [tf.ones([], tf.float32)] * len(variables)
+        if not adapted:
+            return ratios
+        squares = self.squared_norms([variables[i] for i in adapted], [directions[i] for i in adapted], mode)
+        w_norm, d_norm = tf.sqrt(squares[:, 0]), tf.sqrt(squares[:, 1])
+        decay = tf.constant([self.weight_decay if self._decays(variables[i]) else 0.0 for i in adapted], tf.float32)
+        ratio = tf.where((w_norm > 0) & (d_norm > 0), self._ratio(w_norm, d_norm, decay), tf.ones_like(w_norm))
+        if self.min_trust_ratio is not None:
+            ratio = tf.maximum(ratio, self.min_trust_ratio)
+        if self.max_trust_ratio is not None:
+            ratio = tf.minimum(ratio, self.max_trust_ratio)
+        for i, r in zip(adapted, tf.unstack(ratio, num=len(adapted))):
+            ratios[i] = r
+        return ratios
+
+    def squared_norms(self, variables: Sequence[Any], directions: Sequence[tf.Tensor],
+                      mode: Optional[str]) -> tf.Tensor:
+        """[L, 2]: sum(w**2) and sum(d**2) of every layer, computed as `mode` says; the mode
+        actually used is left in `last_mode` ("slices" falls back to "pto", and a single
+        rank computes locally)."""
+        _, size = pto.set_rank_and_size()
+        if mode is None or size == 1:
+            self._book.last_mode = None
+            return _replicated(variables, directions)
+        shared = self._shared(variables)
+        aggregated = self._book.aggregated
+        if mode == "slices" and aggregated is not None:
+            ranges = [aggregated.get(v.ref()) if s else None for v, s in zip(variables, shared)]
+            if any(r is not None for r in ranges):
+                self._book.last_mode = "slices"
+                return self._slice_norms(variables, directions, ranges)
+        self._book.last_mode = "pto"
+        squares = _replicated(variables, directions, [not s for s in shared])  # local variables
+        together = [i for i, s in enumerate(shared) if s]
+        if not together:
+            return squares
+        gathered = pto.parallel_map(lambda w, d: tf.stack([squared_norm(w), squared_norm(d)]),
+                                    [(variables[i], directions[i]) for i in together], output_shape=[2],
+                                    name=self._collective_name("pto", [variables[i] for i in together]))
+        return tf.tensor_scatter_nd_update(squares, [[i] for i in together], gathered)
+
+    def _shared(self, variables: Sequence[Any]) -> List[bool]:
+        """Which variables hold the same gradient on every rank: those an attached hvdx
+        aggregator averaged; without one, all but Horovod's registered local variables."""
+        if self._book.aggregated is not None:
+            return [v.ref() in self._book.aggregated for v in variables]
+        local = getattr(self, "_local_vars", None) or set()  # hvd.DistributedOptimizer's register_local_var
+        return [v.ref() not in local for v in variables]
+
+    def _slice_norms(self, variables, directions, ranges: List[Optional[Ranges]]) -> tf.Tensor:
+        from hvdx.topology import topology
+
+        local_set = topology().local_set
+        _, n = pto.set_rank_and_size(local_set)
+        covered = [i for i, r in enumerate(ranges) if r is not None]
+        squares = _replicated(variables, directions, [r is None for r in ranges])
+        partial = tf.stack([tf.stack([range_squared_norm(_value(variables[i]), ranges[i]),
+                                      range_squared_norm(directions[i], ranges[i])]) for i in covered])
+        if n > 1:  # one all-gather inside the node; partial sums folded in rank order
+            gathered = hvd.allgather(partial, process_set=local_set,
+                                     name=self._collective_name("slices", [variables[i] for i in covered]))
+            partial = tf.reduce_sum(tf.reshape(gathered, [n, len(covered), 2]), axis=0)
+        return tf.tensor_scatter_nd_update(squares, [[i] for i in covered], partial)
+
+    def _collective_name(self, kind: str, variables: Sequence[Any]) -> str:
+        """The same on every rank, and different for different models and optimizers."""
+        signature = "|".join(f"{variable_name(v)}{tuple(v.shape)}" for v in variables)
+        return f"hvdx.{type(self).__name__.lower()}.{kind}.{self.name}.{zlib.crc32(signature.encode()):08x}"
+
+
+class _Book:
+    """What a LayerwiseOptimizer keeps on the Python side (never checkpointed)."""
+
+    def __init__(self) -> None:
+        self.decay_patterns: Tuple[str, ...] = ()
+        self.adaptation_patterns: Optional[Tuple[str, ...]] = None
+        self.aggregated: Optional[Dict[Any, Optional[Ranges]]] = None  # variable ref -> this rank's ranges
+        self.pending: Dict[Any, Tuple[tf.Tensor, tf.Tensor]] = {}  # var key -> (direction, ratio), one step
+        self.last_mode: Optional[str] = None
+
+
+def _value(variable) -> tf.Tensor:
+    return variable if isinstance(variable, tf.Tensor) else tf.convert_to_tensor(variable)
+
+
+def _replicated(variables: Sequence[Any], directions: Sequence[tf.Tensor],
+                which: Optional[Sequence[bool]] = None) -> tf.Tensor:
+    """[L, 2] squared norms computed on this rank (zeros where `which` is False)."""
+    if which is not None and not any(which):
+        return tf.zeros([len(variables), 2], tf.float32)
+    rows = [tf.stack([squared_norm(_value(v)), squared_norm(d)]) if which is None or which[i]
+            else tf.zeros([2], tf.float32) for i, (v, d) in enumerate(zip(variables, directions))]
+    return tf.stack(rows)
