@@ -50,7 +50,22 @@ class GFileSource(Source):
         return "GFileSource()"
 
 
-class CountingSource(Source):
+class _Wrapper(Source):
+    """A source that reads through `inner` (listing is `inner`'s)."""
+
+    inner: Source
+
+    def listdir(self, path: str) -> List[str]:
+        return self.inner.listdir(path)
+
+    def isdir(self, path: str) -> bool:
+        return self.inner.isdir(path)
+
+    def glob(self, pattern: str) -> List[str]:
+        return self.inner.glob(pattern)
+
+
+class CountingSource(_Wrapper):
     """Counts the reads (and bytes) that go through `inner`, per path; thread-safe."""
 
     def __init__(self, inner: Source | None = None) -> None:
@@ -76,17 +91,8 @@ class CountingSource(Source):
             self.reads.clear()
             self.bytes_read = 0
 
-    def listdir(self, path: str) -> List[str]:
-        return self.inner.listdir(path)
 
-    def isdir(self, path: str) -> bool:
-        return self.inner.isdir(path)
-
-    def glob(self, pattern: str) -> List[str]:
-        return self.inner.glob(pattern)
-
-
-class SlowSource(Source):
+class SlowSource(_Wrapper):
     """`inner` slowed to a network file system: `latency_s` per open plus 1/`mib_per_s` s per MiB.
 
     The delay is a sleep, so concurrent reads overlap as they do against a real server
@@ -114,14 +120,6 @@ class SlowSource(Source):
             time.sleep(max(0.0, delay - (time.perf_counter() - start)))
         return data
 
-    def listdir(self, path: str) -> List[str]:
-        return self.inner.listdir(path)
-
-    def isdir(self, path: str) -> bool:
-        return self.inner.isdir(path)
-
-    def glob(self, pattern: str) -> List[str]:
-        return self.inner.glob(pattern)
 
     def __repr__(self) -> str:
         return f"SlowSource(latency_s={self.latency_s}, mib_per_s={self.mib_per_s})"
