@@ -5,11 +5,13 @@ and poorly connected between each other.
     topo = hvdx.init()          # hvd.init() + node-local and cross-node process sets
     print(topo)                 # rank, node, local rank, and the members of both sets
     opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk")
+    opt = hvdx.DASO(tf.keras.optimizers.SGD(0.1), total_epochs=20)   # + hvdx.daso.DASOCallback()
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
 """
-from hvdx import callbacks, comm, data, ops, optimizers, pto
+from hvdx import callbacks, comm, daso, data, ops, optimizers, pto
 from hvdx.aggregator import GradientAggregator
+from hvdx.daso import DASO
 from hvdx.layout import RankMismatchError
 from hvdx.loading import load_model
 from hvdx.ops import mstopk, sparse_accumulate
@@ -19,6 +21,6 @@ from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topo
 
 __version__ = "0.2.0"
 
-__all__ = ["DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "PartialDistributedOptimizer",
-           "RankMismatchError", "Topology", "TopologyError", "barrier", "callbacks", "comm", "data", "init",
+__all__ = ["DASO", "DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "PartialDistributedOptimizer",
+           "RankMismatchError", "Topology", "TopologyError", "barrier", "callbacks", "comm", "daso", "data", "init",
            "load_model", "mstopk", "ops", "optimizers", "pto", "shutdown", "sparse_accumulate", "topology"]

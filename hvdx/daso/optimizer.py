@@ -1,0 +1,249 @@
+"""hvdx.DASO: Distributed Asynchronous and Selective Optimization (coquelin2021) for tf.keras.
+
+    hvdx.init()
+    opt = hvdx.DASO(tf.keras.optimizers.SGD(0.1, momentum=0.9), total_epochs=20,
+                    warmup_epochs=2, cooldown_epochs=2, max_global_skips=4)
+    model.compile(optimizer=opt, loss=...)
+    model.fit(x, y, epochs=20, callbacks=[hvdx.daso.DASOCallback()])
+
+A custom loop calls `opt.after_step()` after each step's apply_gradients (outside the
+tf.function) and `opt.end_epoch(loss)` after each epoch:
+
+    for epoch in range(20):
+        for x, y in data:
+            loss = train_step(x, y)       # tape, opt.apply_gradients(...)
+            opt.after_step()
+        opt.end_epoch(epoch_loss)         # drains, feeds the loss to the schedule
+
+Every step, the gradients are averaged inside the node (hvdx.DistributedOptimizer over
+the node-local process set) and applied by the wrapped optimizer; then the schedule
+(hvdx.daso.schedule) says whether the parameters are averaged globally now (blocking),
+start to be (non-blocking) or a stale average is merged (eq. 1), and
+hvdx.daso.sync does it over hvdx's own transport (hvdx.daso.transport).
+"""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Dict, List, Optional
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+
+from hvdx.topology import initialized as _initialized, topology as _get_topology
+from hvdx.daso.plateau import PlateauDetector
+from hvdx.daso.schedule import Action, Schedule
+from hvdx.daso.sync import WIRE_DTYPES, ParameterSync
+from hvdx.layout import check_agreement
+from hvdx.optimizer import DistributedOptimizer
+
+__all__ = ["DASO"]
+
+log = logging.getLogger("hvdx.daso")
+
+
+@tf.keras.utils.register_keras_serializable(package="hvdx")
+class DASO(DistributedOptimizer):
+    """Wraps a tf.keras optimizer: node-local gradient averaging every step, global
+    parameter averaging in rotating groups, blocking in the first `warmup_epochs` and the
+    last `cooldown_epochs`, non-blocking every B steps in between (coquelin2021, sec. 3).
+
+    total_epochs: how long training runs (the cool-down phase is its last epochs).
+    max_global_skips: B at the start of the cycling phase (W starts at B/4, at least 1).
+    plateau_patience, plateau_threshold: when the epoch's training loss has plateaued
+      (hvdx.daso.PlateauDetector): B and W halve, or reset from B = W = 1.
+    blocking_wire_dtype: "bfloat16" (the paper), "float16" (scaled) or "float32": what the
+      blocking phases send; master weights stay float32 (hvdx.daso.sync).
+    timeout: seconds a global exchange may take before the job fails with a message.
+
+    Needs hvdx.init() first. When the step is first traced, every rank takes rank 0's
+    parameters (no broadcast callback needed). The global synchronisations run outside the step function:
+    Model.fit needs hvdx.daso.DASOCallback (steps_per_execution=1); a custom loop calls
+    after_step() and end_epoch(loss). Call drain() on every rank before saving a
+    checkpoint mid-epoch (epochs end drained); the schedule's state is saved with the
+    optimizer in every checkpoint format and restored from it.
+    """
+
+    def __init__(self, optimizer, total_epochs: int, warmup_epochs: int = 1, cooldown_epochs: int = 1,
+                 max_global_skips: int = 4, *, plateau_patience: int = 2, plateau_threshold: float = 0.05,
+                 blocking_wire_dtype: str = "bfloat16", timeout: float = 300.0, name: Optional[str] = None,
+                 schedule_state: Optional[Dict[str, Any]] = None) -> None:
+        if not _initialized():
+            raise RuntimeError("hvdx.DASO needs hvdx.init() first (it averages inside nodes and across them)")
+        topo = _get_topology()
+        if blocking_wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"blocking_wire_dtype must be one of {sorted(WIRE_DTYPES)}, "
+                             f"got {blocking_wire_dtype!r}")
+        if not (isinstance(timeout, (int, float)) and timeout > 0):
+            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        schedule = Schedule(total_epochs=total_epochs, warmup_epochs=warmup_epochs, cooldown_epochs=cooldown_epochs,
+                            max_global_skips=max_global_skips, num_groups=topo.local_size,
+                            plateau=PlateauDetector(patience=plateau_patience, threshold=plateau_threshold))
+        if schedule_state is not None:
+            schedule = Schedule.from_state(schedule_state)
+        super().__init__(optimizer, name=name or f"DASO{type(optimizer).__name__}", communication="allreduce",
+                         process_set=topo.local_set)
+        self._daso_config = self._no_dependency(dict(total_epochs=total_epochs, warmup_epochs=warmup_epochs,
+                                 cooldown_epochs=cooldown_epochs, max_global_skips=max_global_skips,
+                                 plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
+                                 blocking_wire_dtype=blocking_wire_dtype, timeout=float(timeout)))
+        self._topo = topo
+        self.schedule = schedule
+        self._timeout = float(timeout)
+        self._params: Optional[List[tf.Variable]] = None  # set once: a plain list, not tracked
+        self._sync: Optional[ParameterSync] = None
+        self._transport = None
+        self._reference0: Optional[np.ndarray] = None
+        self._identical = False  # every rank holds the same parameters right now
+        self.history: List[Action] = self._no_dependency([])  # the actions taken (tests, benchmarks)
+        self.events: List[str] = self._no_dependency([])
+        with tf.init_scope():
+            self._daso_state = tf.Variable(schedule.to_json(), dtype=tf.string, trainable=False,
+                                           name="daso_state")
+        self._state_written = schedule.to_json()
+
+    # -- the step (inside the step function) -------------------------------------------
+    def _aggregate(self, grads, variables):
+        if self._topo.local_size == 1:  # a node of one rank: nothing to average locally
+            return list(grads)
+        return super()._aggregate(grads, variables)
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation: bool = False, **kwargs):
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        if self._params is None:
+            self._params = self._no_dependency([v for _, v in grads_and_vars])
+            self._start_identical()
+        elif [id(v) for _, v in grads_and_vars] != [id(v) for v in self._params]:
+            raise ValueError("hvdx.DASO averages the variables of its first apply_gradients; a later call "
+                             "passed other variables (use one DASO optimizer per model)")
+        return super().apply_gradients(grads_and_vars, name, skip_gradients_aggregation, **kwargs)
+
+    def _start_identical(self) -> None:
+        """Collective, when the step is first traced (before its first run): every rank
+        takes rank 0's parameters, which become the blocking phase's x_ref (hvdx.daso.sync).
+        A restored checkpoint (drained, so the same on every rank) passes unchanged."""
+        with tf.init_scope():
+            if not tf.executing_eagerly():
+                raise RuntimeError("hvdx.DASO runs with TensorFlow 2's eager runtime (tf.function steps), "
+                                   "not in TF1 graphs")
+            if self._params:
+                hvd.broadcast_variables(self._params, root_rank=0)
+            self._reference0 = np.concatenate(
+                [np.ravel(v.numpy()).astype(np.float32) for v in self._params]) if self._params else None
+        self._identical = True
+
+    # -- between steps (eager) ---------------------------------------------------------
+    def _setup(self) -> None:
+        if self._params is None:
+            raise RuntimeError("after_step() comes after the step's apply_gradients (no variables yet)")
+        from hvdx.daso.transport import GroupTransport
+
+        topo = self._topo
+        check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),
+                         "variables": f"{len(self._params)} of {sum(int(np.prod(v.shape)) for v in self._params)} "
+                                      f"elements"},
+                        "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
+        groups = [tuple(node[lr] for node in topo.node_ranks) for lr in range(topo.local_size)]
+        self._transport = GroupTransport.create(groups, topo.rank, name="hvdx.daso.transport",
+                                                timeout=self._timeout)
+        self._sync = ParameterSync(self._params, topo, self._transport,
+                                   wire_dtype=self._daso_config["blocking_wire_dtype"])
+        self._sync.set_reference(self._reference0)
+        self._reference0 = None
+
+    def _load_state_if_restored(self) -> None:
+        """A checkpoint restored into this optimizer brings its schedule with it."""
+        text = self._daso_state.numpy().decode()
+        if text != self._state_written:
+            self.schedule = Schedule.from_json(text)
+            self._state_written = text
+            self._identical = False
+
+    def _write_state(self) -> None:
+        text = self.schedule.to_json()
+        self._daso_state.assign(text)
+        self._state_written = text
+
+    def after_step(self) -> Action:
+        """Collective, after each step's update: the schedule's global synchronisation."""
+        if self._sync is None:
+            self._setup()
+        self._load_state_if_restored()
+        action = self.schedule.after_step()
+        if self._topo.num_nodes > 1:
+            if action.merge_group is not None:
+                self._sync.merge(action.staleness)
+            if action.start_group is not None:
+                self._sync.start(action.start_group, action.step)
+            if action.blocking_group is not None:
+                self._sync.blocking(action.blocking_group)
+        self._identical = action.blocking_group is not None or self._topo.num_nodes == 1
+        self.history.append(action)
+        return action
+
+    def drain(self) -> Optional[Action]:
+        """Collective: merges the exchange in flight and averages over all ranks, so that
+        every rank holds the same parameters (before a checkpoint; epochs end with it)."""
+        if self._sync is None:
+            self._setup()
+        action = self.schedule.drain()
+        if action is not None and self._topo.num_nodes > 1:
+            self._sync.merge(action.staleness)
+            if action.staleness == 0:  # started by this very step: the merge is a plain average
+                self._identical = True
+        if not self._identical and self._topo.num_nodes > 1:
+            self._sync.average(self.schedule.syncs % self.schedule.num_groups)
+        self._identical = True
+        self._write_state()
+        return action
+
+    def end_epoch(self, loss: float) -> List[str]:
+        """Collective, after each epoch: drain, then the schedule takes the epoch's training
+        loss averaged over all ranks (plateaus, phases). Returns what changed."""
+        self.drain()
+        loss = float(np.asarray(loss))
+        mean = hvd.allreduce(tf.constant([loss], tf.float64), op=hvd.Average, name="hvdx.daso.loss").numpy()[0]
+        events = self.schedule.end_epoch(mean)
+        self._write_state()
+        if events:
+            log.info("DASO after epoch %d (loss %.5g): %s", self.schedule.epoch, mean, ", ".join(events))
+        self.events.extend(f"epoch {self.schedule.epoch}: {e}" for e in events)
+        return events
+
+    def start_epoch(self, epoch: int) -> None:
+        """Model.fit's epoch numbers (initial_epoch of a resumed run included)."""
+        self._load_state_if_restored()
+        if self._sync is not None and (self.schedule.in_flight or not self._identical):
+            self.drain()
+        self.schedule.start_epoch(epoch)
+        self._write_state()
+
+    @property
+    def stats(self):
+        """Seconds spent per kind of synchronisation on this rank (hvdx.daso.sync.SyncStats)."""
+        return self._sync.stats if self._sync is not None else None
+
+    # -- saving ------------------------------------------------------------------------
+    def save_own_variables(self, store):
+        super().save_own_variables(store)
+        store["daso.state"] = np.frombuffer(self.schedule.to_json().encode(), np.uint8)
+
+    def load_own_variables(self, store):
+        state = store["daso.state"][...] if "daso.state" in store.keys() else None
+        rest = {k: store[k] for k in store.keys() if k != "daso.state"}
+        super().load_own_variables(rest)
+        if state is not None:
+            self.schedule = Schedule.from_json(np.asarray(state, np.uint8).tobytes().decode())
+            self._write_state()
+
+    def get_config(self):
+        config = {"optimizer": tf.keras.optimizers.serialize(self._optimizer), "name": self.name,
+                  **self._daso_config, "schedule_state": self.schedule.state()}
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        optimizer = tf.keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
+        return cls(optimizer, **config)

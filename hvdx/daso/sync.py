@@ -1,0 +1,235 @@
+"""DASO's global synchronisation: what moves parameters between nodes (coquelin2021, sec. 3).
+
+One rank per node, the members of one group (a cross set: the ranks of one local rank),
+averages the parameters over the nodes (Figure 3); each member then sends the result to
+the other ranks of its node, which replace theirs (Figure 4). Three kinds:
+
+- blocking (warm-up, cool-down): 16-bit on the wire (bfloat16 by default) while the
+  float32 master weights stay exact. What travels is each node's change since the last
+  synchronisation, x_i - x_ref, rounded to 16 bits; every rank adds the float32 sum of
+  the rounded changes to the float32 x_ref it holds, identical everywhere. Rounding thus
+  touches one step's update (relative error 2^-8 of the update in bfloat16), never the
+  weights themselves, and every node ends up with bit-identical parameters. float16
+  changes are scaled by a power of two per member (sent beside them) so small updates do
+  not underflow. Horovod has no bfloat16 sum on CPU, and a sum in 16 bits would round at
+  every addition: the members all-gather the 16-bit changes and sum them in float32.
+- non-blocking (cycling): the members start a float32 sum (the paper: casting delays the
+  start and is not worth it here) on hvdx's own transport, whose thread moves the bytes
+  while training goes on; `merge` later applies eq. 1,
+  x = (2S x_local + sum_i x_i) / (2S + P), S the staleness in steps, P the group size.
+- full average (drain): a float32 average over all nodes; afterwards every rank holds
+  the same parameters, and they become the x_ref of the next blocking phase.
+
+Only the trainable variables given to the optimizer are averaged. Optimizer slots
+(momentum, Adam's moments) stay local, as in HeAT: they are running averages of each
+node's own gradients, and averaging them would double the traffic. With SGD (momentum
+included) an average after every step then equals synchronous data parallelism exactly,
+since parameters and momenta are linear in the gradients.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+
+import horovod.tensorflow as hvd
+import ml_dtypes
+import numpy as np
+import tensorflow as tf
+
+from hvdx.topology import Topology
+
+if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
+    from hvdx.daso.transport import GroupTransport, Request
+
+__all__ = ["FlatParameters", "ParameterSync", "WIRE_DTYPES"]
+
+WIRE_DTYPES: Dict[str, np.dtype] = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
+                                    "float32": np.dtype(np.float32)}
+_FLOAT16_TOP = 2.0 ** 14  # scaled changes stay below this: fp16 keeps 11 bits down to 2^-14 * 2^-10
+
+
+class FlatParameters:
+    """Reads and writes a list of variables as one flat float32 vector (one pass each way)."""
+
+    def __init__(self, variables: Sequence[tf.Variable]) -> None:
+        variables = list(variables)
+        if not variables:
+            raise ValueError("DASO has no variables to synchronise (no trainable variable got a gradient)")
+        for v in variables:
+            if v.dtype not in (tf.float32, tf.float16, tf.bfloat16):
+                raise ValueError(f"DASO averages float32 (or 16-bit) parameters; {v.name} is {v.dtype.name}")
+        self.variables = variables
+        self.sizes = [int(np.prod(v.shape)) for v in variables]
+        self.size = int(sum(self.sizes))
+        self._read = tf.function(self._read_graph, autograph=False)
+        self._write = tf.function(self._write_graph, autograph=False,
+                                  input_signature=[tf.TensorSpec([self.size], tf.float32)])
+
+    def _read_graph(self):
+        return tf.concat([tf.reshape(tf.cast(v, tf.float32), [-1]) for v in self.variables], 0)
+
+    def _write_graph(self, flat):
+        for v, piece in zip(self.variables, tf.split(flat, self.sizes)):
+            v.assign(tf.cast(tf.reshape(piece, v.shape), v.dtype))
+
+    def read(self) -> np.ndarray:
+        return self._read().numpy()
+
+    def write(self, flat: np.ndarray) -> None:
+        self._write(tf.convert_to_tensor(flat, tf.float32))
+
+
+@dataclass
+class _InFlight:
+    group: int
+    request: Optional["Request"]  # None on the ranks outside the group
+    started_step: int
+
+
+@dataclass
+class SyncStats:
+    """What the synchronisations cost, in seconds on this rank (benchmarks read it)."""
+
+    blocking: List[float] = field(default_factory=list)
+    start: List[float] = field(default_factory=list)
+    merge: List[float] = field(default_factory=list)
+    merge_wait: List[float] = field(default_factory=list)
+    full: List[float] = field(default_factory=list)
+    exchange: List[float] = field(default_factory=list)  # a non-blocking request's own duration
+
+
+class ParameterSync:
+    """Moves the parameters of one model between the nodes (the three kinds above).
+
+    Collective in the node: every rank of a node calls the same methods at the same step
+    (the schedule tells them); the transport is only used by the group's members.
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable], topology: Topology, transport: "GroupTransport",
+                 wire_dtype: str = "bfloat16") -> None:
+        if wire_dtype not in WIRE_DTYPES:
+            raise ValueError(f"blocking_wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
+        self.params = FlatParameters(variables)
+        self.topology = topology
+        self.transport = transport
+        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.group_size = topology.num_nodes
+        self.reference: Optional[np.ndarray] = None
+        self.in_flight: Optional[_InFlight] = None
+        self.stats = SyncStats()
+
+    # -- helpers ---------------------------------------------------------------------
+    def is_member(self, group: int) -> bool:
+        return self.topology.local_rank == group
+
+    def _node_update(self, group: int, flat: Optional[np.ndarray]) -> np.ndarray:
+        """Figure 4: the group's member sends `flat` to the other ranks of its node."""
+        if self.topology.local_size == 1:
+            return flat
+        if flat is None:
+            flat = np.empty(self.params.size, np.float32)  # only its shape matters off the root
+        # Horovod's root_rank is a global rank, also inside a process set
+        out = hvd.broadcast(tf.convert_to_tensor(flat), root_rank=self.topology.local_ranks[group],
+                            name="hvdx.daso.node_update",
+                            process_set=self.topology.local_set)
+        return out.numpy()
+
+    def set_reference(self, flat: Optional[np.ndarray] = None) -> None:
+        """x_ref := the current parameters (identical on every rank: after a broadcast or drain)."""
+        self.reference = self.params.read() if flat is None else flat
+
+    # -- blocking ---------------------------------------------------------------------
+    def blocking(self, group: int) -> None:
+        """Averages in `group` now: 16-bit changes on the wire, float32 master weights."""
+        t0 = time.perf_counter()
+        if self.reference is None:
+            raise RuntimeError("the parameters' reference is not set (broadcast or drain first)")
+        flat = None
+        if self.is_member(group):
+            x = self.params.read()
+            change = x - self.reference
+            if self.group_size > 1:
+                change = self._average_changes(change)
+            flat = self.reference + change
+            if not np.isfinite(change).all():
+                raise FloatingPointError(
+                    "DASO's global average of the parameter changes is not finite (a rank's update "
+                    "diverged); lower the learning rate or use a LossScaleOptimizer with mixed precision")
+        flat = self._node_update(group, flat)
+        self.params.write(flat)
+        self.reference = flat
+        self.stats.blocking.append(time.perf_counter() - t0)
+
+    def _average_changes(self, change: np.ndarray) -> np.ndarray:
+        if self.wire_dtype == np.float32:
+            return self.transport.allreduce_sum(change).wait() / np.float32(self.group_size)
+        if self.wire_dtype == np.float16:
+            top = float(np.max(np.abs(change))) if change.size else 0.0
+            scale = np.float32(2.0 ** np.floor(np.log2(_FLOAT16_TOP / top))) if top > 0 and np.isfinite(top) \
+                else np.float32(1.0)
+            scales = self.transport.allgather(np.array([scale], np.float32))
+            wire = (change * scale).astype(np.float16)
+            pieces = self.transport.allgather(wire).wait()
+            scales = scales.wait()
+            total = np.zeros_like(change)
+            for piece, s in zip(pieces, scales):
+                total += piece.astype(np.float32) / s[0]
+            return total / np.float32(self.group_size)
+        pieces = self.transport.allgather(change.astype(self.wire_dtype)).wait()
+        total = np.zeros_like(change)
+        for piece in pieces:  # the same order on every member: identical sums
+            total += piece.astype(np.float32)
+        return total / np.float32(self.group_size)
+
+    # -- non-blocking -----------------------------------------------------------------
+    def start(self, group: int, step: int) -> None:
+        """Starts the float32 sum of this step's parameters in `group`; training goes on."""
+        if self.in_flight is not None:
+            raise RuntimeError("a global exchange is already in flight")
+        t0 = time.perf_counter()
+        request = None
+        if self.is_member(group) and self.group_size > 1:
+            request = self.transport.allreduce_sum(self.params.read())
+        self.in_flight = _InFlight(group, request, step)
+        self.stats.start.append(time.perf_counter() - t0)
+
+    def merge(self, staleness: int) -> None:
+        """Eq. 1 on the group's members, then the node update (Figure 4) on every rank."""
+        if self.in_flight is None:
+            raise RuntimeError("no global exchange is in flight")
+        if staleness < 0:
+            raise ValueError(f"staleness must be >= 0 steps, got {staleness}")
+        in_flight, self.in_flight = self.in_flight, None
+        t0 = time.perf_counter()
+        flat = None
+        if self.is_member(in_flight.group):
+            x = self.params.read()
+            if in_flight.request is not None:
+                total = in_flight.request.wait()
+                self.stats.merge_wait.append(time.perf_counter() - t0)
+                if in_flight.request.finished is not None:
+                    self.stats.exchange.append(in_flight.request.finished - in_flight.request.started)
+                two_s = np.float32(2 * staleness)
+                flat = (two_s * x + total) / (two_s + np.float32(self.group_size))
+            else:
+                flat = x  # one node: nothing to merge
+        flat = self._node_update(in_flight.group, flat)
+        self.params.write(flat)
+        self.stats.merge.append(time.perf_counter() - t0)
+
+    # -- drain -------------------------------------------------------------------------
+    def average(self, group: int) -> None:
+        """A float32 average over the nodes, then the node update: all ranks identical."""
+        if self.in_flight is not None:
+            raise RuntimeError("merge the exchange in flight before a full average")
+        t0 = time.perf_counter()
+        flat = None
+        if self.is_member(group):
+            flat = self.params.read()
+            if self.group_size > 1:
+                flat = self.transport.allreduce_sum(flat).wait() / np.float32(self.group_size)
+        flat = self._node_update(group, flat)
+        self.params.write(flat)
+        self.reference = flat
+        self.stats.full.append(time.perf_counter() - t0)

@@ -1,0 +1,291 @@
+"""DASO on every rank of an m x n job, claim by claim (coquelin2021, sec. 3).
+
+Run by tests/test_daso.py under horovodrun: `check_daso.py CHECK [CHECK ...]`. Each check
+returns what the test asserts on.
+"""
+import os
+import sys
+import tempfile
+
+import horovod.tensorflow as hvd
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import hvdx
+from hvdx.daso import DASO, DASOCallback
+from tests.multirank.rank import run
+
+
+def spread(values, tag):
+    """Largest difference between ranks of the concatenated values (0.0: bitwise identical)."""
+    flat = tf.constant(np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]))
+    low = hvd.allreduce(flat, op=hvd.Min, name=f"min.{tag}").numpy()
+    high = hvd.allreduce(flat, op=hvd.Max, name=f"max.{tag}").numpy()
+    return float(np.max(high - low)) if flat.shape[0] else 0.0
+
+
+def digits_split():
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    return train_test_split(x, data.target, test_size=0.25, random_state=0, stratify=data.target)
+
+
+def make_model(seed=0, width=32):
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([tf.keras.layers.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
+                                tf.keras.layers.Dense(10)])
+
+
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def batches(topo, steps, batch=16, seed=1):
+    """This rank's own batches (different on every rank), the same in every run."""
+    x_train, _, y_train, _ = digits_split()
+    rng = np.random.default_rng(seed + 1000 * topo.rank)
+    picks = [rng.choice(len(x_train), batch, replace=False) for _ in range(steps)]
+    return [(tf.constant(x_train[p]), tf.constant(y_train[p])) for p in picks]
+
+
+def daso_step(model, opt):
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+    return step
+
+
+# -- 1. blocking, float32, every step == synchronous Horovod -----------------------------------
+def check_blocking_equals_horovod(topo, steps=6):
+    data = batches(topo, steps)
+    horovod_model = make_model()
+    sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+
+    @tf.function
+    def horovod_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, horovod_model(x, training=True))
+        tape = hvd.DistributedGradientTape(tape)
+        sgd.apply_gradients(zip(tape.gradient(loss, horovod_model.trainable_variables),
+                                horovod_model.trainable_variables))
+
+    for x, y in data:
+        horovod_step(x, y)
+    expected = [v.numpy() for v in horovod_model.trainable_variables]
+    out = {}
+    for wire in ("float32", "bfloat16", "float16"):
+        model = make_model(seed=10 + topo.rank)  # other initial weights on every rank: DASO starts from rank 0's
+        if topo.rank == 0:
+            model.set_weights(make_model().get_weights())
+        opt = DASO(tf.keras.optimizers.SGD(0.1, momentum=0.9), total_epochs=1, warmup_epochs=1, cooldown_epochs=0,
+                   blocking_wire_dtype=wire)
+        step = daso_step(model, opt)
+        for x, y in data:
+            step(x, y)
+            opt.after_step()
+        got = [v.numpy() for v in model.trainable_variables]
+        momenta = [v.numpy() for v in opt.inner_optimizer.variables if v.shape.rank]  # the slots
+        out[wire] = {
+            "max_error": max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)),
+            "max_update": max(float(np.max(np.abs(a - b))) for a, b in zip(expected, make_model().get_weights())),
+            "spread": spread(got, f"blocking.{wire}"),
+            "momentum_spread": spread(momenta, f"momentum.{wire}"),
+            "off_bf16_grid": int(sum(np.count_nonzero(w != w.astype("bfloat16").astype(np.float32)) for w in got)),
+            "groups": [a.blocking_group for a in opt.history],
+        }
+    return out
+
+
+# -- 2. eq. 1, the measured staleness, the rotation, the drains --------------------------------
+def check_merge_formula(topo, max_global_skips=8, steps_per_epoch=(17, 13), lr=1.0):
+    """One variable, SGD without momentum and rank-valued gradients, against a simulation of
+    every rank in float64 driven by the actions DASO reports."""
+    var = tf.Variable(np.full(5, 0.5, np.float32) * (topo.rank + 1))  # rank 0's value wins
+    opt = DASO(tf.keras.optimizers.SGD(lr), total_epochs=len(steps_per_epoch), warmup_epochs=0, cooldown_epochs=0,
+               max_global_skips=max_global_skips, blocking_wire_dtype="float32")
+
+    @tf.function
+    def step(g):
+        opt.apply_gradients([(g, var)])
+
+    def grad(rank, k):
+        return -(rank + 1) * (k % 3 + 1) * np.arange(1, 6, dtype=np.float64) / 10.0
+
+    nodes, P = topo.node_ranks, topo.num_nodes
+    x = {r: np.full(5, 0.5) for r in range(topo.size)}
+    snapshot = None
+    errors, actions, drains, spreads = [], [], [], []
+
+    def merge(group, S):
+        if P == 1:
+            return  # one node: nothing global to merge
+        for node in nodes:
+            member = node[group]
+            value = (2 * S * x[member] + sum(snapshot)) / (2 * S + P)
+            for r in node:
+                x[r] = value.copy()
+
+    k = 0
+    for epoch, steps in enumerate(steps_per_epoch):
+        for _ in range(steps):
+            step(tf.constant(grad(topo.rank, k), tf.float32))
+            for node in nodes:  # node-local gradient averaging, then the local update
+                g = np.mean([grad(r, k) for r in node], axis=0)
+                for r in node:
+                    x[r] = x[r] - lr * g
+            a = opt.after_step()
+            if a.merge_group is not None:
+                merge(a.merge_group, a.staleness)
+                actions.append(("merge", a.step, a.merge_group, a.staleness))
+            if a.start_group is not None:
+                snapshot = [x[node[a.start_group]].copy() for node in nodes]
+                actions.append(("start", a.step, a.start_group))
+            errors.append(float(np.max(np.abs(var.numpy() - x[topo.rank]))))
+            k += 1
+        in_flight = opt.schedule.pending_group, opt.schedule.pending_step
+        opt.end_epoch(1.0)
+        if in_flight[0] is not None:
+            merge(in_flight[0], k - in_flight[1])
+            drains.append(("drain", k, in_flight[0], k - in_flight[1]))
+        mean = np.mean([x[node[0]] for node in nodes], axis=0)
+        for r in x:
+            x[r] = mean.copy()
+        errors.append(float(np.max(np.abs(var.numpy() - x[topo.rank]))))
+        spreads.append(spread([var.numpy()], f"drain.{epoch}"))
+    return {"max_error": max(errors), "scale": float(np.max(np.abs(x[0]))), "actions": actions,
+            "drains": drains, "drain_spreads": spreads, "B": opt.schedule.B, "W": opt.schedule.W}
+
+
+# -- 3. checkpoint / restore in the middle of a cycle ---------------------------------------
+def check_checkpoint_mid_cycle(topo, before=9, after=11, epoch_steps=12):
+    """Steps 1..`before` (an exchange in flight at the end), drain, save, then `after` more
+    steps; a fresh model and optimizer restored from the checkpoint run the same `after`
+    steps: same parameters, same schedule."""
+    data = batches(topo, before + after, seed=7)
+    directory = os.path.join(tempfile.gettempdir(), f"hvdx-daso-ckpt-{os.getppid()}-{topo.rank}")
+
+    def new_run(seed):
+        model = make_model(seed)
+        opt = DASO(tf.keras.optimizers.SGD(0.05, momentum=0.9), total_epochs=4, warmup_epochs=0, cooldown_epochs=1,
+                   max_global_skips=8)  # B = 8, W = 2: at step 9 an exchange is in flight
+        return model, opt, daso_step(model, opt)
+
+    def run_steps(opt, step, pieces, first_index):
+        for i, (x, y) in enumerate(pieces, start=first_index):
+            step(x, y)
+            opt.after_step()
+            if (i + 1) % epoch_steps == 0:
+                opt.end_epoch(1.0 / (i + 1))
+
+    model, opt, step = new_run(0)
+    run_steps(opt, step, data[:before], 0)
+    in_flight_before_drain = opt.schedule.in_flight
+    phase_at_save = opt.schedule.phase
+    opt.drain()
+    checkpoint = tf.train.Checkpoint(model=model, optimizer=opt)
+    path = checkpoint.save(os.path.join(directory, "ckpt"))
+    saved_state = opt.schedule.state()
+    run_steps(opt, step, data[before:], before)
+    expected = [v.numpy() for v in model.variables]
+    expected_state = opt.schedule.state()
+
+    model2, opt2, step2 = new_run(5)
+    model2(data[0][0])  # build, so that the checkpoint restores the weights right away
+    tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path).assert_existing_objects_matched()
+    opt2._load_state_if_restored()
+    restored_state = opt2.schedule.state()
+    run_steps(opt2, step2, data[before:], before)
+    got = [v.numpy() for v in model2.variables]
+    import shutil
+
+    shutil.rmtree(directory, ignore_errors=True)
+    return {"in_flight_before_drain": bool(in_flight_before_drain), "phase_at_save": phase_at_save,
+            "state_restored": restored_state == saved_state, "state_continues": opt2.schedule.state() == expected_state,
+            "max_difference": max(float(np.max(np.abs(a - b))) for a, b in zip(got, expected)),
+            "actions_after": [(a.step, a.merge_group, a.staleness, a.start_group, a.blocking_group)
+                              for a in opt2.history]}
+
+
+# -- 4. Model.fit on digits: DASO vs synchronous Horovod ----------------------------------------
+def check_convergence(topo, epochs=16, batch=16):
+    import horovod.tensorflow.keras as hvd_keras
+
+    x_train, x_test, y_train, y_test = digits_split()
+    per_rank = len(x_train) // topo.size
+    x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
+    out = {}
+    for method in ("horovod", "daso"):
+        model = make_model(seed=3, width=64)
+        inner = tf.keras.optimizers.SGD(0.05, momentum=0.9)
+        callbacks = []
+        if method == "horovod":
+            opt = hvd_keras.DistributedOptimizer(inner)
+            callbacks.append(hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0))
+        else:
+            opt = DASO(inner, total_epochs=epochs, warmup_epochs=2, cooldown_epochs=2, max_global_skips=4,
+                       plateau_patience=1, plateau_threshold=0.05)
+            callbacks.append(DASOCallback())
+        model.compile(optimizer=opt, loss=LOSS, metrics=["accuracy"])
+        tf.keras.utils.set_random_seed(4 + topo.rank)
+        history = model.fit(x_mine, y_mine, batch_size=batch, epochs=epochs, verbose=0, callbacks=callbacks,
+                            shuffle=True)
+        accuracy = float(model.evaluate(x_test, y_test, verbose=0)[1])
+        out[method] = {"accuracy": accuracy, "loss": [float(v) for v in history.history["loss"]],
+                       "spread": spread(model.get_weights(), f"fit.{method}")}
+        if method == "daso":
+            out[method]["events"] = opt.events
+            out[method]["starts"] = sum(a.start_group is not None for a in opt.history)
+            out[method]["blocking"] = sum(a.blocking_group is not None for a in opt.history)
+            out[method]["exchange_seconds"] = sorted(opt.stats.exchange) if opt.stats else []
+    return out
+
+
+# -- 5. mixed precision, and the .keras format ----------------------------------------------------
+def check_mixed_precision_and_keras_format(topo, steps=10):
+    x_train, _, y_train, _ = digits_split()
+    x, y = x_train[topo.rank::topo.size][:16 * steps], y_train[topo.rank::topo.size][:16 * steps]
+    if topo.rank == 1:
+        x = x.copy()
+        x[3] = 1e30  # an overflowing batch on one rank: the loss scaler must skip it everywhere
+    tf.keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_model(seed=2)
+        opt = tf.keras.mixed_precision.LossScaleOptimizer(
+            DASO(tf.keras.optimizers.SGD(0.05), total_epochs=3, warmup_epochs=1, cooldown_epochs=1,
+                 max_global_skips=2))
+        model.compile(optimizer=opt, loss=LOSS)
+        model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[DASOCallback()])
+    finally:
+        tf.keras.mixed_precision.set_global_policy("float32")
+    weights = model.get_weights()
+    daso = opt.inner_optimizer
+    path = os.path.join(tempfile.gettempdir(), f"hvdx-daso-{os.getppid()}-{topo.rank}.keras")
+    model.save(path)
+    loaded = tf.keras.models.load_model(path)
+    os.remove(path)
+    loaded_daso = loaded.optimizer.inner_optimizer if hasattr(loaded.optimizer, "inner_optimizer") else None
+    return {"finite": bool(all(np.isfinite(w).all() for w in weights)), "spread": spread(weights, "mixed"),
+            # the loss scale is node-local: only a node's ranks see each other's overflows
+            "loss_scales": [float(s) for s in hvd.allgather(tf.reshape(opt.loss_scale, [1]), name="mixed.scale")],
+            "loaded_type": type(loaded_daso).__name__,
+            "state_round_trip": loaded_daso is not None and loaded_daso.schedule.state() == daso.schedule.state(),
+            "weights_round_trip": all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), weights))}
+
+
+CHECKS = {"blocking": check_blocking_equals_horovod, "merge": check_merge_formula,
+          "checkpoint": check_checkpoint_mid_cycle, "convergence": check_convergence,
+          "mixed": check_mixed_precision_and_keras_format}
+
+
+def main():
+    topo = hvdx.init()
+    names = sys.argv[1:] or list(CHECKS)
+    return {name: CHECKS[name](topo) for name in names}
+
+
+if __name__ == "__main__":
+    run(main)
