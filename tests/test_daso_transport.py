@@ -4,6 +4,9 @@
 Unit tests run rings of threads inside this process (the address exchange passed in, no
 Horovod); the multirank tests run tests/multirank/check_daso_transport.py on 3x2 and 2x2 ranks.
 """
+import json
+import subprocess
+import sys
 import threading
 import time
 from typing import List, Sequence
@@ -244,3 +247,35 @@ def test_transport_across_processes(nodes, per_node):
         for r in group:
             if r != gone:
                 assert f"rank {gone}" in data[r]["peer_closed"], (r, data[r]["peer_closed"])
+
+
+CLUSTER_UNAVAILABLE = harness.cluster_unavailable()
+
+
+@pytest.mark.multirank
+@pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
+def test_transport_on_the_emulated_cluster():
+    """The same checks across network namespaces: ranks listen on their node's eth0
+    ($HOROVOD_GLOO_IFACE), and the rings cross the 1 Gbit/s links."""
+    job = harness.launch_on_cluster("check_daso_transport.py", nodes=2, ranks_per_node=2, rate="1gbit", timeout=240)
+    data = job.check()
+    assert sorted(data) == [0, 1, 2, 3]
+    for group in ((0, 2), (1, 3)):
+        assert data[group[0]]["digests"] == data[group[1]]["digests"]
+        assert data[group[0]]["listen"] != data[group[1]]["listen"]
+        assert all(data[r]["listen"].startswith("10.77.0.") for r in group), [data[r]["listen"] for r in group]
+
+
+def test_benchmark_runs_end_to_end(tmp_path):
+    """benchmarks/daso_transport.py on 2 x 1 ranks over loopback, tiny sizes (no timing asserted)."""
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "daso_transport.py"), "--sizes", "1000",
+                           "100003", "--rounds", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "daso_transport.json").read_text())
+    assert result["topology"] == {"nodes": 2, "ranks_per_node": 1}
+    assert [row["d"] for row in result["rows"]] == [1000, 100003]
+    for row in result["rows"]:
+        assert row["group_size"] == 2
+        assert all(len(times) == 1 and times[0] > 0 for times in row["rounds_seconds"].values())
+        assert row["overlap_ratio"] > 0 and row["throughput_MBps"]["transport"] > 0

@@ -59,7 +59,8 @@ _FRAME = struct.Struct("!IBBQQIQ16s")
 _DATA, _ABORT = 1, 2
 _OPS = {1: "allreduce_sum", 2: "allgather"}
 _OP_CODE = {name: code for code, name in _OPS.items()}
-_CONNECT_RETRY = 0.05
+_CONNECT_RETRY = 0.05   # seconds between connection attempts
+_CONNECT_WINDOW = 30.0  # seconds of attempts at most (the peer listens before the address exchange)
 _SUM_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
 
@@ -419,13 +420,13 @@ class GroupTransport:
             return [(c, start, min(start + self.chunk_bytes, hi))
                     for c, start in enumerate(range(lo, hi, self.chunk_bytes))]
 
-        def header(step: int, segment: int, chunk: int, nbytes: int) -> bytes:
+        def header(step: int, chunk: int, nbytes: int) -> bytes:
             return _FRAME.pack(_MAGIC, _DATA, code, request.seq, count, step * 65536 + chunk, nbytes, dtype_name)
 
         # Chunk-grained pipeline: every received chunk is forwarded once processed, except in
         # the last step; the sender thread streams while this thread receives and reduces.
         for c, lo, hi in chunks(first_send):
-            self._sends.put((header(0, first_send, c, hi - lo), source[lo:hi]))
+            self._sends.put((header(0, c, hi - lo), source[lo:hi]))
         frame = bytearray(_FRAME.size)
         frame_view = memoryview(frame)
         peer = f"rank {self.left} (left neighbour of rank {self.rank})"
@@ -443,7 +444,7 @@ class GroupTransport:
                 else:
                     _recv_exact(self._recv_sock, memoryview(src_out[lo:hi]), peer)
                 if step < step_count - 1:
-                    self._sends.put((header(step + 1, segment, c, hi - lo), src_out[lo:hi]))
+                    self._sends.put((header(step + 1, c, hi - lo), src_out[lo:hi]))
         self._sends.put(done_sending)
         # Sends are done once the right neighbour took every byte the kernel accepted; the
         # sender sets the event (or the transport fails and _failure says why).
@@ -605,19 +606,18 @@ def _connect_ring(listener: socket.socket, members: Tuple[int, ...], rank: int,
     body = repr((name, members)).encode()
     digest = hashlib.sha256(body).digest()
 
-    # Right neighbour: it listens already (it opened its socket before the exchange), but
-    # retry briefly in case its backlog is momentarily full.
+    # Right neighbour: it listens already (it opened its socket before the exchange), so a
+    # refusal is retried only briefly (its backlog may be full) before failing clearly.
     send_sock = None
-    last_error: Optional[OSError] = None
+    connect_deadline = time.monotonic() + min(timeout, _CONNECT_WINDOW)
     while send_sock is None:
         try:
             send_sock = socket.create_connection(addresses[right], timeout=max(0.1, deadline - time.monotonic()))
         except OSError as exc:
-            last_error = exc
-            if time.monotonic() + _CONNECT_RETRY >= deadline:
+            if time.monotonic() + _CONNECT_RETRY >= connect_deadline:
                 raise TransportError(f"rank {rank} could not connect to rank {right} at "
-                                     f"{addresses[right][0]}:{addresses[right][1]} within {timeout} s: "
-                                     f"{last_error}") from exc
+                                     f"{addresses[right][0]}:{addresses[right][1]} within "
+                                     f"{min(timeout, _CONNECT_WINDOW)} s: {exc}") from exc
             time.sleep(_CONNECT_RETRY)
     _tune(send_sock, timeout)
     send_sock.sendall(_HELLO.pack(_MAGIC, _PROTOCOL, rank, index, len(digest)) + digest)

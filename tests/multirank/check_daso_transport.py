@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
-from hvdx.daso.transport import GroupTransport, TransportError
+from hvdx.daso.transport import GroupTransport, TransportError, listen_address
 from tests.multirank.rank import run
 
 SUM_SIZES = (1, 7, 1000, 3_000_001)  # uneven segments and chunks for groups of 2 and 3
@@ -165,7 +165,7 @@ def main() -> dict:
     groups = [tuple(node[l] for node in topo.node_ranks) for l in range(topo.local_size)]
     transport = GroupTransport.create(groups, topo.rank, timeout=60)
     assert transport.members == topo.cross_ranks and transport.index == topo.node, (transport, topo)
-    result = {"members": list(transport.members), "digests": check_sums(transport)}
+    result = {"members": list(transport.members), "listen": listen_address(), "digests": check_sums(transport)}
     check_allgather(transport)
     check_in_flight(transport)
     result["overlap"] = check_overlap(transport)
