@@ -1,0 +1,236 @@
+"""DASO's group transport (hvdx/daso/transport.py): does the global exchange overlap computation?
+
+coquelin2021, section 3 and Figure 5: in the cycling phase the parameters travel while the
+next forward-backward passes run. For a float32 vector of d elements this measures, on every
+rank of the job:
+
+- exchange alone: `GroupTransport.allreduce_sum` over the rank's cross set (its DASO group);
+- compute alone: a loop of TF matmuls, calibrated once to last about as long as the exchange;
+- together: the exchange submitted, the same loop run, until both are done;
+- Horovod: `hvd.allreduce` (Sum) of the same vector on the same cross set, for throughput.
+
+Overlap ratio = (compute alone + exchange alone) / together (2 = perfect overlap, 1 = none),
+the median of per-round ratios; a time is the slowest rank's, median of rounds after a warm-up
+round, the methods taking turns within each round. Throughput = bytes a member sends
+(2 (P-1)/P x 4d) per second.
+
+    python -m hvdx.runner.cluster --nodes 2 --ranks-per-node 1 --rate 1gbit --no-delay -- \\
+        .venv/bin/python benchmarks/daso_transport.py      # as root; see hvdx/runner/cluster.py
+    python benchmarks/daso_transport.py --sizes 100000 --rounds 1   # relaunches itself on 2x1, loopback
+
+Writes <out>/daso_transport.json (benchmarks/daso.py reuses the numbers; no README table).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_SIZES = [6_250_000, 25_000_000]   # 25 MB and 100 MB of float32
+METHODS = ("exchange", "compute", "together", "horovod")
+
+
+def under_launcher() -> bool:
+    return "HOROVOD_RANK" in os.environ
+
+
+def relaunch(args: argparse.Namespace) -> int:
+    """Not under a launcher: run on `--nodes` x 1 emulated nodes over loopback (horovodrun)."""
+    sys.path.insert(0, str(HERE.parent))
+    from tests.harness import hosts
+
+    horovodrun = Path(sys.executable).parent / "horovodrun"
+    command = [str(horovodrun), "-np", str(args.nodes), "-H", hosts(args.nodes, 1), "--gloo",
+               sys.executable, __file__, *sys.argv[1:]]
+    print("launching:", " ".join(command), flush=True)
+    return subprocess.call(command, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
+
+
+def slowest(seconds: float, name: str) -> float:
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
+
+
+def matmul_loop(a, iterations: int) -> None:
+    import tensorflow as tf
+
+    b = a
+    for _ in range(iterations):
+        b = tf.matmul(a, a)
+    float(b[0, 0])
+
+
+def calibrate(a, seconds: float) -> int:
+    """Matmul iterations that take about `seconds` here (the fastest of three timings of a
+    tenth of a second), the same number on every rank (rank 0's)."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    matmul_loop(a, 3)
+    per_iteration = float("inf")
+    for _ in range(3):
+        n = 5
+        while True:
+            start = time.perf_counter()
+            matmul_loop(a, n)
+            elapsed = time.perf_counter() - start
+            if elapsed > 0.1:
+                break
+            n *= 2
+        per_iteration = min(per_iteration, elapsed / n)
+    iterations = max(5, int(seconds / per_iteration))
+    return int(hvd.broadcast(tf.constant(iterations), root_rank=0, name=f"calibrate.{id(a)}"))
+
+
+def measure(size: int, rounds: int, transport, topo, tag: str) -> dict:
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    import hvdx
+
+    vector = np.random.default_rng(topo.rank).standard_normal(size).astype(np.float32)
+    tensor = tf.constant(vector)
+    a = tf.random.normal([512, 512])
+    expected = None
+
+    def exchange():
+        nonlocal expected
+        out = transport.allreduce_sum(vector).wait(600)
+        expected = out
+
+    def horovod():
+        out = hvd.allreduce(tensor, op=hvd.Sum, process_set=topo.cross_set, name=f"{tag}.hvd")
+        out.numpy()
+
+    # warm-up, and the loop length: about one exchange
+    warm = []
+    for k in range(3):
+        hvdx.barrier()
+        start = time.perf_counter()
+        exchange()
+        warm.append(slowest(time.perf_counter() - start, f"{tag}.warm{k}"))
+    iterations = calibrate(a, statistics.median(warm))
+
+    together_stamps: List[dict] = []
+
+    def together():
+        request = transport.allreduce_sum(vector)
+        loop_start = time.perf_counter()
+        matmul_loop(a, iterations)
+        loop_end = time.perf_counter()
+        out = request.wait(600)
+        assert out.tobytes() == expected.tobytes()  # the same sum as alone
+        together_stamps.append({"exchange_began": request.began - request.started,
+                                "exchange_finished": request.finished - request.started,
+                                "loop_start": loop_start - request.started, "loop_end": loop_end - request.started})
+
+    calls: Dict[str, Callable[[], None]] = {"exchange": exchange, "compute": lambda: matmul_loop(a, iterations),
+                                            "together": together, "horovod": horovod}
+    per_round: Dict[str, List[float]] = {m: [] for m in METHODS}
+    for r in range(rounds + 1):
+        order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]  # take turns
+        times = {}
+        for method in order:
+            hvdx.barrier()
+            start = time.perf_counter()
+            calls[method]()
+            times[method] = slowest(time.perf_counter() - start, f"{tag}.{method}.{r}")
+        if r:  # round 0 warms up
+            for method in METHODS:
+                per_round[method].append(times[method])
+    # the copy the caller would pay if allreduce_sum copied its input on the caller's thread
+    start = time.perf_counter()
+    for _ in range(3):
+        vector.copy()
+    copy_seconds = (time.perf_counter() - start) / 3
+
+    p = len(transport.members)
+    sent_bytes = 2 * (p - 1) / p * 4 * size
+    ratios = [(c + e) / t for c, e, t in zip(per_round["compute"], per_round["exchange"], per_round["together"])]
+    medians = {m: statistics.median(v) for m, v in per_round.items()}
+    return {
+        "d": size, "bytes": 4 * size, "group_size": p, "matmul_iterations": iterations,
+        "rounds_seconds": per_round, "seconds": medians,
+        "overlap_ratio": statistics.median(ratios), "overlap_ratio_rounds": ratios,
+        "throughput_MBps": {"transport": sent_bytes / medians["exchange"] / 1e6,
+                            "horovod": sent_bytes / medians["horovod"] / 1e6},
+        "transport_over_horovod_time": medians["exchange"] / medians["horovod"],
+        "caller_copy_seconds": copy_seconds,
+        "together_stamps_rank0_last_round": together_stamps[-1] if together_stamps else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", type=int, nargs="+", default=DEFAULT_SIZES, help="float32 elements")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--nodes", type=int, default=2, help="nodes when relaunching over loopback")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--shared-machine", action=argparse.BooleanOptionalAction, default=True,
+                        help="all emulated nodes share this machine's cores (TF threads per rank = cores / ranks)")
+    args = parser.parse_args()
+    if not under_launcher():
+        sys.exit(relaunch(args))
+
+    import horovod
+    import tensorflow as tf
+
+    import hvdx
+    from hvdx.daso.transport import GroupTransport
+
+    # Each rank computes on its share of the machine's cores, as a rank would on its own GPU
+    # (set before TensorFlow's runtime starts, i.e. before hvdx.init()).
+    ranks_here = int(os.environ["HOROVOD_SIZE" if args.shared_machine else "HOROVOD_LOCAL_SIZE"])
+    threads = max(1, (os.cpu_count() or 1) // ranks_here)
+    tf.config.threading.set_intra_op_parallelism_threads(threads)
+    topo = hvdx.init()
+    groups = [tuple(node[l] for node in topo.node_ranks) for l in range(topo.local_size)]
+    transport = GroupTransport.create(groups, topo.rank, timeout=600)
+    rows = []
+    for size in args.sizes:
+        row = measure(size, args.rounds, transport, topo, f"d{size}")
+        rows.append(row)
+        if topo.rank == 0:
+            s = row["seconds"]
+            print(f"d={size:,}: exchange {s['exchange']:.3f}s compute {s['compute']:.3f}s together "
+                  f"{s['together']:.3f}s overlap {row['overlap_ratio']:.2f}x; throughput "
+                  f"{row['throughput_MBps']['transport']:.1f} MB/s vs horovod {row['throughput_MBps']['horovod']:.1f}",
+                  flush=True)
+    transport.close()
+    cluster = json.loads(os.environ["HVDX_CLUSTER"]) if os.environ.get("HVDX_CLUSTER") else None
+    if topo.rank == 0:
+        result = {
+            "benchmark": "daso_transport",
+            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
+            "network": cluster or "loopback (horovodrun, emulated nodes on one machine)",
+            "rounds": args.rounds,
+            "tf_intra_op_threads": threads,
+            "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                        "tensorflow": tf.__version__, "horovod": horovod.__version__,
+                        "load_average": os.getloadavg()},
+            "method": "slowest rank's time per call, median of rounds after a warm-up round, methods taking "
+                      "turns; overlap ratio = (compute alone + exchange alone) / together, median of per-round "
+                      "ratios; throughput = 2(P-1)/P x bytes per second",
+            "rows": rows,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "daso_transport.json").write_text(json.dumps(result, indent=1) + "\n")
+    hvdx.barrier()
+
+
+if __name__ == "__main__":
+    main()
