@@ -170,3 +170,47 @@ def test_train_step_models_and_profile_categories():
     assert train_step.collective_kind("hvdx.hitopk.ag.v0_b0", "ALLGATHER") == "cross-node all-gather"
     assert train_step.collective_kind("DistributedSGD_Allreduce/cond/HorovodAllreduce_grads_0", "ALLREDUCE") == \
         "global allreduce"
+
+
+def test_daso_benchmark_writes_json_plot_and_table(tmp_path):
+    """A tiny MLP over loopback (horovodrun, 2 nodes x 1 rank), both methods, one repeat."""
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "daso.py"), "--local",
+                           "--topologies", "2x1", "--width", "32", "--epochs", "4", "--warmup-epochs", "1",
+                           "--cooldown-epochs", "1", "--max-global-skips", "4", "--repeats", "1", "--target", "0.3",
+                           "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=400, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "daso.json").read_text())
+    (run,) = result["results"]
+    assert run["topology"] == {"nodes": 2, "ranks_per_node": 1}
+    for method in ("horovod", "daso"):
+        (repeat,) = run["runs"][method]
+        assert len(repeat["epoch_seconds"]) == len(repeat["accuracy"]) == 4
+        assert min(repeat["epoch_seconds"]) > 0 and repeat["accuracy"][-1] > 0.3
+    daso = run["runs"]["daso"][0]
+    kinds = daso["step_kinds"]
+    assert len(kinds) == len(daso["step_seconds"])
+    # 1 warm-up + 1 cool-down epoch blocking, 2 cycling epochs with exchanges (B = 4, W = 1)
+    assert {"blocking", "start", "merge", "epoch_end"} <= set(kinds)
+    # every exchange merged (at a merge step or by an epoch's drain) reports its time on the wire
+    assert len(daso["exchange_seconds"]) == len(daso["merge_wait_seconds"]) >= kinds.count("merge") > 0
+    summary = run["summary"]
+    assert summary["daso"]["less_time_to_target"] == pytest.approx(
+        1 - summary["daso"]["time_to_target"][0] / summary["horovod"]["time_to_target"][0])
+    assert (tmp_path / "daso.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- daso:begin -->" in text and "| 2x1 | hvdx.DASO |" in text
+    assert "DASO: cycling, exchange in flight" in text or "DASO: cycling, merges one (eq. 1)" in text
+
+
+def test_daso_benchmark_classifies_steps_by_action():
+    from benchmarks import daso
+    from hvdx.daso.schedule import Action
+
+    history = [Action(1, blocking_group=0), Action(2), Action(3, start_group=1), Action(4), Action(5, merge_group=1,
+                                                                                                  staleness=2),
+               Action(6)]
+    assert daso.classify_steps(history) == ["blocking", "local", "start", "in_flight", "merge", "local"]
+    run = {"epoch_seconds": [1.0, 2.0, 3.0], "accuracy": [0.5, 0.9, 0.95]}
+    assert daso.time_to(run, 0.9) == 3.0 and daso.time_to(run, 0.99) is None

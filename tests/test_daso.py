@@ -135,7 +135,7 @@ def test_schedule_start_epoch_resumes_a_later_epoch():
 # -- the method on ranks (tests/multirank/check_daso.py) ----------------------------------
 TOPOLOGIES = {"2x2": ((2, 2), ("blocking", "merge", "checkpoint", "convergence", "mixed")),
               "3x2": ((3, 2), ("blocking", "merge", "checkpoint")),
-              "2x1": ((2, 1), ("blocking", "merge")),
+              "2x1": ((2, 1), ("blocking", "merge", "errors")),
               "1x2": ((1, 2), ("blocking", "merge"))}
 
 
@@ -231,3 +231,18 @@ def test_mixed_precision_and_the_keras_format(job):
     by_node = [scales[i:i + per_node(job)] for i in range(0, len(scales), per_node(job))]
     # the overflowing rank 1 lowered its node's loss scale only: node-local gradient averaging
     assert all(len(set(node)) == 1 for node in by_node) and len({node[0] for node in by_node}) == nodes
+
+
+@pytest.mark.multirank
+def test_bad_arguments_and_disagreeing_ranks_fail_clearly(job):
+    for result in every(job, "errors"):
+        assert result["total_epochs"].startswith("ValueError: total_epochs must be an int >= 1")
+        assert "exceed total_epochs" in result["phases"]
+        assert result["skips"].startswith("ValueError: max_global_skips")
+        assert result["wire"].startswith("ValueError: blocking_wire_dtype must be one of")
+        assert result["optimizer"].startswith("ValueError: hvdx.DistributedOptimizer wraps a tf.keras optimizer")
+        assert result["timeout"].startswith("ValueError: timeout")
+        assert result["after_step_first"].startswith("RuntimeError: after_step() comes after")
+        assert "compiled with hvdx.DASO" in result["callback_without_daso"]
+        assert "steps_per_execution=1" in result["steps_per_execution"]
+        assert result["disagree"].startswith("RankMismatchError") and "max_global_skips" in result["disagree"]

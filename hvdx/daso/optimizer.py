@@ -34,7 +34,7 @@ import tensorflow as tf
 from hvdx.topology import initialized as _initialized, topology as _get_topology
 from hvdx.daso.plateau import PlateauDetector
 from hvdx.daso.schedule import Action, Schedule
-from hvdx.daso.sync import WIRE_DTYPES, ParameterSync
+from hvdx.daso.sync import WIRE_DTYPES, FlatParameters, ParameterSync
 from hvdx.layout import check_agreement
 from hvdx.optimizer import DistributedOptimizer
 
@@ -95,6 +95,7 @@ class DASO(DistributedOptimizer):
         self._sync: Optional[ParameterSync] = None
         self._transport = None
         self._reference0: Optional[np.ndarray] = None
+        self._flat: Optional[FlatParameters] = None
         self._identical = False  # every rank holds the same parameters right now
         self.history: List[Action] = self._no_dependency([])  # the actions taken (tests, benchmarks)
         self.events: List[str] = self._no_dependency([])
@@ -122,15 +123,17 @@ class DASO(DistributedOptimizer):
     def _start_identical(self) -> None:
         """Collective, when the step is first traced (before its first run): every rank
         takes rank 0's parameters, which become the blocking phase's x_ref (hvdx.daso.sync).
-        A restored checkpoint (drained, so the same on every rank) passes unchanged."""
+        A restored checkpoint (drained, so the same on every rank) passes unchanged. One
+        buffer under a fixed name: Keras' variable names may differ between ranks (a rank
+        that built an extra model), and Horovod pairs collectives by name."""
         with tf.init_scope():
             if not tf.executing_eagerly():
                 raise RuntimeError("hvdx.DASO runs with TensorFlow 2's eager runtime (tf.function steps), "
                                    "not in TF1 graphs")
-            if self._params:
-                hvd.broadcast_variables(self._params, root_rank=0)
-            self._reference0 = np.concatenate(
-                [np.ravel(v.numpy()).astype(np.float32) for v in self._params]) if self._params else None
+            self._flat = FlatParameters(self._params)
+            flat = hvd.broadcast(tf.constant(self._flat.read()), root_rank=0, name="hvdx.daso.initial").numpy()
+            self._flat.write(flat)
+            self._reference0 = flat
         self._identical = True
 
     # -- between steps (eager) ---------------------------------------------------------
@@ -147,7 +150,7 @@ class DASO(DistributedOptimizer):
         groups = [tuple(node[lr] for node in topo.node_ranks) for lr in range(topo.local_size)]
         self._transport = GroupTransport.create(groups, topo.rank, name="hvdx.daso.transport",
                                                 timeout=self._timeout)
-        self._sync = ParameterSync(self._params, topo, self._transport,
+        self._sync = ParameterSync(self._flat, topo, self._transport,
                                    wire_dtype=self._daso_config["blocking_wire_dtype"])
         self._sync.set_reference(self._reference0)
         self._reference0 = None

@@ -106,11 +106,11 @@ class ParameterSync:
     (the schedule tells them); the transport is only used by the group's members.
     """
 
-    def __init__(self, variables: Sequence[tf.Variable], topology: Topology, transport: "GroupTransport",
+    def __init__(self, params: FlatParameters, topology: Topology, transport: "GroupTransport",
                  wire_dtype: str = "bfloat16") -> None:
         if wire_dtype not in WIRE_DTYPES:
             raise ValueError(f"blocking_wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
-        self.params = FlatParameters(variables)
+        self.params = params
         self.topology = topology
         self.transport = transport
         self.wire_dtype = WIRE_DTYPES[wire_dtype]

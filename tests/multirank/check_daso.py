@@ -78,9 +78,10 @@ def check_blocking_equals_horovod(topo, steps=6):
     expected = [v.numpy() for v in horovod_model.trainable_variables]
     out = {}
     for wire in ("float32", "bfloat16", "float16"):
+        initial = make_model().get_weights()  # every rank builds as many models: Keras names stay aligned
         model = make_model(seed=10 + topo.rank)  # other initial weights on every rank: DASO starts from rank 0's
         if topo.rank == 0:
-            model.set_weights(make_model().get_weights())
+            model.set_weights(initial)
         opt = DASO(tf.keras.optimizers.SGD(0.1, momentum=0.9), total_epochs=1, warmup_epochs=1, cooldown_epochs=0,
                    blocking_wire_dtype=wire)
         step = daso_step(model, opt)
@@ -251,6 +252,8 @@ def check_mixed_precision_and_keras_format(topo, steps=10):
     if topo.rank == 1:
         x = x.copy()
         x[3] = 1e30  # an overflowing batch on one rank: the loss scaler must skip it everywhere
+    if topo.rank == 0:
+        make_model(seed=99)  # Keras' layer names now differ between ranks: DASO must not pair collectives by them
     tf.keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = make_model(seed=2)
@@ -276,12 +279,57 @@ def check_mixed_precision_and_keras_format(topo, steps=10):
             "weights_round_trip": all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), weights))}
 
 
+# -- 6. bad arguments and ranks that disagree ---------------------------------------------------
+def check_errors(topo):
+    """The message of each misuse (ValueError / RuntimeError naming what to fix)."""
+    from hvdx.layout import RankMismatchError
+
+    def message(fn, *exceptions):
+        try:
+            fn()
+        except exceptions as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    sgd = tf.keras.optimizers.SGD
+    out = {
+        "total_epochs": message(lambda: DASO(sgd(0.1), total_epochs=0), ValueError),
+        "phases": message(lambda: DASO(sgd(0.1), total_epochs=3, warmup_epochs=2, cooldown_epochs=2), ValueError),
+        "skips": message(lambda: DASO(sgd(0.1), total_epochs=3, max_global_skips=0), ValueError),
+        "wire": message(lambda: DASO(sgd(0.1), total_epochs=3, blocking_wire_dtype="int8"), ValueError),
+        "optimizer": message(lambda: DASO("sgd", total_epochs=3), ValueError),
+        "timeout": message(lambda: DASO(sgd(0.1), total_epochs=3, timeout=0), ValueError),
+    }
+    opt = DASO(sgd(0.1), total_epochs=2)
+    out["after_step_first"] = message(opt.after_step, RuntimeError)
+    model = make_model()
+    model.compile(optimizer=sgd(0.1), loss=LOSS)
+    out["callback_without_daso"] = message(
+        lambda: model.fit(np.zeros((4, 64), np.float32), np.zeros(4), epochs=1, verbose=0,
+                          callbacks=[DASOCallback()]), ValueError)
+    model = make_model()
+    model.compile(optimizer=DASO(sgd(0.1), total_epochs=1), loss=LOSS, steps_per_execution=2)
+    out["steps_per_execution"] = message(
+        lambda: model.fit(np.zeros((4, 64), np.float32), np.zeros(4), epochs=1, verbose=0,
+                          callbacks=[DASOCallback()]), ValueError)
+    # ranks that disagree on the schedule fail on every rank, before any global average
+    model = make_model()
+    opt = DASO(sgd(0.1), total_epochs=4, max_global_skips=4 + (topo.rank == topo.size - 1))
+    step = daso_step(model, opt)
+    x, y = batches(topo, 1)[0]
+    step(x, y)
+    out["disagree"] = message(opt.after_step, RankMismatchError)
+    return out
+
+
 CHECKS = {"blocking": check_blocking_equals_horovod, "merge": check_merge_formula,
           "checkpoint": check_checkpoint_mid_cycle, "convergence": check_convergence,
-          "mixed": check_mixed_precision_and_keras_format}
+          "mixed": check_mixed_precision_and_keras_format, "errors": check_errors}
 
 
 def main():
+    import faulthandler
+    faulthandler.dump_traceback_later(int(os.environ.get("DASO_DEBUG_TIMEOUT", "100000")), exit=True)
     topo = hvdx.init()
     names = sys.argv[1:] or list(CHECKS)
     return {name: CHECKS[name](topo) for name in names}

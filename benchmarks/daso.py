@@ -1,0 +1,358 @@
+"""DASO vs Horovod (coquelin2021, Figures 6-9 in miniature): time to a target accuracy.
+
+The same model, data and hyper-parameters trained with Model.fit twice per repeat, the
+methods taking turns: Horovod's `hvd.DistributedOptimizer` (gradients averaged over all
+ranks every step) and `hvdx.DASO` (node-local averaging every step; global parameter
+averaging blocking in the warm-up and cool-down epochs, every B steps and overlapped in
+between). A wide MLP on scikit-learn's digits, so that a step's communication (the
+parameters' size over the slow links) outweighs its computation, as for the paper's
+ResNet-50 on 1 Gbit/s-class links.
+
+    python benchmarks/daso.py                 # emulated cluster, 2x2 and 2x1, 1 Gbit/s (root)
+    python benchmarks/daso.py --local         # horovodrun over loopback (no slow links)
+
+Reported per topology: the training time (evaluation excluded) until the test accuracy
+first reaches `--target`, the final accuracy, and where a step's time goes (Horovod's
+step; DASO's blocking step, cycling step with and without an exchange in flight, the steps
+that start and merge one, the epoch's drain), beside how long the exchanges took on the
+wire: an exchange that spans W steps whose times do not grow is overlapped. Writes
+<out>/daso.json, daso.png and the table of benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
+    from report import markdown_table, update_readme
+except ImportError:
+    from benchmarks.report import markdown_table, update_readme
+
+HERE = Path(__file__).resolve().parent
+METHODS = ["horovod", "daso"]
+LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO"}
+GOAL_LESS_TIME, GOAL_ACCURACY_POINTS = 0.35, 0.5
+STEP_KINDS = ["blocking", "local", "in_flight", "start", "merge", "epoch_end"]
+STEP_LABELS = {"blocking": "blocking global average (warm-up/cool-down)", "local": "cycling, no exchange in flight",
+               "in_flight": "cycling, exchange in flight", "start": "cycling, starts an exchange",
+               "merge": "cycling, merges one (eq. 1)", "epoch_end": "last step of an epoch (drain + loss)"}
+
+
+# -- the ranks -------------------------------------------------------------------------------
+def build_model(width: int, seed: int = 0):
+    import tensorflow as tf
+
+    tf.keras.utils.set_random_seed(seed)
+    return tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
+                                tf.keras.layers.Dense(width, activation="relu"), tf.keras.layers.Dense(10)])
+
+
+def classify_steps(history) -> List[str]:
+    """The kind of each DASO step, from the actions it reported (hvdx.daso.Action)."""
+    kinds, pending = [], False
+    for action in history:
+        if action.blocking_group is not None:
+            kinds.append("blocking")
+        elif action.merge_group is not None:
+            kinds.append("merge")
+            pending = False
+        elif action.start_group is not None:
+            kinds.append("start")
+        else:
+            kinds.append("in_flight" if pending else "local")
+        if action.start_group is not None:
+            pending = True
+    return kinds
+
+
+def train(method: str, args, topo, data) -> dict:
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    import tensorflow as tf
+
+    from hvdx.daso import DASO, DASOCallback
+
+    x_mine, y_mine, x_test, y_test = data
+    model = build_model(args.width, seed=args.seed)
+    inner = tf.keras.optimizers.SGD(args.lr, momentum=0.9)
+    if method == "horovod":
+        opt = hvd_keras.DistributedOptimizer(inner)
+        callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)]
+    else:
+        opt = DASO(inner, total_epochs=args.epochs, warmup_epochs=args.warmup_epochs,
+                   cooldown_epochs=args.cooldown_epochs, max_global_skips=args.max_global_skips)
+        callbacks = [DASOCallback()]
+    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  metrics=["accuracy"])
+    steps, epoch_seconds, accuracy = [], [], []
+
+    class Timer(tf.keras.callbacks.Callback):  # after DASOCallback: a step includes its synchronisation
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch_start = time.perf_counter()
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.step_start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            now = time.perf_counter()
+            steps.append(now - self.step_start)
+            self.epoch_end = now
+
+        def on_epoch_end(self, epoch, logs=None):
+            epoch_seconds.append(self.epoch_end - self.epoch_start)
+            accuracy.append(float(model.evaluate(x_test, y_test, verbose=0, batch_size=512)[1]))
+
+    tf.keras.utils.set_random_seed(args.seed + 1 + topo.rank)
+    model.fit(x_mine, y_mine, batch_size=args.batch, epochs=args.epochs, verbose=0, shuffle=True,
+              callbacks=callbacks + [Timer()])
+    # the slowest rank's epoch times: the job is as fast as its slowest rank
+    epoch_seconds = hvd.allreduce(tf.constant(epoch_seconds, tf.float64), op=hvd.Max,
+                                  name=f"daso.bench.{method}").numpy().tolist()
+    out = {"epoch_seconds": epoch_seconds, "accuracy": accuracy, "step_seconds": steps}
+    if method == "daso":
+        out["step_kinds"] = classify_steps(opt.history)
+        per_epoch = len(steps) // args.epochs
+        for i in range(per_epoch - 1, len(steps), per_epoch):
+            out["step_kinds"][i] = "epoch_end"
+        stats = opt.stats
+        out["exchange_seconds"] = list(stats.exchange)
+        out["merge_wait_seconds"] = list(stats.merge_wait)
+        out["events"] = list(opt.events)
+    return out
+
+
+def run_ranks(args) -> None:
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    import hvdx
+
+    topo = hvdx.init()
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.25, random_state=0,
+                                                        stratify=digits.target)
+    per_rank = len(x_train) // topo.size  # equal shards: every rank runs the same number of steps
+    data = (x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank], x_test, y_test)
+    runs: Dict[str, list] = {m: [] for m in args.methods}
+    train(args.methods[0], args, topo, data)  # warm-up: TF's and Horovod's first-use costs
+    for _ in range(args.repeats):
+        for method in args.methods:
+            runs[method].append(train(method, args, topo, data))
+    if topo.rank == 0:
+        network = json.loads(os.environ["HVDX_CLUSTER"]) if "HVDX_CLUSTER" in os.environ else None
+        Path(args.worker_json).write_text(json.dumps({
+            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size}, "network": network,
+            "parameters": int(build_model(args.width).count_params()), "runs": runs}))
+    hvdx.barrier()
+
+
+# -- the launcher ----------------------------------------------------------------------------
+def launch(args, nodes: int, per_node: int, worker_json: Path) -> None:
+    worker = [sys.executable, __file__, "--worker-json", str(worker_json), *sys.argv[1:]]
+    if args.local:
+        sys.path.insert(0, str(HERE.parent))
+        from tests.harness import hosts
+
+        horovodrun = Path(sys.executable).parent / "horovodrun"
+        command = [str(horovodrun), "-np", str(nodes * per_node), "-H", hosts(nodes, per_node), "--gloo", *worker]
+    else:
+        command = [sys.executable, str(HERE.parent / "hvdx" / "runner" / "cluster.py"), "--nodes", str(nodes),
+                   "--ranks-per-node", str(per_node), "--rate", args.rate, "--no-delay", "--", *worker]
+    print("launching:", " ".join(command), flush=True)
+    code = subprocess.call(command, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
+    if code:
+        raise SystemExit(f"the {nodes}x{per_node} run failed (exit status {code})")
+
+
+# -- the summary -----------------------------------------------------------------------------
+def time_to(run: dict, target: float) -> Optional[float]:
+    """Training seconds until the test accuracy first reaches `target` (None: never)."""
+    elapsed = 0.0
+    for seconds, accuracy in zip(run["epoch_seconds"], run["accuracy"]):
+        elapsed += seconds
+        if accuracy >= target:
+            return elapsed
+    return None
+
+
+def summarize(result: dict, target: float) -> dict:
+    runs = result["runs"]
+    out: dict = {}
+    for method, repeats in runs.items():
+        times = [time_to(r, target) for r in repeats]
+        out[method] = {"time_to_target": [t for t in times], "final_accuracy": [r["accuracy"][-1] for r in repeats],
+                       "total_seconds": [sum(r["epoch_seconds"]) for r in repeats],
+                       "median_time_to_target": statistics.median(times) if None not in times else None,
+                       "median_final_accuracy": statistics.median(r["accuracy"][-1] for r in repeats),
+                       "median_total_seconds": statistics.median(sum(r["epoch_seconds"]) for r in repeats)}
+    if "horovod" in runs and "daso" in runs:
+        pairs = list(zip(out["horovod"]["time_to_target"], out["daso"]["time_to_target"]))
+        less = [1 - d / h for h, d in pairs if h and d]
+        out["daso"]["less_time_to_target"] = statistics.median(less) if len(less) == len(pairs) else None
+        out["daso"]["less_time_per_repeat"] = less
+        out["daso"]["accuracy_points_vs_horovod"] = 100 * (out["daso"]["median_final_accuracy"]
+                                                           - out["horovod"]["median_final_accuracy"])
+        daso_runs = runs["daso"]
+        kinds: Dict[str, List[float]] = {k: [] for k in STEP_KINDS}
+        for run in daso_runs:
+            for kind, seconds in zip(run["step_kinds"], run["step_seconds"]):
+                kinds[kind].append(seconds)
+        out["daso"]["step_ms"] = {k: 1000 * statistics.median(v) for k, v in kinds.items() if v}
+        out["daso"]["step_counts"] = {k: len(v) // len(daso_runs) for k, v in kinds.items() if v}
+        exchange = [s for run in daso_runs for s in run["exchange_seconds"]]
+        waits = [s for run in daso_runs for s in run["merge_wait_seconds"]]
+        out["daso"]["exchange_ms"] = 1000 * statistics.median(exchange) if exchange else None
+        out["daso"]["merge_wait_ms"] = 1000 * statistics.median(waits) if waits else None
+        out["horovod"]["step_ms"] = 1000 * statistics.median(s for run in runs["horovod"]
+                                                             for s in run["step_seconds"])
+    return out
+
+
+def verdict(summary: dict) -> str:
+    daso = summary.get("daso", {})
+    less, points = daso.get("less_time_to_target"), daso.get("accuracy_points_vs_horovod")
+    if less is None:
+        return "a method never reached the target accuracy"
+    text = f"DASO needs {less:.0%} less training time than Horovod to the target accuracy"
+    met = less >= GOAL_LESS_TIME and points is not None and points >= -GOAL_ACCURACY_POINTS
+    shortfalls = []
+    if less < GOAL_LESS_TIME:
+        shortfalls.append(f"{GOAL_LESS_TIME - less:.0%} short of 35%")
+    if points is not None and points < -GOAL_ACCURACY_POINTS:
+        shortfalls.append(f"final accuracy {points:+.2f} points, beyond the 0.5 allowed")
+    return text + (f", final accuracy {points:+.2f} points: goal met" if met else ": goal missed (" +
+                   "; ".join(shortfalls) + ")")
+
+
+def plot(results: List[dict], target: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(6 * len(results), 4.2), squeeze=False)
+    for ax, result in zip(axes[0], results):
+        topo = result["topology"]
+        for method, repeats in result["runs"].items():
+            for i, run in enumerate(repeats):
+                elapsed, total = [], 0.0
+                for seconds in run["epoch_seconds"]:
+                    total += seconds
+                    elapsed.append(total)
+                ax.plot(elapsed, run["accuracy"], color="C0" if method == "horovod" else "C3", alpha=0.8,
+                        label=LABELS[method] if i == 0 else None)
+        ax.axhline(target, color="gray", linestyle=":", label=f"target {target:.0%}")
+        ax.set_ylim(max(0.5, target - 0.2), 1.0)
+        ax.set_xlabel("training time (s, evaluation excluded)")
+        ax.set_ylabel("test accuracy")
+        ax.set_title(f"{topo['nodes']} nodes x {topo['ranks_per_node']} ranks")
+        ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args, results: List[dict]) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "daso.json").write_text(json.dumps({
+        "args": {k: str(v) for k, v in vars(args).items() if k != "worker_json"},
+        "goal": {"less_time": GOAL_LESS_TIME, "accuracy_points": GOAL_ACCURACY_POINTS}, "results": results},
+        indent=1))
+    plot(results, args.target, args.out / "daso.png")
+    network = next((r["network"] for r in results if r.get("network")), None)
+    where = (f"on the emulated cluster of `hvdx/runner/cluster.py` ({args.rate} between nodes, tbf-shaped)"
+             if network else "over loopback (horovodrun, no slow links)")
+    lines = [f"Measured by `python benchmarks/daso.py{' --local' if args.local else ''}` {where}, 2 CPU cores "
+             f"for all ranks. Digits, MLP 64-{args.width}-{args.width}-10 ({results[0]['parameters']:,} parameters), "
+             f"per-rank batch {args.batch}, SGD lr {args.lr} momentum 0.9, {args.epochs} epochs; DASO with "
+             f"{args.warmup_epochs} warm-up and {args.cooldown_epochs} cool-down epochs, max_global_skips "
+             f"{args.max_global_skips}. {args.repeats} repeats after a warm-up run, methods taking turns; "
+             f"times are the slowest rank's training time (evaluation excluded) until the test accuracy first "
+             f"reaches {args.target:.0%}. Load average (1 min) when each topology started: " + ", ".join(
+                 f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']} {r['load_average'][0]:.1f}"
+                 for r in results) + ". Plot: `results/daso.png`, raw: `results/daso.json`.", ""]
+    rows, breakdown = [], []
+    for r in results:
+        name = f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']}"
+        s = r["summary"]
+        lines.append(f"**{name}: {verdict(s)}.**")
+        for method in r["runs"]:
+            m = s[method]
+            rows.append([name, LABELS[method],
+                         "never" if m["median_time_to_target"] is None else f"{m['median_time_to_target']:.1f}",
+                         ", ".join("-" if t is None else f"{t:.1f}" for t in m["time_to_target"]),
+                         f"{m['median_total_seconds']:.1f}", f"{100 * m['median_final_accuracy']:.2f}",
+                         ", ".join(f"{100 * a:.2f}" for a in m["final_accuracy"]),
+                         f"{m['less_time_to_target']:.0%}" if m.get("less_time_to_target") is not None else ""])
+        if "daso" in s and "step_ms" in s["daso"]:
+            d = s["daso"]
+            breakdown.append([name, "Horovod: every step", "", f"{s['horovod']['step_ms']:.0f}"])
+            for kind in STEP_KINDS:
+                if kind in d["step_ms"]:
+                    breakdown.append([name, f"DASO: {STEP_LABELS[kind]}", d["step_counts"][kind],
+                                      f"{d['step_ms'][kind]:.0f}"])
+            if d.get("exchange_ms") is not None:
+                breakdown.append([name, "DASO: one exchange on the wire (transport thread, overlapped)", "",
+                                  f"{d['exchange_ms']:.0f}"])
+                breakdown.append([name, "DASO: merge's wait for it", "", f"{d['merge_wait_ms']:.1f}"])
+    lines += ["", markdown_table(["ranks", "method", f"time to {args.target:.0%} (s)", "per repeat", "total (s)",
+                                  "final accuracy (%)", "per repeat", "less time than Horovod"], rows, 2), "",
+              "Where a step's time goes (median ms; DASO steps counted per run):", "",
+              markdown_table(["ranks", "step", "steps per run", "median ms"], breakdown, 2)]
+    update_readme("daso", "\n".join(lines).rstrip(), args.readme)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--topologies", default="2x2,2x1", help="nodes x ranks per node, comma-separated")
+    parser.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
+    parser.add_argument("--rate", default="1gbit", help="inter-node link rate (tc syntax)")
+    parser.add_argument("--local", action="store_true", help="horovodrun over loopback instead of the emulated cluster")
+    parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
+    parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--epochs", type=int, default=24)
+    parser.add_argument("--warmup-epochs", type=int, default=2)
+    parser.add_argument("--cooldown-epochs", type=int, default=2)
+    parser.add_argument("--max-global-skips", type=int, default=8)
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy the time is measured to")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--readme", type=Path, default=HERE / "README.md")
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker_json:
+        run_ranks(args)
+        return
+    results = []
+    for topology in args.topologies.split(","):
+        nodes, per_node = (int(x) for x in topology.split("x"))
+        load_before = os.getloadavg()[0]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "ranks.json"
+            launch(args, nodes, per_node, path)
+            result = json.loads(path.read_text())
+        result["summary"] = summarize(result, args.target)
+        result["load_average"] = [load_before, os.getloadavg()[0]]
+        results.append(result)
+    report(args, results)
+    print(json.dumps([{"topology": r["topology"], **{m: {k: v for k, v in r["summary"][m].items()
+                                                         if not isinstance(v, (list, dict))}
+                                                     for m in r["summary"]}} for r in results], indent=1))
+
+
+if __name__ == "__main__":
+    main()
