@@ -139,12 +139,21 @@ TOPOLOGIES = {"2x2": ((2, 2), ("blocking", "merge", "checkpoint", "convergence",
               "1x2": ((1, 2), ("blocking", "merge"))}
 
 
-@pytest.fixture(scope="module", params=list(TOPOLOGIES))
-def job(request):
-    (nodes, per_node), checks = TOPOLOGIES[request.param]
-    ranks = harness.launch("check_daso.py", *checks, np=nodes * per_node, hosts=harness.hosts(nodes, per_node),
-                           timeout=600).check()
-    return request.param, nodes, ranks
+_launched: dict = {}
+
+
+def launched(topology: str):
+    """(name, nodes, every rank's data) of the topology's one launch, made on first use."""
+    if topology not in _launched:
+        (nodes, per_node), checks = TOPOLOGIES[topology]
+        _launched[topology] = harness.launch("check_daso.py", *checks, np=nodes * per_node,
+                                             hosts=harness.hosts(nodes, per_node), timeout=600).check()
+    return topology, TOPOLOGIES[topology][0][0], _launched[topology]
+
+
+def running(check: str):
+    """The topologies whose launch runs `check`."""
+    return pytest.mark.parametrize("topology", [t for t, (_, checks) in TOPOLOGIES.items() if check in checks])
 
 
 def per_node(job) -> int:
@@ -152,22 +161,22 @@ def per_node(job) -> int:
 
 
 def every(job, check):
-    name, _, ranks = job
-    if check not in TOPOLOGIES[name][1]:
-        pytest.skip(f"{check} does not run on {name}")
-    return [ranks[r][check] for r in sorted(ranks)]
+    return [job[2][r][check] for r in sorted(job[2])]
 
 
 @pytest.mark.multirank
-def test_blocking_float32_every_step_equals_synchronous_horovod(job):
+@running("blocking")
+def test_blocking_float32_every_step_equals_synchronous_horovod(topology):
+    job = launched(topology)
     for result in every(job, "blocking"):
         exact = result["float32"]
         assert exact["max_error"] < 1e-6 * max(1.0, exact["max_update"]) * 10, exact
         for wire in ("float32", "bfloat16", "float16"):
             assert result[wire]["spread"] == 0.0  # every rank holds the very same parameters
-        # 16 bits on the wire round the step's change, not the weights: close to float32 ...
-        assert result["bfloat16"]["max_error"] < 2e-3 * result["bfloat16"]["max_update"], result["bfloat16"]
-        assert result["float16"]["max_error"] < 5e-4 * result["float16"]["max_update"], result["float16"]
+        # 16 bits on the wire round each step's change (bfloat16: 8 significant bits, float16 scaled: 11),
+        # not the weights: after 6 steps the parameters stay within a few roundings of the change
+        assert result["bfloat16"]["max_error"] < 6 * 2 ** -8 * result["bfloat16"]["max_update"], result["bfloat16"]
+        assert result["float16"]["max_error"] < 6 * 2 ** -11 * result["float16"]["max_update"], result["float16"]
         # ... and the float32 master weights are not rounded to bfloat16
         assert result["bfloat16"]["off_bf16_grid"] > 0
         # the groups take turns: the ranks of local rank 0, then 1, ...
@@ -175,7 +184,9 @@ def test_blocking_float32_every_step_equals_synchronous_horovod(job):
 
 
 @pytest.mark.multirank
-def test_optimizer_slots_stay_node_local(job):
+@running("blocking")
+def test_optimizer_slots_stay_node_local(topology):
+    job = launched(topology)
     _, nodes, _ = job
     for result in every(job, "blocking"):
         # parameters are averaged, momenta are not: they differ between nodes, never inside one
@@ -183,7 +194,9 @@ def test_optimizer_slots_stay_node_local(job):
 
 
 @pytest.mark.multirank
-def test_stale_merge_is_eq1_with_measured_staleness_and_rotating_groups(job):
+@running("merge")
+def test_stale_merge_is_eq1_with_measured_staleness_and_rotating_groups(topology):
+    job = launched(topology)
     results = every(job, "merge")
     assert all(r["actions"] == results[0]["actions"] and r["drains"] == results[0]["drains"] for r in results)
     first = results[0]
@@ -200,7 +213,9 @@ def test_stale_merge_is_eq1_with_measured_staleness_and_rotating_groups(job):
 
 
 @pytest.mark.multirank
-def test_checkpoint_in_the_middle_of_a_cycle_continues_identically(job):
+@running("checkpoint")
+def test_checkpoint_in_the_middle_of_a_cycle_continues_identically(topology):
+    job = launched(topology)
     for result in every(job, "checkpoint"):
         assert result["in_flight_before_drain"] and result["phase_at_save"] == "cycling"
         assert result["state_restored"] and result["state_continues"]
@@ -208,7 +223,9 @@ def test_checkpoint_in_the_middle_of_a_cycle_continues_identically(job):
 
 
 @pytest.mark.multirank
-def test_converges_on_digits_within_one_point_of_horovod(job):
+@running("convergence")
+def test_converges_on_digits_within_one_point_of_horovod(topology):
+    job = launched(topology)
     results = every(job, "convergence")
     accuracy = {m: results[0][m]["accuracy"] for m in ("horovod", "daso")}
     print("digits test accuracy:", accuracy, "DASO events:", results[0]["daso"]["events"])
@@ -221,7 +238,9 @@ def test_converges_on_digits_within_one_point_of_horovod(job):
 
 
 @pytest.mark.multirank
-def test_mixed_precision_and_the_keras_format(job):
+@running("mixed")
+def test_mixed_precision_and_the_keras_format(topology):
+    job = launched(topology)
     results = every(job, "mixed")
     _, nodes, _ = job
     for result in results:
@@ -234,7 +253,9 @@ def test_mixed_precision_and_the_keras_format(job):
 
 
 @pytest.mark.multirank
-def test_bad_arguments_and_disagreeing_ranks_fail_clearly(job):
+@running("errors")
+def test_bad_arguments_and_disagreeing_ranks_fail_clearly(topology):
+    job = launched(topology)
     for result in every(job, "errors"):
         assert result["total_epochs"].startswith("ValueError: total_epochs must be an int >= 1")
         assert "exceed total_epochs" in result["phases"]

@@ -308,7 +308,7 @@ def check_errors(topo):
         lambda: model.fit(np.zeros((4, 64), np.float32), np.zeros(4), epochs=1, verbose=0,
                           callbacks=[DASOCallback()]), ValueError)
     model = make_model()
-    model.compile(optimizer=DASO(sgd(0.1), total_epochs=1), loss=LOSS, steps_per_execution=2)
+    model.compile(optimizer=DASO(sgd(0.1), total_epochs=2), loss=LOSS, steps_per_execution=2)
     out["steps_per_execution"] = message(
         lambda: model.fit(np.zeros((4, 64), np.float32), np.zeros(4), epochs=1, verbose=0,
                           callbacks=[DASOCallback()]), ValueError)
