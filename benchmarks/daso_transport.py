@@ -5,20 +5,20 @@ next forward-backward passes run. For a float32 vector of d elements this measur
 rank of the job:
 
 - exchange alone: `GroupTransport.allreduce_sum` over the rank's cross set (its DASO group);
-- compute alone: a loop of TF matmuls, calibrated once to last about as long as the exchange;
+- compute alone: a tf.function loop of chained TF matmuls (like a train step), calibrated once
+  to last about as long as the exchange;
 - together: the exchange submitted, the same loop run, until both are done;
-- Horovod: `hvd.allreduce` (Sum) of the same vector on the same cross set, for throughput.
-
 - idle / together_idle: the same with a main thread that sleeps as long as one exchange instead
   of computing, as a step running on an accelerator would: what the transport overlaps when
-  the CPU is not the bottleneck (2 x 1 emulated nodes on a 2-core machine share every core).
+  the CPU is not the bottleneck (here 2 x 1 emulated nodes share the machine's every core);
+- horovod: `hvd.allreduce` (Sum) of the same vector on the same cross set, for throughput.
 
 Overlap ratio = (compute alone + exchange alone) / together (2 = perfect overlap of equal
 parts, 1 = none; the best possible is (c + e) / max(c, e)), the median of per-round ratios;
-the hidden fraction is (c + e - together) / e; exchange CPU = the process's CPU seconds
-during an exchange alone (user + system, all threads, slowest rank); a time is the slowest rank's, median of rounds after a warm-up
-round, the methods taking turns within each round. Throughput = bytes a member sends
-(2 (P-1)/P x 4d) per second.
+hidden fraction = (c + e - together) / e. Exchange CPU = the process's CPU seconds during an
+exchange alone (user + system, all threads; kernel work in softirq context is not counted).
+A time is the slowest rank's, median of rounds after a warm-up round, the methods taking turns
+within each round. Throughput = bytes a member sends, 2 (P-1)/P x 4d, per second.
 
     python -m hvdx.runner.cluster --nodes 2 --ranks-per-node 1 --rate 1gbit --no-delay -- \\
         .venv/bin/python benchmarks/daso_transport.py      # as root; see hvdx/runner/cluster.py
@@ -70,13 +70,23 @@ def slowest(seconds: float, name: str) -> float:
     return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
 
 
+_loops: dict = {}
+
+
 def matmul_loop(a, iterations: int) -> None:
+    """`iterations` chained matmuls in one tf.function call, as a Keras train step runs: the
+    Python thread waits in TensorFlow's runtime, without the GIL, while the cores compute."""
     import tensorflow as tf
 
-    b = a
-    for _ in range(iterations):
-        b = tf.matmul(a, a)
-    float(b[0, 0])
+    if "loop" not in _loops:
+        @tf.function
+        def loop(a, n):
+            b = a
+            for _ in tf.range(n):
+                b = tf.tanh(tf.matmul(b, a) * 0.05)  # chained: nothing to hoist or skip
+            return b[0, 0]
+        _loops["loop"] = loop
+    float(_loops["loop"](a, tf.constant(iterations)))
 
 
 def calibrate(a, seconds: float) -> int:

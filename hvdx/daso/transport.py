@@ -406,11 +406,11 @@ class GroupTransport:
             # Segment k = [bounds[k], bounds[k+1]) elements. Reduce-scatter step s: send segment
             # i-s, receive segment i-s-1 and add this member's part; after p-1 steps segment i+1
             # is final here. All-gather step s: send segment i+1-s, receive segment i-s.
-            bounds = np.linspace(0, count, p + 1).astype(np.int64)  # as even as integers allow
+            bounds = [k * count // p for k in range(p + 1)]  # as even as integers allow
             out = np.empty_like(flat)
             src_in, src_out = flat.view(np.uint8), out.view(np.uint8)
             scratch = np.empty(self.chunk_bytes, np.uint8)
-            segments = [(int(bounds[k]) * item, int(bounds[k + 1]) * item) for k in range(p)]
+            segments = [(bounds[k] * item, bounds[k + 1] * item) for k in range(p)]
             receives = [(i - s - 1) % p for s in range(p - 1)] + [(i - s) % p for s in range(p - 1)]
             first_send, source = i, src_in
         else:
