@@ -5,14 +5,20 @@ next forward-backward passes run. For a float32 vector of d elements this measur
 rank of the job:
 
 - exchange alone: `GroupTransport.allreduce_sum` over the rank's cross set (its DASO group);
-- compute alone: a loop of TF matmuls, calibrated once to last about as long as the exchange;
+- compute alone: a tf.function loop of chained TF matmuls (like a train step), calibrated once
+  to last about as long as the exchange;
 - together: the exchange submitted, the same loop run, until both are done;
-- Horovod: `hvd.allreduce` (Sum) of the same vector on the same cross set, for throughput.
+- idle / together_idle: the same with a main thread that sleeps as long as one exchange instead
+  of computing, as a step running on an accelerator would: what the transport overlaps when
+  the CPU is not the bottleneck (here 2 x 1 emulated nodes share the machine's every core);
+- horovod: `hvd.allreduce` (Sum) of the same vector on the same cross set, for throughput.
 
-Overlap ratio = (compute alone + exchange alone) / together (2 = perfect overlap, 1 = none),
-the median of per-round ratios; a time is the slowest rank's, median of rounds after a warm-up
-round, the methods taking turns within each round. Throughput = bytes a member sends
-(2 (P-1)/P x 4d) per second.
+Overlap ratio = (compute alone + exchange alone) / together (2 = perfect overlap of equal
+parts, 1 = none; the best possible is (c + e) / max(c, e)), the median of per-round ratios;
+hidden fraction = (c + e - together) / e. Exchange CPU = the process's CPU seconds during an
+exchange alone (user + system, all threads; kernel work in softirq context is not counted).
+A time is the slowest rank's, median of rounds after a warm-up round, the methods taking turns
+within each round. Throughput = bytes a member sends, 2 (P-1)/P x 4d, per second.
 
     python -m hvdx.runner.cluster --nodes 2 --ranks-per-node 1 --rate 1gbit --no-delay -- \\
         .venv/bin/python benchmarks/daso_transport.py      # as root; see hvdx/runner/cluster.py
@@ -26,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,7 +44,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [6_250_000, 25_000_000]   # 25 MB and 100 MB of float32
-METHODS = ("exchange", "compute", "together", "horovod")
+METHODS = ("exchange", "compute", "together", "idle", "together_idle", "horovod")
 
 
 def under_launcher() -> bool:
@@ -63,13 +70,23 @@ def slowest(seconds: float, name: str) -> float:
     return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
 
 
+_loops: dict = {}
+
+
 def matmul_loop(a, iterations: int) -> None:
+    """`iterations` chained matmuls in one tf.function call, as a Keras train step runs: the
+    Python thread waits in TensorFlow's runtime, without the GIL, while the cores compute."""
     import tensorflow as tf
 
-    b = a
-    for _ in range(iterations):
-        b = tf.matmul(a, a)
-    float(b[0, 0])
+    if "loop" not in _loops:
+        @tf.function
+        def loop(a, n):
+            b = a
+            for _ in tf.range(n):
+                b = tf.tanh(tf.matmul(b, a) * 0.05)  # chained: nothing to hoist or skip
+            return b[0, 0]
+        _loops["loop"] = loop
+    float(_loops["loop"](a, tf.constant(iterations)))
 
 
 def calibrate(a, seconds: float) -> int:
@@ -106,9 +123,15 @@ def measure(size: int, rounds: int, transport, topo, tag: str) -> dict:
     a = tf.random.normal([512, 512])
     expected = None
 
+    cpu_seconds: List[float] = []
+
     def exchange():
         nonlocal expected
+        before = resource.getrusage(resource.RUSAGE_SELF)
         out = transport.allreduce_sum(vector).wait(600)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        # the process's CPU time, all threads
+        cpu_seconds.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
         expected = out
 
     def horovod():
@@ -122,7 +145,8 @@ def measure(size: int, rounds: int, transport, topo, tag: str) -> dict:
         start = time.perf_counter()
         exchange()
         warm.append(slowest(time.perf_counter() - start, f"{tag}.warm{k}"))
-    iterations = calibrate(a, statistics.median(warm))
+    target = statistics.median(warm)
+    iterations = calibrate(a, target)
 
     together_stamps: List[dict] = []
 
@@ -137,8 +161,16 @@ def measure(size: int, rounds: int, transport, topo, tag: str) -> dict:
                                 "exchange_finished": request.finished - request.started,
                                 "loop_start": loop_start - request.started, "loop_end": loop_end - request.started})
 
+    def together_idle():
+        """The exchange beside a main thread that waits without using a core, as a step on an
+        accelerator would: what the transport overlaps when the CPU is not the bottleneck."""
+        request = transport.allreduce_sum(vector)
+        time.sleep(target)
+        request.wait(600)
+
     calls: Dict[str, Callable[[], None]] = {"exchange": exchange, "compute": lambda: matmul_loop(a, iterations),
-                                            "together": together, "horovod": horovod}
+                                            "together": together, "idle": lambda: time.sleep(target),
+                                            "together_idle": together_idle, "horovod": horovod}
     per_round: Dict[str, List[float]] = {m: [] for m in METHODS}
     for r in range(rounds + 1):
         order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]  # take turns
@@ -160,11 +192,20 @@ def measure(size: int, rounds: int, transport, topo, tag: str) -> dict:
     p = len(transport.members)
     sent_bytes = 2 * (p - 1) / p * 4 * size
     ratios = [(c + e) / t for c, e, t in zip(per_round["compute"], per_round["exchange"], per_round["together"])]
+    idle_ratios = [(c + e) / t for c, e, t in zip(per_round["idle"], per_round["exchange"], per_round["together_idle"])]
+    hidden = [(c + e - t) / e for c, e, t in zip(per_round["compute"], per_round["exchange"], per_round["together"])]
     medians = {m: statistics.median(v) for m, v in per_round.items()}
+    cpu = statistics.median(cpu_seconds[3:])  # after the warm-up exchanges
+    cpu = slowest(cpu, f"{tag}.cpu")
     return {
         "d": size, "bytes": 4 * size, "group_size": p, "matmul_iterations": iterations,
         "rounds_seconds": per_round, "seconds": medians,
         "overlap_ratio": statistics.median(ratios), "overlap_ratio_rounds": ratios,
+        "overlap_ratio_ideal": (medians["compute"] + medians["exchange"]) / max(medians["compute"],
+                                                                                medians["exchange"]),
+        "exchange_hidden_fraction": statistics.median(hidden),
+        "overlap_ratio_idle_main_thread": statistics.median(idle_ratios),
+        "exchange_cpu_seconds": cpu,
         "throughput_MBps": {"transport": sent_bytes / medians["exchange"] / 1e6,
                             "horovod": sent_bytes / medians["horovod"] / 1e6},
         "transport_over_horovod_time": medians["exchange"] / medians["horovod"],
@@ -205,8 +246,10 @@ def main() -> None:
         rows.append(row)
         if topo.rank == 0:
             s = row["seconds"]
-            print(f"d={size:,}: exchange {s['exchange']:.3f}s compute {s['compute']:.3f}s together "
-                  f"{s['together']:.3f}s overlap {row['overlap_ratio']:.2f}x; throughput "
+            print(f"d={size:,}: exchange {s['exchange']:.3f}s (cpu {row['exchange_cpu_seconds']:.3f}s) compute "
+                  f"{s['compute']:.3f}s together {s['together']:.3f}s overlap {row['overlap_ratio']:.2f}x "
+                  f"(best {row['overlap_ratio_ideal']:.2f}x, hidden {row['exchange_hidden_fraction']:.0%}); idle "
+                  f"main thread {row['overlap_ratio_idle_main_thread']:.2f}x; throughput "
                   f"{row['throughput_MBps']['transport']:.1f} MB/s vs horovod {row['throughput_MBps']['horovod']:.1f}",
                   flush=True)
     transport.close()

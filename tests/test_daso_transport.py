@@ -231,7 +231,7 @@ def test_transport_across_processes(nodes, per_node):
     allgather in member order, requests in order, the exchange overlapping a TF matmul loop,
     a size mismatch raising on every member, a fresh transport after it, a closed peer named."""
     job = harness.launch("check_daso_transport.py", np=nodes * per_node, hosts=harness.hosts(nodes, per_node),
-                         timeout=240)
+                         timeout=180)
     data = job.check()
     assert sorted(data) == list(range(nodes * per_node))
     groups = {tuple(d["members"]) for d in data.values()}

@@ -60,6 +60,7 @@ _DATA, _ABORT = 1, 2
 _OPS = {1: "allreduce_sum", 2: "allgather"}
 _OP_CODE = {name: code for code, name in _OPS.items()}
 _CONNECT_RETRY = 0.05   # seconds between connection attempts
+_ABORT_GRACE = 1.0      # seconds a send failure waits for the reason to arrive from the left
 _CONNECT_WINDOW = 30.0  # seconds of attempts at most (the peer listens before the address exchange)
 _SUM_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -178,10 +179,19 @@ def _validate_groups(groups: Sequence[Sequence[int]], rank: int,
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, peer: str) -> None:
-    """Fills `view` from `sock`; TransportError if the peer closes first."""
+    """Fills `view` from `sock`; TransportError if the peer closes first, TimeoutError if it
+    sends nothing for the socket's timeout.
+
+    The sockets are blocking with kernel timeouts (`_tune`), so MSG_WAITALL fills a whole
+    chunk in one call: the progress thread takes the GIL once per chunk, not once per
+    network packet, and a busy main thread cannot starve it.
+    """
     got, size = 0, len(view)
     while got < size:
-        n = sock.recv_into(view[got:], size - got)
+        try:
+            n = sock.recv_into(view[got:], size - got, socket.MSG_WAITALL)
+        except BlockingIOError as exc:  # SO_RCVTIMEO expired
+            raise TimeoutError(f"{peer} sent nothing for the timeout") from exc
         if n == 0:
             raise TransportError(f"{peer} closed the connection ({got} of {size} bytes of a frame received)")
         got += n
@@ -220,6 +230,7 @@ class GroupTransport:
         self._seq = 0
         self._closed = False
         self._failure: Optional[TransportError] = None
+        self._send_error: Optional[TransportError] = None
         self._lock = threading.Lock()
         self._requests: "queue.Queue[Optional[Tuple[Request, np.ndarray]]]" = queue.Queue()
         self._sends: "queue.Queue[Any]" = queue.Queue()
@@ -395,11 +406,11 @@ class GroupTransport:
             # Segment k = [bounds[k], bounds[k+1]) elements. Reduce-scatter step s: send segment
             # i-s, receive segment i-s-1 and add this member's part; after p-1 steps segment i+1
             # is final here. All-gather step s: send segment i+1-s, receive segment i-s.
-            bounds = np.linspace(0, count, p + 1).astype(np.int64)  # as even as integers allow
+            bounds = [k * count // p for k in range(p + 1)]  # as even as integers allow
             out = np.empty_like(flat)
             src_in, src_out = flat.view(np.uint8), out.view(np.uint8)
             scratch = np.empty(self.chunk_bytes, np.uint8)
-            segments = [(int(bounds[k]) * item, int(bounds[k + 1]) * item) for k in range(p)]
+            segments = [(bounds[k] * item, bounds[k + 1] * item) for k in range(p)]
             receives = [(i - s - 1) % p for s in range(p - 1)] + [(i - s) % p for s in range(p - 1)]
             first_send, source = i, src_in
         else:
@@ -451,6 +462,11 @@ class GroupTransport:
         while not done_sending.wait(0.05):
             if self._failure is not None:
                 raise self._failure
+        if self._send_error is not None:  # wait for the failure it starts (or a better reason)
+            deadline = time.monotonic() + _ABORT_GRACE + 1.0
+            while self._failure is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+            raise self._failure or self._send_error
         if self._failure is not None:
             raise self._failure
         if request.op == "allreduce_sum":
@@ -488,7 +504,7 @@ class GroupTransport:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            if self._failure is not None and not isinstance(item, _Abort):
+            if (self._failure is not None or self._send_error is not None) and not isinstance(item, _Abort):
                 continue  # drop data after a failure; only the abort notice goes out
             try:
                 if isinstance(item, _Abort):
@@ -503,12 +519,18 @@ class GroupTransport:
                 if isinstance(item, _Abort):
                     item.sent.set()
                     continue
-                if isinstance(exc, socket.timeout):
+                if isinstance(exc, (socket.timeout, BlockingIOError)):  # SO_SNDTIMEO expired
                     error = TransportError(f"rank {self.rank}: rank {self.right} took no data for "
                                            f"{self.timeout} s")
                 else:
                     error = TransportError(f"rank {self.rank}: sending to rank {self.right} failed: {exc}")
-                self._fail(error)
+                # The right neighbour is gone or stuck. If it left because it found a problem
+                # (a mismatch), that reason is on its way to us around the ring as an abort
+                # notice from the left: give it a moment to win over this vaguer error.
+                self._send_error = error
+                timer = threading.Timer(_ABORT_GRACE, self._fail, (error,))
+                timer.daemon = True
+                timer.start()
 
     # ---------------------------------------------------------------- failure and close
     def _fail(self, error: TransportError) -> TransportError:
@@ -518,7 +540,7 @@ class GroupTransport:
             if self._failure is not None:
                 return self._failure
             self._failure = error
-        if self._send_sock is not None and threading.current_thread() is not self._sender:
+        if self._send_sock is not None and self._send_error is None:
             notice = _Abort(str(error))
             # The sender may be blocked in the middle of a frame: give it a moment to finish it
             # and send the notice; the sockets close regardless.
@@ -671,13 +693,18 @@ def _connect_ring(listener: socket.socket, members: Tuple[int, ...], rank: int,
 
 
 def _tune(sock: socket.socket, timeout: float) -> None:
+    """TCP_NODELAY, 4 MiB buffers, and blocking I/O bounded by kernel timeouts of `timeout` s."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, 4 << 20)
         except OSError:
             pass
-    sock.settimeout(timeout)
+    sock.settimeout(None)  # blocking: one recv/send call moves a whole chunk
+    seconds = int(timeout)
+    timeval = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
 
 
 _live: "weakref.WeakSet[GroupTransport]" = weakref.WeakSet()
