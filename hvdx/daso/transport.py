@@ -29,6 +29,16 @@ checked on receipt: ranks that submit different requests get a `TransportError` 
 sides (the detecting rank forwards the reason around the ring) instead of corrupt data.
 A peer that closes, dies or stalls makes `Request.wait()` raise `TransportError` naming its
 global rank within `timeout` seconds; nothing waits forever.
+
+Memory: an allreduce needs its result (1x the input) and one chunk (`CHUNK_BYTES`) of receive
+buffer; chunks are sent from the input and the result in place. Inputs are not copied on the
+caller's thread (that would cost the training thread ~24 ms per 100 MB here, for nothing
+DASO needs): do not modify an input until its request is done.
+
+Measured (benchmarks/daso_transport.py, emulated 2 x 1 cluster at 1 Gbit/s): ~116 MB/s, 93 %
+of line rate (Horovod's allreduce on the same set: 93-109 MB/s); an exchange beside a main
+thread that waits is hidden almost entirely (overlap 1.9-2.0x); beside CPU-bound TF matmuls
+on the same two cores, 1.4-1.6x (the best possible there is ~1.75x).
 """
 from __future__ import annotations
 
