@@ -118,6 +118,7 @@ class ParameterSync:
         self.reference: Optional[np.ndarray] = None
         self.in_flight: Optional[_InFlight] = None
         self.stats = SyncStats()
+        self._build_blocking()
 
     # -- helpers ---------------------------------------------------------------------
     def is_member(self, group: int) -> bool:
@@ -147,19 +148,64 @@ class ParameterSync:
             raise RuntimeError("the parameters' reference is not set (broadcast or drain first)")
         flat = None
         if self.is_member(group):
-            x = self.params.read()
-            change = x - self.reference
-            if self.group_size > 1:
-                change = self._average_changes(change)
-            flat = self.reference + change
-            if not np.isfinite(change).all():
+            if self.wire_dtype == np.float16 and self.group_size > 1:  # scaled per member: numpy
+                change = self._average_changes(self.params.read() - self.reference)
+                flat, finite = self.reference + change, bool(np.isfinite(change).all())
+                self.params.write(flat)
+            else:  # bfloat16 / float32: cast and apply in TensorFlow (multi-threaded, one pass each)
+                reference = tf.constant(self.reference)
+                change = self._changes(reference).numpy()
+                if self.group_size == 1:
+                    gathered = change[None]
+                elif self.wire_dtype == np.float32:
+                    gathered = self.transport.allreduce_sum(change).wait()[None]
+                else:
+                    gathered = np.stack(self.transport.allgather(change).wait())
+                new, finite = self._apply_changes(reference, tf.constant(gathered))
+                flat, finite = new.numpy(), bool(finite)
+            if not finite:
                 raise FloatingPointError(
                     "DASO's global average of the parameter changes is not finite (a rank's update "
                     "diverged); lower the learning rate or use a LossScaleOptimizer with mixed precision")
-        flat = self._node_update(group, flat)
-        self.params.write(flat)
+            flat = self._node_update(group, flat)
+        else:
+            flat = self._node_update(group, None)
+            self.params.write(flat)
         self.reference = flat
         self.stats.blocking.append(time.perf_counter() - t0)
+
+    def _build_blocking(self) -> None:
+        """The TensorFlow passes of the averages (traced once per model)."""
+        wire = tf.as_dtype(self.wire_dtype.name)
+        size, divisor = self.params.size, float(self.group_size)
+        params = self.params
+
+        @tf.function(input_signature=[tf.TensorSpec([size], tf.float32)], autograph=False)
+        def changes(reference):
+            return tf.cast(params._read_graph() - reference, wire)
+
+        @tf.function(input_signature=[tf.TensorSpec([size], tf.float32), tf.TensorSpec([None, size], wire)],
+                     autograph=False)
+        def apply_changes(reference, gathered):
+            pieces = tf.unstack(tf.cast(gathered, tf.float32), num=1 if wire == tf.float32 else self.group_size)
+            total = pieces[0]
+            for piece in pieces[1:]:  # in member order on every member: identical sums
+                total = total + piece
+            mean = total / divisor
+            new = reference + mean
+            params._write_graph(new)
+            return new, tf.reduce_all(tf.math.is_finite(mean))
+
+        @tf.function(input_signature=[tf.TensorSpec([size], tf.float32), tf.TensorSpec([], tf.float32),
+                                      tf.TensorSpec([], tf.float32)], autograph=False)
+        def blend(total, weight, divisor):
+            """x := (weight x + total) / divisor: eq. 1 with weight 2S and divisor 2S + P;
+            the plain average with weight 0 and divisor P."""
+            new = (weight * params._read_graph() + total) / divisor
+            params._write_graph(new)
+            return new
+
+        self._changes, self._apply_changes, self._blend = changes, apply_changes, blend
 
     def _average_changes(self, change: np.ndarray) -> np.ndarray:
         if self.wire_dtype == np.float32:
@@ -202,21 +248,24 @@ class ParameterSync:
             raise ValueError(f"staleness must be >= 0 steps, got {staleness}")
         in_flight, self.in_flight = self.in_flight, None
         t0 = time.perf_counter()
-        flat = None
-        if self.is_member(in_flight.group):
-            x = self.params.read()
-            if in_flight.request is not None:
-                total = in_flight.request.wait()
-                self.stats.merge_wait.append(time.perf_counter() - t0)
-                if in_flight.request.finished is not None:
-                    self.stats.exchange.append(in_flight.request.finished - in_flight.request.started)
-                two_s = np.float32(2 * staleness)
-                flat = (two_s * x + total) / (two_s + np.float32(self.group_size))
-            else:
-                flat = x  # one node: nothing to merge
-        flat = self._node_update(in_flight.group, flat)
-        self.params.write(flat)
+        if self.is_member(in_flight.group) and in_flight.request is not None:
+            total = in_flight.request.wait()
+            self.stats.merge_wait.append(time.perf_counter() - t0)
+            if in_flight.request.finished is not None:
+                self.stats.exchange.append(in_flight.request.finished - in_flight.request.started)
+            two_s = 2.0 * staleness
+            flat = self._blend(tf.constant(total), two_s, two_s + self.group_size).numpy()
+            self._node_update(in_flight.group, flat)
+        else:
+            self._receive(in_flight.group)
         self.stats.merge.append(time.perf_counter() - t0)
+
+    def _receive(self, group: int) -> np.ndarray:
+        """Off the group (or with nothing to merge): take the member's parameters."""
+        flat = self._node_update(group, None if not self.is_member(group) else self.params.read())
+        if not self.is_member(group):
+            self.params.write(flat)
+        return flat
 
     # -- drain -------------------------------------------------------------------------
     def average(self, group: int) -> None:
@@ -224,12 +273,11 @@ class ParameterSync:
         if self.in_flight is not None:
             raise RuntimeError("merge the exchange in flight before a full average")
         t0 = time.perf_counter()
-        flat = None
-        if self.is_member(group):
-            flat = self.params.read()
-            if self.group_size > 1:
-                flat = self.transport.allreduce_sum(flat).wait() / np.float32(self.group_size)
-        flat = self._node_update(group, flat)
-        self.params.write(flat)
+        if self.is_member(group) and self.group_size > 1:
+            total = self.transport.allreduce_sum(self.params.read()).wait()
+            flat = self._blend(tf.constant(total), 0.0, float(self.group_size)).numpy()
+            self._node_update(group, flat)
+        else:
+            flat = self._receive(group)
         self.reference = flat
         self.stats.full.append(time.perf_counter() - t0)
