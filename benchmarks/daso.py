@@ -146,7 +146,9 @@ def run_ranks(args) -> None:
     per_rank = len(x_train) // topo.size  # equal shards: every rank runs the same number of steps
     data = (x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank], x_test, y_test)
     runs: Dict[str, list] = {m: [] for m in args.methods}
-    train(args.methods[0], args, topo, data)  # warm-up: TF's and Horovod's first-use costs
+    short = argparse.Namespace(**{**vars(args), "epochs": args.warmup_epochs + args.cooldown_epochs + 1})
+    for method in args.methods:  # warm-up: TF's, Horovod's and the transport's first-use costs
+        train(method, short, topo, data)
     for _ in range(args.repeats):
         for method in args.methods:
             runs[method].append(train(method, args, topo, data))
@@ -278,7 +280,7 @@ def report(args, results: List[dict]) -> None:
              f"for all ranks. Digits, MLP 64-{args.width}-{args.width}-10 ({results[0]['parameters']:,} parameters), "
              f"per-rank batch {args.batch}, SGD lr {args.lr} momentum 0.9, {args.epochs} epochs; DASO with "
              f"{args.warmup_epochs} warm-up and {args.cooldown_epochs} cool-down epochs, max_global_skips "
-             f"{args.max_global_skips}. {args.repeats} repeats after a warm-up run, methods taking turns; "
+             f"{args.max_global_skips}. {args.repeats} repeats after a short warm-up run of each, methods taking turns; "
              f"times are the slowest rank's training time (evaluation excluded) until the test accuracy first "
              f"reaches {args.target:.0%}. Load average (1 min) when each topology started: " + ", ".join(
                  f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']} {r['load_average'][0]:.1f}"
@@ -322,8 +324,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--local", action="store_true", help="horovodrun over loopback instead of the emulated cluster")
     parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--epochs", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=0.03)
+    parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--warmup-epochs", type=int, default=2)
     parser.add_argument("--cooldown-epochs", type=int, default=2)
     parser.add_argument("--max-global-skips", type=int, default=8)
