@@ -54,7 +54,7 @@ from hvdx.data.catalog import ImageFolder, TFRecordShards
 from hvdx.data.decode import decode_image_eager, normalize_resolution
 from hvdx.data.disk import DiskCache
 from hvdx.data.source import GFileSource, Source
-from hvdx.data.store import NodeStore, sample_key
+from hvdx.data.store import NodeStore, Slab, sample_key
 
 __all__ = ["DataCache", "Placement", "epoch_share", "node_part", "samples_per_rank"]
 
@@ -221,6 +221,7 @@ class DataCache:
         self._taken: set = set()  # samples the reader has asked for (the prefetcher skips them)
         self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
         self._feeder_stop: Optional[threading.Event] = None
+        self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
         self.skipped: Dict[str, str] = {}
         self._bad: set = set()
 
@@ -276,10 +277,21 @@ class DataCache:
         if decoded is not None:
             self.store.put_many([(sample_key(sample, resolution), *decoded)])
 
-    def _start_epoch(self, epoch: int, resolution) -> np.ndarray:
-        """This rank's order of `epoch`; starts preparing its missing samples in that order."""
+    def _slab(self, resolution) -> Optional[Slab]:
+        """The node's slab at `resolution` (None: no fixed resolution, or no room for it)."""
+        if resolution is None:
+            return None
+        with self._lock:
+            if resolution not in self._slabs:
+                self._slabs[resolution] = self.store.slab(resolution, self.channels, self.part)
+            return self._slabs[resolution]
+
+    def _start_epoch(self, epoch: int, resolution) -> Tuple[np.ndarray, bool]:
+        """(this rank's order of `epoch`, whether all of it is in the resolution's slab);
+        starts preparing its missing samples in that order."""
         p = self.placement
         share, leftover = epoch_share(self.part, epoch, self.seed, p.local_rank, p.local_size, self.per_rank)
+        slab = self._slab(resolution)
         if self._feeder_stop is not None:
             self._feeder_stop.set()
         with self._lock:
@@ -287,15 +299,16 @@ class DataCache:
         share_list = list(dict.fromkeys(int(s) for s in share))  # pad may repeat a sample
         leftover_list = [int(s) for s in leftover] if not self.store.full else []
         wanted = share_list + leftover_list
-        present = self.store.contains(sample_key(s, resolution) for s in wanted)
-        missing = [(s, j >= len(share_list)) for j, (s, ok) in enumerate(zip(wanted, present))
-                   if not ok and s not in self._bad]
+        where = self.store.locate(sample_key(s, resolution) for s in wanted)
+        missing = [(s, j >= len(share_list)) for j, (s, w) in enumerate(zip(wanted, where))
+                   if not w and s not in self._bad]
         if missing:
             stop = threading.Event()
             self._feeder_stop = stop
             threading.Thread(target=self._feed, args=(missing, resolution, stop), daemon=True,
                              name="hvdx-datacache-feeder").start()
-        return share.astype(np.int64)
+        in_slab = slab is not None and bool(np.all(where[:len(share_list)] == 2))
+        return share.astype(np.int64), in_slab
 
     def _feed(self, missing: List[Tuple[int, bool]], resolution, stop: threading.Event) -> None:
         """Clairvoyant prefetch (beyond the paper): read and decode the epoch's missing samples
@@ -388,10 +401,20 @@ class DataCache:
         counter_lock = threading.Lock()
         h, w = res if res is not None else (None, None)
 
-        def order(_epoch: np.ndarray) -> np.ndarray:
+        c = self.channels
+        no_pixels, no_labels = np.empty((0, *(res or (0, 0)), c), np.uint8), np.empty(0, np.int64)
+
+        def plan(_epoch: np.ndarray):
+            """This epoch's order and, when all of it is in the slab, the slab's slots and its
+            arrays (zero-copy views of the node's mapping: TensorFlow does not copy them)."""
             with counter_lock:
                 epoch = next(counter)
-            return self._start_epoch(epoch, res)
+            samples, in_slab = self._start_epoch(epoch, res)
+            if not in_slab:
+                return samples, np.zeros_like(samples), np.bool_(False), no_pixels, no_labels
+            slab = self._slabs[res]
+            self.store.count_hits(len(samples))
+            return samples, slab.slots(samples), np.bool_(True), slab.pixels, slab.labels
 
         def read(samples: np.ndarray):
             return self._read_block(samples, res)
@@ -400,38 +423,39 @@ class DataCache:
         def read_fn(samples: tf.Tensor):
             # numpy_function: no eager tensors in between, measurably lighter than py_function
             images, labels, ids = tf.numpy_function(read, [samples], [tf.uint8, tf.int64, tf.int64], stateful=True)
-            images.set_shape([None, h, w, self.channels])
+            images.set_shape([None, h, w, c])
             labels.set_shape([None])
             ids.set_shape([None])
             return images, labels, ids
 
-        # Samples are read a batch at a time (one Python call and one store transaction; larger
-        # chunks measured slower), with augmentation unbatched, augmented one by one and batched
-        # again. The reads, augmentation and batching run outside the per-epoch flat_map where
-        # they can (tf.data fuses map and batch there, not inside it): always without
-        # augmentation, and with it whenever no batch can straddle two epochs (one epoch per
-        # iteration, or whole batches only).
+        # Batches are cut per epoch (none straddles two). An epoch all in the slab is one
+        # tf.gather per batch (no Python); otherwise a batch is one Python call that reads what
+        # the store has and decodes (or takes from the read-ahead) what it lacks.
         usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
-        straddles = augment is not None and epochs != 1 and usable % batch_size != 0
-
-        def augmented(ds: tf.data.Dataset) -> tf.data.Dataset:
-            ds = ds.map(read_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
-            ds = ds.map(lambda x, y, i: (augment(x), y, i), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            return ds.batch(batch_size, drop_remainder=drop_remainder)
 
         @tf.autograph.experimental.do_not_convert
         def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
-            samples = tf.numpy_function(order, [epoch], tf.int64, stateful=True)
+            samples, slots, in_slab, pixels, labels = tf.numpy_function(
+                plan, [epoch], [tf.int64, tf.int64, tf.bool, tf.uint8, tf.int64], stateful=True)
             samples.set_shape([self.per_rank])
-            ds = tf.data.Dataset.from_tensor_slices(samples[:usable]).batch(batch_size)
-            return augmented(ds) if straddles else ds
+            slots.set_shape([self.per_rank])
+            in_slab.set_shape([])
+            pixels.set_shape([None, h, w, c])
+            labels.set_shape([None])
+
+            def read_batch(batch: tf.Tensor, batch_slots: tf.Tensor):
+                return tf.cond(in_slab, lambda: (tf.gather(pixels, batch_slots), tf.gather(labels, batch_slots), batch),
+                               lambda: read_fn(batch))
+
+            ds = tf.data.Dataset.from_tensor_slices((samples[:usable], slots[:usable])).batch(batch_size)
+            return ds.map(read_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
 
         epochs_ds = tf.data.Dataset.range(epochs) if epochs is not None else tf.data.Dataset.range(2**62)
         ds = epochs_ds.flat_map(one_epoch)
-        if augment is None:
-            ds = ds.map(read_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        elif not straddles:
-            ds = augmented(ds)
+        if augment is not None:  # per sample, over the batch (tf.map_fn): no unbatching and batching again
+            spec = _output_spec(augment, tf.TensorSpec([h, w, c], tf.uint8))
+            ds = ds.map(lambda x, y, i: (tf.map_fn(augment, x, fn_output_signature=spec), y, i),
+                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         if not with_index:
             ds = ds.map(tf.autograph.experimental.do_not_convert(lambda x, y, i: (x, y)))
         return ds.prefetch(prefetch)
@@ -454,6 +478,12 @@ class DataCache:
 def _check_batch_size(batch_size: int) -> None:
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+def _output_spec(fn: Callable, spec: tf.TensorSpec):
+    """What `fn` returns for one sample of `spec` (traced, not run): map_fn's output signature."""
+    out = tf.function(fn).get_concrete_function(spec).structured_outputs
+    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
 
 
 def _node_sizes(own: int, placement: Placement) -> List[int]:
