@@ -31,9 +31,16 @@ missing samples in the order the reader will want them (at most `lookahead` ahea
 one decode per core at a time), instead of the reader waiting on each file; the reader
 puts each batch into the store in one transaction.
 
-From epoch 2, a batch is one Python call that copies its samples out of the store's memory
-map (one LMDB read transaction); with augmentation it is unbatched, augmented per sample and
-batched again, outside the per-epoch part of the pipeline so that tf.data fuses the steps.
+With a fixed resolution the node's part lives in a slab (`hvdx.data.store.Slab`: one flat
+file on /dev/shm per resolution, LMDB as its index). The pipeline is a `scan` over batch
+numbers with one Python call per batch: it plans the epoch on its first batch (and knows then
+whether all of the rank's share is in the slab), and in epoch 1 makes sure the batch's
+samples are in the slab (prefetched or decoded now); it returns the batch's slots and the
+slab's arrays, zero-copy views of the mapping, from which `tf.gather` copies out the batch.
+From epoch 2 on no Python code touches pixels, and every rank of the node reads the one copy.
+Augmentation runs per sample over each batch (`tf.map_fn`, batches in parallel), so samples
+are never unbatched and batched again. Without a slab (no fixed resolution, or a budget
+that cannot hold the part) the Python call copies the batch out of the LMDB values.
 """
 from __future__ import annotations
 
@@ -134,7 +141,9 @@ class DataCache:
       ~/.cache/hvdx/datacache, plus the data set's fingerprint); `disk_bytes` bounds it.
     - `store_dir`: where the node's store goes (default /dev/shm/hvdx-datacache); its name
       holds the data set's fingerprint and the node; `memory_bytes` bounds it (default:
-      half of the free space of `store_dir`'s file system).
+      half of the free space of `store_dir`'s file system): a resolution's slab (the whole
+      part, allocated at once) is made only if it fits beside what the store holds, else
+      the samples go into LMDB values, which fill up to the bound and then read through.
     - `source`: how files are read (default `GFileSource`, any tf.io.gfile path).
     - `seed`: shuffling (every rank must pass the same); `split_seed`: the split into nodes.
     - `remainder`: "drop" or "pad" (see the module's docstring).
@@ -343,8 +352,53 @@ class DataCache:
         entry[1]()  # its slot is free again
         return entry[0]
 
+    def _complete(self, samples: List[int], resolution, got: List[Optional[Tuple[np.ndarray, int]]],
+                  missing: Sequence[int]) -> List[Tuple[bytes, np.ndarray, int]]:
+        """Fills `got[j]` for j in `missing` (prefetched, else read and decoded now; None if
+        skipped); returns the new (key, image, label) items for the store. Every sample of the
+        batch is marked taken (the read-ahead no longer prepares it)."""
+        futures = {}
+        for j, s in enumerate(samples):
+            future = self._take(s, resolution)
+            if j in missing:
+                futures[j] = future or self._read_pool.submit(self._decode, s, resolution)
+        new = []
+        for j, future in futures.items():
+            got[j] = future.result()  # raises its error, with the file's path
+            if got[j] is not None:
+                new.append((sample_key(samples[j], resolution), *got[j]))
+        return new
+
+    def _replace_skipped(self, samples: List[int], ok: Sequence[bool]) -> List[int]:
+        """The batch's ids with each skipped (undecodable) sample replaced by another of its batch."""
+        if not any(ok):
+            raise ValueError("hvdx.data: every sample of a batch is undecodable: "
+                             + ", ".join(self.catalog.describe(s) for s in samples))
+        return [s if ok[j] else samples[next(i for i in itertools.chain(range(j, len(ok)), range(j)) if ok[i])]
+                for j, s in enumerate(samples)]
+
+    def _read_into_slab(self, samples: np.ndarray, resolution, slab: Slab) -> np.ndarray:
+        """Makes sure the samples of one batch are in the slab (decoding what the store lacks);
+        returns the ids to gather (a skipped sample replaced by another of its batch)."""
+        samples = [int(s) for s in samples]
+        keys = [sample_key(s, resolution) for s in samples]
+        where = self.store.locate(keys)
+        got: List[Optional[Tuple[np.ndarray, int]]] = [None] * len(samples)
+        in_values = [j for j, w in enumerate(where) if w == 1]  # stored without the slab: copy them in
+        for j, sample in zip(in_values, self.store.get_many([keys[j] for j in in_values])):
+            if sample is not None:
+                slab.write(int(slab.slots([samples[j]])[0]), *sample)
+        missing = [j for j, w in enumerate(where) if w == 0]
+        self.store.count_hits(len(samples) - len(missing), len(missing))
+        self.store.put_many(self._complete(samples, resolution, got, missing))  # pixels into the slab
+        if not missing or all(got[j] is not None for j in missing):
+            return np.asarray(samples, np.int64)
+        ok = [w != 0 or got[j] is not None for j, w in enumerate(where)]
+        return np.asarray(self._replace_skipped(samples, ok), np.int64)
+
     def _read_block(self, samples: np.ndarray, resolution) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The samples of one batch: from the store, else prefetched, else read and decoded now."""
+        """The samples of one batch without a slab: from the store's values, else prefetched,
+        else read and decoded now."""
         samples = [int(s) for s in samples]
         keys = [sample_key(s, resolution) for s in samples]
         if resolution is not None:  # the common case, all hits: one copy into the batch
@@ -354,29 +408,12 @@ class DataCache:
                     self._take(s, resolution)
                 return batch[0], batch[1], np.asarray(samples, np.int64)
         got: List[Optional[Tuple[np.ndarray, int]]] = self.store.get_many(keys)
-        futures = {}
-        for j, s in enumerate(samples):
-            future = self._take(s, resolution)
-            if got[j] is None:
-                futures[j] = future or self._read_pool.submit(self._decode, s, resolution)
-        new = []
-        for j, future in futures.items():
-            got[j] = future.result()  # raises its error, with the file's path
-            if got[j] is not None:
-                new.append((sample_key(samples[j], resolution), *got[j]))
-        self.store.put_many(new)
-        if not any(g is not None for g in got):
-            raise ValueError("hvdx.data: every sample of a batch is undecodable: "
-                             + ", ".join(self.catalog.describe(s) for s in samples))
-        out_samples = []
-        for j, s in enumerate(samples):  # a skipped sample is replaced by another of its batch
-            if got[j] is None:
-                k = next(i for i in itertools.chain(range(j, len(got)), range(j)) if got[i] is not None)
-                got[j], s = got[k], samples[k]
-            out_samples.append(s)
-        images = np.stack([g[0] for g in got])
-        labels = np.asarray([g[1] for g in got], np.int64)
-        return images, labels, np.asarray(out_samples, np.int64)
+        self.store.put_many(self._complete(samples, resolution, got, [j for j, g in enumerate(got) if g is None]))
+        ids = self._replace_skipped(samples, [g is not None for g in got])
+        by_id = {s: g for s, g in zip(samples, got) if g is not None}
+        images = np.stack([by_id[s][0] for s in ids])
+        labels = np.asarray([by_id[s][1] for s in ids], np.int64)
+        return images, labels, np.asarray(ids, np.int64)
 
     # -- the pipeline ----------------------------------------------------------------------------
 
@@ -390,8 +427,9 @@ class DataCache:
 
         Every iteration over the dataset continues with the next epoch (first_epoch, first_epoch
         + 1, ...), so Model.fit's per-epoch iterations each get a new order. `augment(image)`
-        runs per sample after the cache; `resolution` overrides the cache's (progressive
-        resizing: one dataset per phase; each resolution has its own keys in the store).
+        runs per sample after the cache (traced once; `tf.map_fn` over each batch, so random ops
+        draw per sample); `resolution` overrides the cache's (progressive resizing: one dataset
+        per phase; each resolution has its own keys in the store and its own slab).
         """
         _check_batch_size(batch_size)
         if epochs is not None and epochs < 1:
@@ -400,64 +438,81 @@ class DataCache:
         counter = itertools.count(first_epoch)
         counter_lock = threading.Lock()
         h, w = res if res is not None else (None, None)
-
         c = self.channels
-        no_pixels, no_labels = np.empty((0, *(res or (0, 0)), c), np.uint8), np.empty(0, np.int64)
+        steps = self.steps_per_epoch(batch_size, drop_remainder)
+        usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
+        slab = self._slab(res)
+        plans: Dict[int, Tuple[np.ndarray, bool, np.ndarray]] = {}
 
-        def plan(_epoch: np.ndarray):
-            """This epoch's order and, when all of it is in the slab, the slab's slots and its
-            arrays (zero-copy views of the node's mapping: TensorFlow does not copy them)."""
-            with counter_lock:
-                epoch = next(counter)
-            samples, in_slab = self._start_epoch(epoch, res)
+        def batch_of(state: np.ndarray, step: np.ndarray) -> Tuple[int, np.ndarray, bool, np.ndarray]:
+            """(epoch, the batch's samples, whether the epoch is all in the slab, their slots).
+            The first batch of an epoch takes the next epoch number and plans it."""
+            k = int(step) % steps
+            if k == 0:
+                with counter_lock:
+                    epoch = next(counter)
+                samples, in_slab = self._start_epoch(epoch, res)
+                samples = samples[:usable]
+                slots = slab.slots(samples) if in_slab else samples
+                with counter_lock:
+                    plans[epoch] = (samples, in_slab, slots)
+                    for old in [e for e in plans if e < epoch - 8]:  # iterations abandoned mid-epoch
+                        del plans[old]
+                if in_slab:
+                    self.store.count_hits(len(samples))
+            else:
+                epoch = int(state)
+            samples, in_slab, slots = plans[epoch]
+            part = slice(k * batch_size, (k + 1) * batch_size)
+            return epoch, samples[part], in_slab, slots[part]
+
+        def slab_step(state: np.ndarray, step: np.ndarray):
+            epoch, samples, in_slab, slots = batch_of(state, step)
             if not in_slab:
-                return samples, np.zeros_like(samples), np.bool_(False), no_pixels, no_labels
-            slab = self._slabs[res]
-            self.store.count_hits(len(samples))
-            return samples, slab.slots(samples), np.bool_(True), slab.pixels, slab.labels
+                samples = self._read_into_slab(samples, res, slab)
+                slots = slab.slots(samples)
+            # the slab's arrays are zero-copy views of the node's mapping: TensorFlow takes them
+            # over without copying, and tf.gather copies out only the batch
+            return np.int64(epoch), samples, slots, slab.pixels, slab.labels
 
-        def read(samples: np.ndarray):
-            return self._read_block(samples, res)
+        def read_step(state: np.ndarray, step: np.ndarray):
+            epoch, samples, _, _ = batch_of(state, step)
+            images, labels, ids = self._read_block(samples, res)
+            return np.int64(epoch), ids, images, labels
+
+        # One Python call per batch (sequential, in a scan whose state is the iteration's epoch);
+        # with a slab it only plans (and in epoch 1 fills) and the pixels are gathered by TF.
+        @tf.autograph.experimental.do_not_convert
+        def from_slab(state: tf.Tensor, step: tf.Tensor):
+            epoch, ids, slots, pixels, labels = tf.numpy_function(
+                slab_step, [state, step], [tf.int64, tf.int64, tf.int64, tf.uint8, tf.int64], stateful=True)
+            pixels.set_shape([None, h, w, c])
+            return _batch(epoch, tf.gather(pixels, slots), tf.gather(labels, slots), ids)
 
         @tf.autograph.experimental.do_not_convert
-        def read_fn(samples: tf.Tensor):
-            # numpy_function: no eager tensors in between, measurably lighter than py_function
-            images, labels, ids = tf.numpy_function(read, [samples], [tf.uint8, tf.int64, tf.int64], stateful=True)
+        def from_values(state: tf.Tensor, step: tf.Tensor):
+            epoch, ids, images, labels = tf.numpy_function(
+                read_step, [state, step], [tf.int64, tf.int64, tf.uint8, tf.int64], stateful=True)
             images.set_shape([None, h, w, c])
+            return _batch(epoch, images, labels, ids)
+
+        def _batch(epoch: tf.Tensor, images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
+            epoch.set_shape([])
             labels.set_shape([None])
             ids.set_shape([None])
-            return images, labels, ids
+            return epoch, ((images, labels, ids) if with_index or augment is not None else (images, labels))
 
-        # Batches are cut per epoch (none straddles two). An epoch all in the slab is one
-        # tf.gather per batch (no Python); otherwise a batch is one Python call that reads what
-        # the store has and decodes (or takes from the read-ahead) what it lacks.
-        usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
-
-        @tf.autograph.experimental.do_not_convert
-        def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
-            samples, slots, in_slab, pixels, labels = tf.numpy_function(
-                plan, [epoch], [tf.int64, tf.int64, tf.bool, tf.uint8, tf.int64], stateful=True)
-            samples.set_shape([self.per_rank])
-            slots.set_shape([self.per_rank])
-            in_slab.set_shape([])
-            pixels.set_shape([None, h, w, c])
-            labels.set_shape([None])
-
-            def read_batch(batch: tf.Tensor, batch_slots: tf.Tensor):
-                return tf.cond(in_slab, lambda: (tf.gather(pixels, batch_slots), tf.gather(labels, batch_slots), batch),
-                               lambda: read_fn(batch))
-
-            ds = tf.data.Dataset.from_tensor_slices((samples[:usable], slots[:usable])).batch(batch_size)
-            return ds.map(read_batch, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-
-        epochs_ds = tf.data.Dataset.range(epochs) if epochs is not None else tf.data.Dataset.range(2**62)
-        ds = epochs_ds.flat_map(one_epoch)
-        if augment is not None:  # per sample, over the batch (tf.map_fn): no unbatching and batching again
+        total = steps * epochs if epochs is not None else 2**62
+        ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), from_slab if slab is not None else from_values)
+        if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
             spec = _output_spec(augment, tf.TensorSpec([h, w, c], tf.uint8))
-            ds = ds.map(lambda x, y, i: (tf.map_fn(augment, x, fn_output_signature=spec), y, i),
-                        num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        if not with_index:
-            ds = ds.map(tf.autograph.experimental.do_not_convert(lambda x, y, i: (x, y)))
+
+            @tf.autograph.experimental.do_not_convert
+            def augmented(images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
+                images = tf.map_fn(augment, images, fn_output_signature=spec)
+                return (images, labels, ids) if with_index else (images, labels)
+
+            ds = ds.map(augmented, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds.prefetch(prefetch)
 
     def close(self) -> None:

@@ -264,10 +264,12 @@ class NodeStore:
             return np.asarray([0 if v is None else 2 if len(v) == _HEADER.size else 1
                                for v in (txn.get(k) for k in keys)], np.int8)
 
-    def count_hits(self, n: int) -> None:
-        """Counts `n` samples read without this store's Python calls (an epoch of slab gathers)."""
+    def count_hits(self, hits: int, misses: int = 0) -> None:
+        """Counts samples found in (or missing from) the store that `get_many`/`get_batch` did
+        not read (the slab's are gathered by TensorFlow)."""
         with self._stats_lock:
-            self.stats["hits"] += n
+            self.stats["hits"] += hits
+            self.stats["misses"] += misses
 
     def _pixels(self, key: bytes, value, shape: Tuple[int, int, int]) -> np.ndarray:
         """The pixels of an entry: from its value, or from its slab (header-only entry)."""
@@ -324,12 +326,12 @@ class NodeStore:
             return [txn.get(key) is not None for key in keys]
 
     def put_many(self, items: Sequence[Tuple[bytes, np.ndarray, int]]) -> bool:
-        """Stores (key, image, label) items in one transaction; False (and one warning) once
-        the memory budget is exhausted, after which nothing more is written."""
+        """Stores (key, image, label) items: pixels of a sample with an open slab go into its
+        slot, then every entry goes into LMDB in one transaction (which publishes the slots).
+        False (and one warning) once the memory budget is exhausted, after which no LMDB entry
+        is written (slab slots still are: this process reads them; the others decode again)."""
         import lmdb
 
-        if self.full or not items:
-            return not self.full
         values = []
         for key, image, label in items:  # slab pixels first: the LMDB commit publishes them
             slab, slot = self._slab_of(key)
@@ -338,6 +340,8 @@ class NodeStore:
                 values.append(_HEADER.pack(int(label), *image.shape))
             else:
                 values.append(encode_sample(image, label))
+        if self.full or not items:
+            return not self.full
         try:
             with self.env.begin(write=True) as txn:
                 for (key, _, _), value in zip(items, values):
