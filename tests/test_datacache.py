@@ -190,6 +190,16 @@ def test_augmentation_runs_per_sample_after_the_cache(digits_root, tmp_path):
     x, y = next(iter(cache.dataset(4, augment=lambda image: tf.cast(image, tf.float32)[2:-2, 2:-2] / 255.0)))
     assert x.dtype == tf.float32 and x.shape == (4, RES - 4, RES - 4, 3) and y.shape == (4,)
 
+    def upside_down(image):  # a Python op: XLA cannot compile it, so it runs uncompiled
+        return tf.ensure_shape(tf.numpy_function(lambda x: np.ascontiguousarray(x[::-1]), [image], tf.uint8),
+                               image.shape)
+
+    with pytest.warns(RuntimeWarning, match="cannot be compiled with XLA"):
+        ds = cache.dataset(8, augment=upside_down, with_index=True)
+    for ds in (ds, cache.dataset(8, augment=tf.image.flip_up_down, compile_augment=False, with_index=True)):
+        images, _, ids = epoch(ds)
+        assert all(np.array_equal(x, direct(cache.catalog.paths[i])[::-1]) for x, i in zip(images, ids))
+
 
 def _fill_slab(path, meta, part, start, barrier):
     store = NodeStore(path, meta, 2**26)

@@ -38,8 +38,8 @@ whether all of the rank's share is in the slab), and in epoch 1 makes sure the b
 samples are in the slab (prefetched or decoded now); it returns the batch's slots and the
 slab's arrays, zero-copy views of the mapping, from which `tf.gather` copies out the batch.
 From epoch 2 on no Python code touches pixels, and every rank of the node reads the one copy.
-Augmentation runs per sample over each batch (`tf.map_fn`, batches in parallel), so samples
-are never unbatched and batched again. Without a slab (no fixed resolution, or a budget
+Augmentation runs per sample over each batch (`tf.map_fn`, compiled with XLA where it can
+be, batches in parallel), so samples are never unbatched and batched again. Without a slab (no fixed resolution, or a budget
 that cannot hold the part) the Python call copies the batch out of the LMDB values.
 """
 from __future__ import annotations
@@ -420,16 +420,19 @@ class DataCache:
     def dataset(self, batch_size: int, *, augment: Optional[Callable[[tf.Tensor], tf.Tensor]] = None,
                 epochs: Optional[int] = 1, first_epoch: int = 0,
                 resolution: Union[None, int, Tuple[int, int], str] = "default",
-                drop_remainder: bool = False, with_index: bool = False,
+                drop_remainder: bool = False, with_index: bool = False, compile_augment: bool = True,
                 prefetch: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
         """Batches (images uint8 [B, h, w, c], labels int64 [B]) (+ sample ids [B] with
         `with_index`) of this rank's share, `epochs` epochs per iteration (None: forever).
 
         Every iteration over the dataset continues with the next epoch (first_epoch, first_epoch
         + 1, ...), so Model.fit's per-epoch iterations each get a new order. `augment(image)`
-        runs per sample after the cache (traced once; `tf.map_fn` over each batch, so random ops
-        draw per sample); `resolution` overrides the cache's (progressive resizing: one dataset
-        per phase; each resolution has its own keys in the store and its own slab).
+        runs per sample after the cache (`tf.map_fn` over each batch, so random ops draw per
+        sample), compiled with XLA (`compile_augment`, the default: one fused computation per
+        batch instead of a dozen small kernels per sample) unless it uses an op XLA lacks (then
+        with a warning it runs uncompiled; float arithmetic may round differently under XLA).
+        `resolution` overrides the cache's (progressive resizing: one dataset per phase; each
+        resolution has its own keys in the store and its own slab).
         """
         _check_batch_size(batch_size)
         if epochs is not None and epochs < 1:
@@ -505,11 +508,11 @@ class DataCache:
         total = steps * epochs if epochs is not None else 2**62
         ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), from_slab if slab is not None else from_values)
         if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
-            spec = _output_spec(augment, tf.TensorSpec([h, w, c], tf.uint8))
+            per_batch = _batch_augment(augment, (batch_size, h, w, c), compile_augment)
 
             @tf.autograph.experimental.do_not_convert
             def augmented(images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
-                images = tf.map_fn(augment, images, fn_output_signature=spec)
+                images = per_batch(images)
                 return (images, labels, ids) if with_index else (images, labels)
 
             ds = ds.map(augmented, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -535,10 +538,28 @@ def _check_batch_size(batch_size: int) -> None:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
 
 
-def _output_spec(fn: Callable, spec: tf.TensorSpec):
-    """What `fn` returns for one sample of `spec` (traced, not run): map_fn's output signature."""
-    out = tf.function(fn).get_concrete_function(spec).structured_outputs
-    return tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
+def _batch_augment(augment: Callable, shape: Tuple, compile_augment: bool) -> Callable[[tf.Tensor], tf.Tensor]:
+    """`augment` applied to every sample of a batch of `shape` ([B, h, w, c]): `tf.map_fn`
+    (a random op draws per sample), compiled with XLA when asked and XLA has every op
+    (compiled here, once: a batch in the pipeline then runs as one fused computation)."""
+    sample = tf.TensorSpec(shape[1:], tf.uint8)
+    out = tf.function(augment).get_concrete_function(sample).structured_outputs
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
+    signature = [tf.TensorSpec([None, *shape[1:]], tf.uint8)]
+
+    def per_batch(images: tf.Tensor):
+        return tf.map_fn(augment, images, fn_output_signature=spec)
+
+    if compile_augment and None not in shape:
+        compiled = tf.function(per_batch, input_signature=signature, jit_compile=True)
+        try:
+            compiled(tf.zeros(shape, tf.uint8))
+            return compiled
+        except (tf.errors.OpError, ValueError, TypeError, NotImplementedError) as exc:
+            message = getattr(exc, "message", str(exc)).strip().splitlines()[0]
+            warnings.warn(f"hvdx.data: augment cannot be compiled with XLA ({message}); it runs uncompiled",
+                          RuntimeWarning, stacklevel=3)
+    return tf.function(per_batch, input_signature=signature)
 
 
 def _node_sizes(own: int, placement: Placement) -> List[int]:
