@@ -587,17 +587,22 @@ def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
     result = json.loads((tmp_path / "datacache.json").read_text())
     assert result["config"]["images"] == 64 and result["config"]["rounds"] == 1
     rounds = result["rounds_seconds"]
-    assert sorted(rounds) == sorted(["no_cache", "no_cache_16", "tf_cache", "datacache", "datacache_rerun"])
-    assert all(len(r) == 1 and len(r[0]) == 2 and min(r[0]) > 0 for m, r in rounds.items() if m != "datacache_rerun")
+    assert sorted(rounds) == sorted(["no_cache", "no_cache_16", "tf_cache", "datacache", "datacache_uncompiled",
+                                     "datacache_rerun"])
+    full = [m for m in rounds if m not in ("datacache_rerun", "datacache_uncompiled")]
+    assert all(len(rounds[m]) == 1 and len(rounds[m][0]) == 2 and min(rounds[m][0]) > 0 for m in full)
     assert len(rounds["datacache_rerun"][0]) == 1
+    assert rounds["datacache_uncompiled"][0][0] is None and rounds["datacache_uncompiled"][0][1] > 0  # epoch 2+ only
     cpu = result["rounds_cpu_seconds"]
-    assert all(len(cpu[m][0]) == len(rounds[m][0]) and min(cpu[m][0]) > 0 for m in rounds)
+    assert all(len(cpu[m][0]) == len(rounds[m][0]) and min(v for v in cpu[m][0] if v is not None) > 0 for m in rounds)
+    assert len(result["machine"]["load_average"]["start"]) == 3
     assert sorted(result["training_step_s"]) == ["datacache", "no_cache", "tf_cache"]
     assert result["memory_per_node_bytes"]["datacache"] > result["decoded_bytes"] > 0  # the store holds it all
     assert (tmp_path / "datacache.png").stat().st_size > 10_000
     assert sorted(result["training_step_seconds"]) == ["datacache", "no_cache", "tf_cache"]
     text = readme.read_text()
     assert "<!-- datacache:begin -->" in text and "| DataCache, later run |" in text
+    assert "| DataCache, augmentation not compiled |" in text and "load average" in text
     assert "Epoch 2+ input time, no cache over DataCache" in text and "goal >= 10x" in text
     readme.write_text("# benchmarks\n")  # --render redoes table, plot and summary from the raw JSON alone
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--render",

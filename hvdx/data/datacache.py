@@ -540,8 +540,8 @@ def _check_batch_size(batch_size: int) -> None:
 
 def _batch_augment(augment: Callable, shape: Tuple, compile_augment: bool) -> Callable[[tf.Tensor], tf.Tensor]:
     """`augment` applied to every sample of a batch of `shape` ([B, h, w, c]): `tf.map_fn`
-    (a random op draws per sample), compiled with XLA when asked and XLA has every op
-    (compiled here, once: a batch in the pipeline then runs as one fused computation)."""
+    (a random op draws per sample), compiled with XLA when asked and XLA has every op (a
+    batch then runs as one fused computation; compiled on the first batch of each shape)."""
     sample = tf.TensorSpec(shape[1:], tf.uint8)
     out = tf.function(augment).get_concrete_function(sample).structured_outputs
     spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
@@ -552,8 +552,8 @@ def _batch_augment(augment: Callable, shape: Tuple, compile_augment: bool) -> Ca
 
     if compile_augment and None not in shape:
         compiled = tf.function(per_batch, input_signature=signature, jit_compile=True)
-        try:
-            compiled(tf.zeros(shape, tf.uint8))
+        try:  # lowered to XLA's HLO (not run, not compiled yet): fails here if XLA lacks an op
+            compiled.experimental_get_compiler_ir(tf.zeros(shape, tf.uint8))(stage="hlo")
             return compiled
         except (tf.errors.OpError, ValueError, TypeError, NotImplementedError) as exc:
             message = getattr(exc, "message", str(exc)).strip().splitlines()[0]
