@@ -15,9 +15,8 @@ node's part at that resolution can live in one flat file beside the LMDB environ
 j holding the part's j-th sample (pixels [n, height, width, channels], then the labels as
 int64 [n]). A slab is allocated whole when it is created (`posix_fallocate`: a full
 /dev/shm fails there, never later with a SIGBUS) if the memory budget holds it, written with
-`pwrite` and mapped read-only: an epoch whose samples are all in the slab is one
-`tf.gather` per batch over a zero-copy tensor of the mapping (no Python call per batch, no
-copy of the data per rank). LMDB stays the index: a slab slot counts only once its
+`pwrite` and mapped read-only: a batch is one `tf.gather` over a zero-copy tensor of the
+mapping (no Python code touches the pixels, no rank holds a copy of them). LMDB stays the index: a slab slot counts only once its
 header-only entry is committed, after its pixels and label are written (LMDB's commit
 publishes them to the node's other processes). Without a slab (no fixed resolution, or a
 budget too small for the whole part) the pixels go into the LMDB values.
@@ -77,12 +76,6 @@ def encode_sample(image: np.ndarray, label: int) -> bytes:
     return _HEADER.pack(int(label), *image.shape) + np.ascontiguousarray(image).tobytes()
 
 
-def decode_sample(value: bytes) -> Sample:
-    label, h, w, c = _HEADER.unpack_from(value)
-    pixels = np.frombuffer(value, np.uint8, count=h * w * c, offset=_HEADER.size)
-    return pixels.reshape(h, w, c), label
-
-
 def _aligned_empty(shape: Tuple[int, ...], alignment: int = 64) -> np.ndarray:
     """An uninitialised uint8 array whose data is `alignment`-byte aligned: TensorFlow then
     takes it over from a numpy_function without copying it."""
@@ -119,6 +112,7 @@ class Slab:
 
     @staticmethod
     def file_size(n: int, shape: Tuple[int, int, int]) -> int:
+        """Bytes of a slab of `n` samples of `shape`: the pixels, page-aligned, then the labels."""
         pixels = n * int(np.prod(shape))
         return -(-pixels // mmap.PAGESIZE) * mmap.PAGESIZE + 8 * n
 
@@ -151,8 +145,12 @@ class Slab:
         they read it only after its LMDB entry is committed)."""
         if image.shape != self.shape or image.dtype != np.uint8:
             raise ValueError(f"image must be uint8 {self.shape}, got {image.dtype} {image.shape}")
-        os.pwrite(self._fd, np.ascontiguousarray(image).data, slot * self.sample_bytes)
-        os.pwrite(self._fd, struct.pack("<q", int(label)), self.labels_offset + 8 * slot)
+        if not 0 <= slot < len(self.part):
+            raise ValueError(f"slot must be in [0, {len(self.part)}), got {slot}")
+        for data, offset in ((np.ascontiguousarray(image).reshape(-1).data, slot * self.sample_bytes),
+                             (struct.pack("<q", int(label)), self.labels_offset + 8 * slot)):
+            if os.pwrite(self._fd, data, offset) != len(data):  # the file is allocated: never short
+                raise OSError(f"short write to slab {self.path}")
 
     def close(self) -> None:
         """Closes the file; the mapping goes when the last array over it does."""
