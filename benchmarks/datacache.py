@@ -284,7 +284,8 @@ def summarize(inputs: dict, training: dict, args: argparse.Namespace) -> dict:
         "epoch1_no_cache_over_datacache": paired("no_cache", "datacache", slice(0, 1)),
     }
     if t.get("datacache_uncompiled"):
-        goals["epoch2_datacache_uncompiled_throughput_over_tf_cache"] = paired("tf_cache", "datacache_uncompiled", later)
+        goals["epoch2_datacache_uncompiled_throughput_over_tf_cache"] = paired("tf_cache", "datacache_uncompiled",
+                                                                               later)
         goals["epoch2_datacache_uncompiled_cpu_throughput_over_tf_cache"] = [
             statistics.median(a[later]) / statistics.median(b[later])
             for a, b in zip(c["tf_cache"], c["datacache_uncompiled"])]
@@ -459,7 +460,8 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
         loaded = (f", shared: load average (1, 5, 15 min) {'/'.join(f'{v:g}' for v in load['start'])} at the start, "
                   f"{'/'.join(f'{v:g}' for v in load['end'])} at the end" if load else "")
         body = (f"Measured by `python benchmarks/datacache.py{' --quick' if args.quick else ''}` on "
-                f"{machine['cpus']} CPU cores{loaded} (TensorFlow {machine['tensorflow']}): {args.images} JPEGs of {args.size} "
+                f"{machine['cpus']} CPU cores{loaded} (TensorFlow {machine['tensorflow']}): {args.images} JPEGs of "
+                f"{args.size} "
                 f"px (mean {result['mean_file_bytes'] / 1024:.1f} KiB) read through `SlowSource` "
                 f"({args.latency_ms:g} ms per open, {args.mib_per_s:g} MiB/s), decoded to {args.resolution} px, "
                 f"batches of {args.batch}; {args.rounds} rounds, each cold, methods taking turns; times are "

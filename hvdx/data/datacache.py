@@ -39,8 +39,9 @@ samples are in the slab (prefetched or decoded now); it returns the batch's slot
 slab's arrays, zero-copy views of the mapping, from which `tf.gather` copies out the batch.
 From epoch 2 on no Python code touches pixels, and every rank of the node reads the one copy.
 Augmentation runs per sample over each batch (`tf.map_fn`, compiled with XLA where it can
-be, batches in parallel), so samples are never unbatched and batched again. Without a slab (no fixed resolution, or a budget
-that cannot hold the part) the Python call copies the batch out of the LMDB values.
+be, batches in parallel), so samples are never unbatched and batched again. Without a slab
+(no fixed resolution, or a budget that cannot hold the part) the Python call copies the
+batch out of the LMDB values.
 """
 from __future__ import annotations
 
@@ -506,7 +507,8 @@ class DataCache:
             return epoch, ((images, labels, ids) if with_index or augment is not None else (images, labels))
 
         total = steps * epochs if epochs is not None else 2**62
-        ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), from_slab if slab is not None else from_values)
+        read = from_slab if slab is not None else from_values
+        ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), read)
         if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
             per_batch = _batch_augment(augment, (batch_size, h, w, c), compile_augment)
 

@@ -16,9 +16,9 @@ j holding the part's j-th sample (pixels [n, height, width, channels], then the 
 int64 [n]). A slab is allocated whole when it is created (`posix_fallocate`: a full
 /dev/shm fails there, never later with a SIGBUS) if the memory budget holds it, written with
 `pwrite` and mapped read-only: a batch is one `tf.gather` over a zero-copy tensor of the
-mapping (no Python code touches the pixels, no rank holds a copy of them). LMDB stays the index: a slab slot counts only once its
-header-only entry is committed, after its pixels and label are written (LMDB's commit
-publishes them to the node's other processes). Without a slab (no fixed resolution, or a
+mapping (no Python code touches the pixels, no rank holds a copy of them). LMDB stays the
+index: a slab slot counts only once its header-only entry is committed, after its pixels
+and label are written (LMDB's commit publishes them to the node's other processes). Without a slab (no fixed resolution, or a
 budget too small for the whole part) the pixels go into the LMDB values.
 
 The environment's metadata (format, hvdx version, data-set fingerprint, and the node's
