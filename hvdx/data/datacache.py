@@ -460,7 +460,7 @@ class DataCache:
                 slots = slab.slots(samples) if in_slab else samples
                 with counter_lock:
                     plans[epoch] = (samples, in_slab, slots)
-                    for old in [e for e in plans if e < epoch - 8]:  # iterations abandoned mid-epoch
+                    for old in [e for e in plans if e < epoch - 64]:  # iterations abandoned mid-epoch
                         del plans[old]
                 if in_slab:
                     self.store.count_hits(len(samples))
