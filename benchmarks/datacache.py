@@ -10,12 +10,16 @@ prefetching, take turns in every round, each round starting cold (no local copy,
 - `no_cache`: tf.data reads and decodes every file every epoch (`num_parallel_calls=AUTOTUNE`);
 - `no_cache_16`: the same with 16 parallel reads (a generous baseline for epoch 1);
 - `tf_cache`: tf.data's in-memory `.cache()` after decoding, then a full shuffle;
-- `datacache`: `hvdx.data.DataCache(...).dataset(...)`;
+- `datacache`: `hvdx.data.DataCache(...).dataset(...)` (augmentation per sample over each
+  batch, compiled with XLA: `compile_augment=True`, the default);
+- `datacache_uncompiled` (epoch 2+ only, on the same warm cache): the same with
+  `compile_augment=False`, the augmentation's ops run one by one as in the other pipelines;
 - `datacache_rerun` (epoch 1 only): DataCache again with its level-1 directory warm (a later
   run of a hyper-parameter sweep), the node store cold.
 
 Input time is the time to iterate one epoch with nothing else to do. End-to-end, a small CNN
-trains on each pipeline (cold, one round) and the time per step is reported. Memory per
+trains on each pipeline (epoch 1 cold, one method after the other; epochs 2+ taking turns)
+and the time per step is reported. Memory per
 node: DataCache keeps one store per node (its file's blocks on /dev/shm, measured); a
 `.cache()` rank holds its own copy (RSS growth, measured), so a node whose n ranks reshuffle
 its part every epoch holds n copies (--local-size n).
@@ -57,7 +61,8 @@ HERE = Path(__file__).resolve().parent
 INPUT_METHODS = ("no_cache", "no_cache_16", "tf_cache", "datacache")
 TRAIN_METHODS = ("no_cache", "tf_cache", "datacache")
 LABELS = {"no_cache": "no cache (tf.data, AUTOTUNE)", "no_cache_16": "no cache (tf.data, 16 parallel reads)",
-          "tf_cache": "tf.data `.cache()`", "datacache": "DataCache", "datacache_rerun": "DataCache, later run"}
+          "tf_cache": "tf.data `.cache()`", "datacache": "DataCache",
+          "datacache_uncompiled": "DataCache, augmentation not compiled", "datacache_rerun": "DataCache, later run"}
 GOAL_EPOCH2 = 10.0
 
 
@@ -164,8 +169,9 @@ def small_cnn(resolution: int) -> tf.keras.Model:
 
 def bench_input(root: Path, work: Path, args: argparse.Namespace) -> dict:
     """Input time per epoch of every method, methods taking turns, each round cold."""
-    times: Dict[str, List[List[float]]] = {m: [] for m in INPUT_METHODS + ("datacache_rerun",)}
-    cpu: Dict[str, List[List[float]]] = {m: [] for m in INPUT_METHODS + ("datacache_rerun",)}
+    extra = ("datacache_uncompiled", "datacache_rerun")
+    times: Dict[str, List[List[Optional[float]]]] = {m: [] for m in INPUT_METHODS + extra}
+    cpu: Dict[str, List[List[Optional[float]]]] = {m: [] for m in INPUT_METHODS + extra}
     memory: Dict[str, int] = {}
     for r in range(args.rounds):
         order = INPUT_METHODS if r % 2 == 0 else INPUT_METHODS[::-1]
@@ -179,6 +185,10 @@ def bench_input(root: Path, work: Path, args: argparse.Namespace) -> dict:
                 memory["tf_cache_rank"] = rss() - before
             if method == "datacache":
                 memory.setdefault("datacache_node", run.cache.store.memory_used())
+                plain = run.cache.dataset(args.batch, augment=augment(args.resolution), compile_augment=False)
+                later = [time_epoch(plain) for _ in range(args.epochs - 1)]  # the store is warm: epochs 2+
+                times["datacache_uncompiled"].append([None] + [e[0] for e in later])
+                cpu["datacache_uncompiled"].append([None] + [e[2] for e in later])
                 disk_dir = run.disk_dir
                 run.dirs.remove(disk_dir)
                 run.close()
@@ -196,31 +206,43 @@ def bench_input(root: Path, work: Path, args: argparse.Namespace) -> dict:
     return {"rounds_seconds": times, "rounds_cpu_seconds": cpu, "memory_bytes": memory}
 
 
+def train_step(resolution: int) -> Callable:
+    """A small CNN's training step (a fresh model), traced before it is timed."""
+    model = small_cnn(resolution)
+    optimizer = tf.keras.optimizers.SGD(0.01)
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(input_signature=[tf.TensorSpec([None, resolution, resolution, 3], tf.uint8),
+                                  tf.TensorSpec([None], tf.int64)])
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    step(tf.zeros([2, resolution, resolution, 3], tf.uint8), tf.zeros([2], tf.int64))
+    return step
+
+
 def bench_training(root: Path, work: Path, args: argparse.Namespace) -> dict:
-    """Seconds per training step of a small CNN fed by each pipeline, epoch 1 (cold) and 2+."""
-    out = {}
-    for method in TRAIN_METHODS:
-        model = small_cnn(args.resolution)
-        optimizer = tf.keras.optimizers.SGD(0.01)
-        loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-        @tf.function(input_signature=[tf.TensorSpec([None, args.resolution, args.resolution, 3], tf.uint8),
-                                      tf.TensorSpec([None], tf.int64)])
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
-            return loss
-
-        run = Run(method, root, work, args)
-        step(tf.zeros([args.batch, args.resolution, args.resolution, 3], tf.uint8),
-             tf.zeros([args.batch], tf.int64))  # traced before timing
-        per_step = []
-        for _ in range(args.epochs):
-            seconds, batches, _ = time_epoch(run.dataset, step)
-            per_step.append(seconds / batches)
-        run.close()
-        out[method] = per_step
+    """Seconds per training step of a small CNN fed by each pipeline: epoch 1 (cold) one
+    method after the other, then epochs 2+ with the methods taking turns (order reversed
+    every epoch), so that the machine's other load falls on all of them alike."""
+    runs, steps = {}, {}
+    out: Dict[str, List[float]] = {m: [] for m in TRAIN_METHODS}
+    try:
+        for method in TRAIN_METHODS:
+            runs[method], steps[method] = Run(method, root, work, args), train_step(args.resolution)
+            seconds, batches, _ = time_epoch(runs[method].dataset, steps[method])
+            out[method].append(seconds / batches)
+        for e in range(1, args.epochs):
+            for method in (TRAIN_METHODS if e % 2 else TRAIN_METHODS[::-1]):
+                seconds, batches, _ = time_epoch(runs[method].dataset, steps[method])
+                out[method].append(seconds / batches)
+    finally:
+        for run in runs.values():
+            run.close()
+    for method, per_step in out.items():
         print(json.dumps({"train": method, "step_s": [round(t, 4) for t in per_step]}), flush=True)
     return out
 
@@ -232,6 +254,13 @@ def summarize(inputs: dict, training: dict, args: argparse.Namespace) -> dict:
     n = args.images
     rows = {}
     for method, rounds in t.items():
+        if rounds[0][0] is None:  # epochs 2+ only
+            later = statistics.median(statistics.median(r[1:]) for r in rounds)
+            c = inputs["rounds_cpu_seconds"][method]
+            rows[method] = {"epoch1_s": None, "epoch2plus_s": later, "epoch1_samples_per_s": None,
+                            "epoch2plus_samples_per_s": n / later, "epoch1_cpu_s": None,
+                            "epoch2plus_cpu_s": statistics.median(statistics.median(r[1:]) for r in c)}
+            continue
         first = statistics.median(r[0] for r in rounds)
         later = statistics.median(statistics.median(r[1:]) for r in rounds) if len(rounds[0]) > 1 else None
         c = inputs["rounds_cpu_seconds"][method]
@@ -254,6 +283,12 @@ def summarize(inputs: dict, training: dict, args: argparse.Namespace) -> dict:
             statistics.median(a[later]) / statistics.median(b[later]) for a, b in zip(c["tf_cache"], c["datacache"])],
         "epoch1_no_cache_over_datacache": paired("no_cache", "datacache", slice(0, 1)),
     }
+    if t.get("datacache_uncompiled"):
+        goals["epoch2_datacache_uncompiled_throughput_over_tf_cache"] = paired("tf_cache", "datacache_uncompiled",
+                                                                               later)
+        goals["epoch2_datacache_uncompiled_cpu_throughput_over_tf_cache"] = [
+            statistics.median(a[later]) / statistics.median(b[later])
+            for a, b in zip(c["tf_cache"], c["datacache_uncompiled"])]
     return {"methods": rows, "paired_ratios": goals, "decoded_bytes": decoded,
             "memory_per_node_bytes": {"datacache": mem.get("datacache_node"),
                                       "tf_cache": mem.get("tf_cache_rank", 0) * args.local_size},
@@ -280,6 +315,11 @@ def goals_text(summary: dict, args: argparse.Namespace) -> str:
         f"- Epoch 2+ throughput, DataCache over tf.data `.cache()`: "
         f"{verdict(g['epoch2_datacache_throughput_over_tf_cache'], 1.0)}; per CPU second (what the machine's "
         f"other load does not change): {verdict(g['epoch2_datacache_cpu_throughput_over_tf_cache'], 1.0)}.",
+        *([f"- The same with DataCache's augmentation not compiled (`compile_augment=False`: per-sample ops "
+           f"run one by one, as in `.cache()`'s pipeline): "
+           f"{verdict(g['epoch2_datacache_uncompiled_throughput_over_tf_cache'], 1.0)}; per CPU second: "
+           f"{verdict(g['epoch2_datacache_uncompiled_cpu_throughput_over_tf_cache'], 1.0)}."]
+          if "epoch2_datacache_uncompiled_throughput_over_tf_cache" in g else []),
         f"- Epoch 1 input time, no cache over DataCache (DataCache no slower): "
         f"{verdict(g['epoch1_no_cache_over_datacache'], 1.0)}.",
         f"- Memory per node ({args.local_size} ranks per node, the node's part = {args.images} samples, "
@@ -298,9 +338,11 @@ def input_table(summary: dict) -> str:
     rows = []
     base = summary["methods"]["no_cache"]
     for method, r in summary["methods"].items():
-        later = r["epoch2plus_s"]
-        rows.append([LABELS[method], f"{r['epoch1_s']:.2f}", f"{r['epoch1_samples_per_s']:.0f}",
-                     f"{base['epoch1_s'] / r['epoch1_s']:.2f}x", f"{r['epoch1_cpu_s']:.2f}",
+        later, first = r["epoch2plus_s"], r["epoch1_s"]
+        rows.append([LABELS[method], "" if first is None else f"{first:.2f}",
+                     "" if first is None else f"{r['epoch1_samples_per_s']:.0f}",
+                     "" if first is None else f"{base['epoch1_s'] / first:.2f}x",
+                     "" if first is None else f"{r['epoch1_cpu_s']:.2f}",
                      "" if later is None else f"{later:.3f}",
                      "" if later is None else f"{r['epoch2plus_samples_per_s']:.0f}",
                      "" if later is None else f"{base['epoch2plus_s'] / later:.1f}x",
@@ -331,7 +373,7 @@ def plot(summary: dict, path: Path) -> None:
     methods = [m for m in summary["methods"] if m != "datacache_rerun"]
     x = np.arange(len(methods))
     rows = summary["methods"]
-    left.bar(x - 0.2, [rows[m]["epoch1_s"] for m in methods], 0.4, label="epoch 1 (cold)")
+    left.bar(x - 0.2, [rows[m]["epoch1_s"] or 0 for m in methods], 0.4, label="epoch 1 (cold)")
     left.bar(x + 0.2, [rows[m]["epoch2plus_s"] for m in methods], 0.4, label="epoch 2+")
     left.set_yscale("log")
     left.set_xticks(x, [LABELS[m].replace(" (", "\n(") for m in methods], fontsize=8)
@@ -377,6 +419,7 @@ def main() -> None:
         args.epochs, args.rounds, args.latency_ms = 2, 1, 1.0
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-"))
+    load = {"start": os.getloadavg()}
     try:
         root = work / "nfs"
         make_dataset(root, args.images, args.size)
@@ -385,8 +428,10 @@ def main() -> None:
         training = bench_training(root, work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    load["end"] = os.getloadavg()
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-               "tensorflow": tf.__version__, "hvdx": hvdx.__version__}
+               "tensorflow": tf.__version__, "hvdx": hvdx.__version__,
+               "load_average": {k: [round(v, 2) for v in vs] for k, vs in load.items()}}
     config = {k: getattr(args, k) for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "latency_ms",
                                             "mib_per_s", "local_size", "seed", "quick")}
     result = {"figure": "shi2021 Figure 9", "config": config, "machine": machine,
@@ -411,8 +456,12 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
     print(training_table(summary))
     if readme is not None:
         machine = result["machine"]
+        load = machine.get("load_average")
+        loaded = (f", shared: load average (1, 5, 15 min) {'/'.join(f'{v:g}' for v in load['start'])} at the start, "
+                  f"{'/'.join(f'{v:g}' for v in load['end'])} at the end" if load else "")
         body = (f"Measured by `python benchmarks/datacache.py{' --quick' if args.quick else ''}` on "
-                f"{machine['cpus']} CPU cores (TensorFlow {machine['tensorflow']}): {args.images} JPEGs of {args.size} "
+                f"{machine['cpus']} CPU cores{loaded} (TensorFlow {machine['tensorflow']}): {args.images} JPEGs of "
+                f"{args.size} "
                 f"px (mean {result['mean_file_bytes'] / 1024:.1f} KiB) read through `SlowSource` "
                 f"({args.latency_ms:g} ms per open, {args.mib_per_s:g} MiB/s), decoded to {args.resolution} px, "
                 f"batches of {args.batch}; {args.rounds} rounds, each cold, methods taking turns; times are "

@@ -19,6 +19,7 @@ import tensorflow as tf
 import hvdx
 from hvdx.data import CountingSource, DataCache, DiskCache, NodeStore, Placement, decode_image, sample_key
 from hvdx.data import epoch_share, node_part, samples_per_rank
+from hvdx.data.store import Slab
 from tests import harness
 
 RES = 24
@@ -128,6 +129,109 @@ def test_progressive_resizing_keeps_each_resolution_under_its_own_key(digits_roo
     assert {k[8:] for k in cache.store.keys()} == {sample_key(0, (8, 8))[8:], sample_key(0, (20, 20))[8:]}
 
 
+def rss_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def slabs(store):
+    return sorted(name for name in os.listdir(store.path) if name.startswith("slab-"))
+
+
+def test_epoch_2_is_gathered_from_the_node_slab_without_a_copy_per_rank(digits_root, tmp_path):
+    """The node's part at one resolution is one flat file on /dev/shm; from epoch 2 on each
+    batch is gathered from its mapping (shared pages), not from a per-rank copy."""
+    res = 160  # 48 x 160 x 160 x 3 = 3.5 MiB: a per-rank copy would show in anonymous memory
+    cache = make_cache(digits_root, tmp_path, resolution=res, memory_bytes=2**27)
+    ds = cache.dataset(8, with_index=True)
+    mapped = rss_kib("RssFile") + rss_kib("RssShmem")
+    first = epoch(ds)  # gathered from the slab too, once each batch's samples are decoded into it
+    slab = Slab(os.path.join(cache.store.path, slabs(cache.store)[0]), cache.part, (res, res, 3))
+    decoded = 48 * res * res * 3
+    assert slabs(cache.store) == [f"slab-{res}x{res}x3-n48"] and slab.size == Slab.file_size(48, (res, res, 3))
+    assert decoded <= cache.store.memory_used() <= decoded + 2**18  # the part, once (+ the LMDB index)
+    assert set(cache.store.locate(cache.store.keys())) == {2}  # LMDB holds no pixels
+    anon, peak = rss_kib("RssAnon"), 0
+    images, labels, ids = [], [], []
+    for x, y, i in ds:  # epoch 2
+        peak = max(peak, rss_kib("RssAnon") - anon)
+        images.append(x.numpy())
+        labels.append(y.numpy())
+        ids.append(i.numpy())
+    images, labels, ids = np.concatenate(images), np.concatenate(labels), np.concatenate(ids)
+    # read from the store's file mapping (on /dev/shm: shared memory; here under tmp_path)...
+    assert (rss_kib("RssFile") + rss_kib("RssShmem") - mapped) * 1024 >= 0.9 * decoded
+    assert peak * 1024 < decoded / 2  # ... not from a copy of them
+    assert sorted(ids) == list(range(48)) and list(ids) != list(first[2])
+    for x, y, i in zip(images, labels, ids):  # byte-identical to the source, and to the slab's slot
+        assert np.array_equal(x, direct(cache.catalog.paths[i], res)) and y == cache.catalog.labels[i]
+        assert np.array_equal(x, slab.pixels[slab.slots([i])[0]]) and slab.labels[slab.slots([i])[0]] == y
+    assert cache.store.stats["hits"] == 48
+
+
+@pytest.mark.filterwarnings("ignore:hvdx.data.*is full:RuntimeWarning")
+def test_without_a_fixed_resolution_or_room_for_a_slab_samples_stay_in_lmdb(digits_root, tmp_path):
+    for kwargs in ({"resolution": None}, {"memory_bytes": 60 * 1024}):  # the part takes 81 KiB at 24 px
+        cache = make_cache(digits_root, tmp_path / str(len(kwargs)) / next(iter(kwargs)), **kwargs)
+        for _ in range(2):
+            images, labels, ids = epoch(cache.dataset(8, with_index=True))
+            assert len(ids) == 48 and images.shape[1:] == ((40, 40, 3) if "resolution" in kwargs else (RES, RES, 3))
+            assert all(np.array_equal(x, direct(cache.catalog.paths[i], cache.resolution)) for x, i in zip(images, ids))
+        assert slabs(cache.store) == [] and set(cache.store.locate(cache.store.keys())) == {1}
+
+
+def test_augmentation_runs_per_sample_after_the_cache(digits_root, tmp_path):
+    cache = make_cache(digits_root, tmp_path)
+    for _ in range(2):
+        images, _, ids = epoch(cache.dataset(48, augment=tf.image.random_flip_left_right, with_index=True))
+        flipped = [np.array_equal(x, direct(cache.catalog.paths[i])[:, ::-1]) for x, i in zip(images, ids)]
+        kept = [np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids)]
+        assert all(f or k for f, k in zip(flipped, kept)) and 0 < sum(flipped) < 48  # drawn per sample
+    x, y = next(iter(cache.dataset(4, augment=lambda image: tf.cast(image, tf.float32)[2:-2, 2:-2] / 255.0)))
+    assert x.dtype == tf.float32 and x.shape == (4, RES - 4, RES - 4, 3) and y.shape == (4,)
+
+    def upside_down(image):  # a Python op: XLA cannot compile it, so it runs uncompiled
+        return tf.ensure_shape(tf.numpy_function(lambda x: np.ascontiguousarray(x[::-1]), [image], tf.uint8),
+                               image.shape)
+
+    with pytest.warns(RuntimeWarning, match="cannot be compiled with XLA"):
+        ds = cache.dataset(8, augment=upside_down, with_index=True)
+    for ds in (ds, cache.dataset(8, augment=tf.image.flip_up_down, compile_augment=False, with_index=True)):
+        images, _, ids = epoch(ds)
+        assert all(np.array_equal(x, direct(cache.catalog.paths[i])[::-1]) for x, i in zip(images, ids))
+
+
+def _fill_slab(path, meta, part, start, barrier):
+    store = NodeStore(path, meta, 2**26)
+    assert store.slab((16, 16), 3, part) is not None
+    barrier.wait()
+    for i in range(start, start + 300):  # one transaction each: many interleaved writers
+        store.put_many([(sample_key(int(part[i]), (16, 16)), np.full((16, 16, 3), i % 251, np.uint8), i)])
+
+
+def test_two_processes_filling_one_slab_at_once_do_not_corrupt_it(tmp_path):
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    path, meta, part = str(tmp_path / "store"), {"fingerprint": "f", "node": 0}, np.arange(0, 1350, 3)
+    procs = [ctx.Process(target=_fill_slab, args=(path, meta, part, start, barrier)) for start in (0, 150)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0, 0]
+    store = NodeStore(path, meta, 2**26)
+    assert not store.rebuilt and os.listdir(path).count("slab-16x16x3-n450") == 1
+    slab = store.slab((16, 16), 3, part)
+    keys = [sample_key(int(s), (16, 16)) for s in part]
+    assert set(store.locate(keys)) == {2}
+    assert all((slab.pixels[j] == j % 251).all() and slab.labels[j] == j for j in range(450))
+    images, labels = store.get_batch(keys[::-1], (16, 16, 3))
+    assert np.array_equal(labels, np.arange(450)[::-1]) and np.array_equal(images[:, 0, 0, 0], labels % 251)
+    store.close()
+    other = NodeStore(path, {"fingerprint": "g", "node": 0}, 2**26)  # another data set: the slab goes too
+    assert other.rebuilt and not [n for n in os.listdir(path) if n.startswith("slab-")]
+
+
 def test_reduced_size_jpeg_decoding_is_close_to_a_full_decode(digits_root):
     data = tf.io.read_file(os.path.join(digits_root, "digit0", "0000.jpg"))
     reduced = decode_image(data, 10).numpy().astype(int)  # 40 -> 10: decode_jpeg(ratio=4)
@@ -209,6 +313,7 @@ def test_two_by_two_ranks_one_store_per_node_each_with_its_part(tmp_path):
     assert sorted(parts[0] + parts[1]) == list(range(66)) and len(parts[0]) == len(parts[1]) == 33
     for r in data.values():
         assert r["stored"] == parts[r["node"]]  # the node's part, all of it, and nothing else
+        assert r["slabs"] == {"slab-24x24x3-n33": Slab.file_size(33, (24, 24, 3))}  # once per node, its part
         assert r["per_rank"] == 16 and r["steps_per_epoch"] == 4
     for e in range(2):
         ids = [i for r in data.values() for i in r["epochs"][e]["ids"]]
@@ -482,17 +587,22 @@ def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
     result = json.loads((tmp_path / "datacache.json").read_text())
     assert result["config"]["images"] == 64 and result["config"]["rounds"] == 1
     rounds = result["rounds_seconds"]
-    assert sorted(rounds) == sorted(["no_cache", "no_cache_16", "tf_cache", "datacache", "datacache_rerun"])
-    assert all(len(r) == 1 and len(r[0]) == 2 and min(r[0]) > 0 for m, r in rounds.items() if m != "datacache_rerun")
+    assert sorted(rounds) == sorted(["no_cache", "no_cache_16", "tf_cache", "datacache", "datacache_uncompiled",
+                                     "datacache_rerun"])
+    full = [m for m in rounds if m not in ("datacache_rerun", "datacache_uncompiled")]
+    assert all(len(rounds[m]) == 1 and len(rounds[m][0]) == 2 and min(rounds[m][0]) > 0 for m in full)
     assert len(rounds["datacache_rerun"][0]) == 1
+    assert rounds["datacache_uncompiled"][0][0] is None and rounds["datacache_uncompiled"][0][1] > 0  # epoch 2+ only
     cpu = result["rounds_cpu_seconds"]
-    assert all(len(cpu[m][0]) == len(rounds[m][0]) and min(cpu[m][0]) > 0 for m in rounds)
+    assert all(len(cpu[m][0]) == len(rounds[m][0]) and min(v for v in cpu[m][0] if v is not None) > 0 for m in rounds)
+    assert len(result["machine"]["load_average"]["start"]) == 3
     assert sorted(result["training_step_s"]) == ["datacache", "no_cache", "tf_cache"]
     assert result["memory_per_node_bytes"]["datacache"] > result["decoded_bytes"] > 0  # the store holds it all
     assert (tmp_path / "datacache.png").stat().st_size > 10_000
     assert sorted(result["training_step_seconds"]) == ["datacache", "no_cache", "tf_cache"]
     text = readme.read_text()
     assert "<!-- datacache:begin -->" in text and "| DataCache, later run |" in text
+    assert "| DataCache, augmentation not compiled |" in text and "load average" in text
     assert "Epoch 2+ input time, no cache over DataCache" in text and "goal >= 10x" in text
     readme.write_text("# benchmarks\n")  # --render redoes table, plot and summary from the raw JSON alone
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--render",

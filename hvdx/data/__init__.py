@@ -5,7 +5,8 @@ once per node, and served from node memory from the second epoch on.
     dataset = cache.dataset(batch_size=256, augment=tf.image.random_flip_left_right)
 
 Modules: `source` (where files come from), `disk` (level 1, local disk), `store` (level 2,
-an LMDB store per node on /dev/shm; lmdb is imported only when a store is opened),
+one store per node on /dev/shm: a flat slab per resolution and an LMDB index; lmdb is
+imported only when a store is opened),
 `catalog` (folder trees and TFRecord files), `decode` (decoding at a resolution),
 `datacache` (the split and the tf.data pipeline).
 """

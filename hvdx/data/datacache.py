@@ -31,9 +31,17 @@ missing samples in the order the reader will want them (at most `lookahead` ahea
 one decode per core at a time), instead of the reader waiting on each file; the reader
 puts each batch into the store in one transaction.
 
-From epoch 2, a batch is one Python call that copies its samples out of the store's memory
-map (one LMDB read transaction); with augmentation it is unbatched, augmented per sample and
-batched again, outside the per-epoch part of the pipeline so that tf.data fuses the steps.
+With a fixed resolution the node's part lives in a slab (`hvdx.data.store.Slab`: one flat
+file on /dev/shm per resolution, LMDB as its index). The pipeline is a `scan` over batch
+numbers with one Python call per batch: it plans the epoch on its first batch (and knows then
+whether all of the rank's share is in the slab), and in epoch 1 makes sure the batch's
+samples are in the slab (prefetched or decoded now); it returns the batch's slots and the
+slab's arrays, zero-copy views of the mapping, from which `tf.gather` copies out the batch.
+From epoch 2 on no Python code touches pixels, and every rank of the node reads the one copy.
+Augmentation runs per sample over each batch (`tf.map_fn`, compiled with XLA where it can
+be, batches in parallel), so samples are never unbatched and batched again. Without a slab
+(no fixed resolution, or a budget that cannot hold the part) the Python call copies the
+batch out of the LMDB values.
 """
 from __future__ import annotations
 
@@ -54,7 +62,7 @@ from hvdx.data.catalog import ImageFolder, TFRecordShards
 from hvdx.data.decode import decode_image_eager, normalize_resolution
 from hvdx.data.disk import DiskCache
 from hvdx.data.source import GFileSource, Source
-from hvdx.data.store import NodeStore, sample_key
+from hvdx.data.store import NodeStore, Slab, sample_key
 
 __all__ = ["DataCache", "Placement", "epoch_share", "node_part", "samples_per_rank"]
 
@@ -134,7 +142,9 @@ class DataCache:
       ~/.cache/hvdx/datacache, plus the data set's fingerprint); `disk_bytes` bounds it.
     - `store_dir`: where the node's store goes (default /dev/shm/hvdx-datacache); its name
       holds the data set's fingerprint and the node; `memory_bytes` bounds it (default:
-      half of the free space of `store_dir`'s file system).
+      half of the free space of `store_dir`'s file system): a resolution's slab (the whole
+      part, allocated at once) is made only if it fits beside what the store holds, else
+      the samples go into LMDB values, which fill up to the bound and then read through.
     - `source`: how files are read (default `GFileSource`, any tf.io.gfile path).
     - `seed`: shuffling (every rank must pass the same); `split_seed`: the split into nodes.
     - `remainder`: "drop" or "pad" (see the module's docstring).
@@ -221,6 +231,7 @@ class DataCache:
         self._taken: set = set()  # samples the reader has asked for (the prefetcher skips them)
         self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
         self._feeder_stop: Optional[threading.Event] = None
+        self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
         self.skipped: Dict[str, str] = {}
         self._bad: set = set()
 
@@ -276,10 +287,21 @@ class DataCache:
         if decoded is not None:
             self.store.put_many([(sample_key(sample, resolution), *decoded)])
 
-    def _start_epoch(self, epoch: int, resolution) -> np.ndarray:
-        """This rank's order of `epoch`; starts preparing its missing samples in that order."""
+    def _slab(self, resolution) -> Optional[Slab]:
+        """The node's slab at `resolution` (None: no fixed resolution, or no room for it)."""
+        if resolution is None:
+            return None
+        with self._lock:
+            if resolution not in self._slabs:
+                self._slabs[resolution] = self.store.slab(resolution, self.channels, self.part)
+            return self._slabs[resolution]
+
+    def _start_epoch(self, epoch: int, resolution) -> Tuple[np.ndarray, bool]:
+        """(this rank's order of `epoch`, whether all of it is in the resolution's slab);
+        starts preparing its missing samples in that order."""
         p = self.placement
         share, leftover = epoch_share(self.part, epoch, self.seed, p.local_rank, p.local_size, self.per_rank)
+        slab = self._slab(resolution)
         if self._feeder_stop is not None:
             self._feeder_stop.set()
         with self._lock:
@@ -287,15 +309,16 @@ class DataCache:
         share_list = list(dict.fromkeys(int(s) for s in share))  # pad may repeat a sample
         leftover_list = [int(s) for s in leftover] if not self.store.full else []
         wanted = share_list + leftover_list
-        present = self.store.contains(sample_key(s, resolution) for s in wanted)
-        missing = [(s, j >= len(share_list)) for j, (s, ok) in enumerate(zip(wanted, present))
-                   if not ok and s not in self._bad]
+        where = self.store.locate(sample_key(s, resolution) for s in wanted)
+        missing = [(s, j >= len(share_list)) for j, (s, w) in enumerate(zip(wanted, where))
+                   if not w and s not in self._bad]
         if missing:
             stop = threading.Event()
             self._feeder_stop = stop
             threading.Thread(target=self._feed, args=(missing, resolution, stop), daemon=True,
                              name="hvdx-datacache-feeder").start()
-        return share.astype(np.int64)
+        in_slab = slab is not None and bool(np.all(where[:len(share_list)] == 2))
+        return share.astype(np.int64), in_slab
 
     def _feed(self, missing: List[Tuple[int, bool]], resolution, stop: threading.Event) -> None:
         """Clairvoyant prefetch (beyond the paper): read and decode the epoch's missing samples
@@ -330,8 +353,53 @@ class DataCache:
         entry[1]()  # its slot is free again
         return entry[0]
 
+    def _complete(self, samples: List[int], resolution, got: List[Optional[Tuple[np.ndarray, int]]],
+                  missing: Sequence[int]) -> List[Tuple[bytes, np.ndarray, int]]:
+        """Fills `got[j]` for j in `missing` (prefetched, else read and decoded now; None if
+        skipped); returns the new (key, image, label) items for the store. Every sample of the
+        batch is marked taken (the read-ahead no longer prepares it)."""
+        futures = {}
+        for j, s in enumerate(samples):
+            future = self._take(s, resolution)
+            if j in missing:
+                futures[j] = future or self._read_pool.submit(self._decode, s, resolution)
+        new = []
+        for j, future in futures.items():
+            got[j] = future.result()  # raises its error, with the file's path
+            if got[j] is not None:
+                new.append((sample_key(samples[j], resolution), *got[j]))
+        return new
+
+    def _replace_skipped(self, samples: List[int], ok: Sequence[bool]) -> List[int]:
+        """The batch's ids with each skipped (undecodable) sample replaced by another of its batch."""
+        if not any(ok):
+            raise ValueError("hvdx.data: every sample of a batch is undecodable: "
+                             + ", ".join(self.catalog.describe(s) for s in samples))
+        return [s if ok[j] else samples[next(i for i in itertools.chain(range(j, len(ok)), range(j)) if ok[i])]
+                for j, s in enumerate(samples)]
+
+    def _read_into_slab(self, samples: np.ndarray, resolution, slab: Slab) -> np.ndarray:
+        """Makes sure the samples of one batch are in the slab (decoding what the store lacks);
+        returns the ids to gather (a skipped sample replaced by another of its batch)."""
+        samples = [int(s) for s in samples]
+        keys = [sample_key(s, resolution) for s in samples]
+        where = self.store.locate(keys)
+        got: List[Optional[Tuple[np.ndarray, int]]] = [None] * len(samples)
+        in_values = [j for j, w in enumerate(where) if w == 1]  # stored without the slab: copy them in
+        for j, sample in zip(in_values, self.store.get_many([keys[j] for j in in_values])):
+            if sample is not None:
+                slab.write(int(slab.slots([samples[j]])[0]), *sample)
+        missing = [j for j, w in enumerate(where) if w == 0]
+        self.store.count_hits(len(samples) - len(missing), len(missing))
+        self.store.put_many(self._complete(samples, resolution, got, missing))  # pixels into the slab
+        if not missing or all(got[j] is not None for j in missing):
+            return np.asarray(samples, np.int64)
+        ok = [w != 0 or got[j] is not None for j, w in enumerate(where)]
+        return np.asarray(self._replace_skipped(samples, ok), np.int64)
+
     def _read_block(self, samples: np.ndarray, resolution) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The samples of one batch: from the store, else prefetched, else read and decoded now."""
+        """The samples of one batch without a slab: from the store's values, else prefetched,
+        else read and decoded now."""
         samples = [int(s) for s in samples]
         keys = [sample_key(s, resolution) for s in samples]
         if resolution is not None:  # the common case, all hits: one copy into the batch
@@ -341,44 +409,31 @@ class DataCache:
                     self._take(s, resolution)
                 return batch[0], batch[1], np.asarray(samples, np.int64)
         got: List[Optional[Tuple[np.ndarray, int]]] = self.store.get_many(keys)
-        futures = {}
-        for j, s in enumerate(samples):
-            future = self._take(s, resolution)
-            if got[j] is None:
-                futures[j] = future or self._read_pool.submit(self._decode, s, resolution)
-        new = []
-        for j, future in futures.items():
-            got[j] = future.result()  # raises its error, with the file's path
-            if got[j] is not None:
-                new.append((sample_key(samples[j], resolution), *got[j]))
-        self.store.put_many(new)
-        if not any(g is not None for g in got):
-            raise ValueError("hvdx.data: every sample of a batch is undecodable: "
-                             + ", ".join(self.catalog.describe(s) for s in samples))
-        out_samples = []
-        for j, s in enumerate(samples):  # a skipped sample is replaced by another of its batch
-            if got[j] is None:
-                k = next(i for i in itertools.chain(range(j, len(got)), range(j)) if got[i] is not None)
-                got[j], s = got[k], samples[k]
-            out_samples.append(s)
-        images = np.stack([g[0] for g in got])
-        labels = np.asarray([g[1] for g in got], np.int64)
-        return images, labels, np.asarray(out_samples, np.int64)
+        self.store.put_many(self._complete(samples, resolution, got, [j for j, g in enumerate(got) if g is None]))
+        ids = self._replace_skipped(samples, [g is not None for g in got])
+        by_id = {s: g for s, g in zip(samples, got) if g is not None}
+        images = np.stack([by_id[s][0] for s in ids])
+        labels = np.asarray([by_id[s][1] for s in ids], np.int64)
+        return images, labels, np.asarray(ids, np.int64)
 
     # -- the pipeline ----------------------------------------------------------------------------
 
     def dataset(self, batch_size: int, *, augment: Optional[Callable[[tf.Tensor], tf.Tensor]] = None,
                 epochs: Optional[int] = 1, first_epoch: int = 0,
                 resolution: Union[None, int, Tuple[int, int], str] = "default",
-                drop_remainder: bool = False, with_index: bool = False,
+                drop_remainder: bool = False, with_index: bool = False, compile_augment: bool = True,
                 prefetch: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
         """Batches (images uint8 [B, h, w, c], labels int64 [B]) (+ sample ids [B] with
         `with_index`) of this rank's share, `epochs` epochs per iteration (None: forever).
 
         Every iteration over the dataset continues with the next epoch (first_epoch, first_epoch
         + 1, ...), so Model.fit's per-epoch iterations each get a new order. `augment(image)`
-        runs per sample after the cache; `resolution` overrides the cache's (progressive
-        resizing: one dataset per phase; each resolution has its own keys in the store).
+        runs per sample after the cache (`tf.map_fn` over each batch, so random ops draw per
+        sample), compiled with XLA (`compile_augment`, the default: one fused computation per
+        batch instead of a dozen small kernels per sample) unless it uses an op XLA lacks (then
+        with a warning it runs uncompiled; float arithmetic may round differently under XLA).
+        `resolution` overrides the cache's (progressive resizing: one dataset per phase; each
+        resolution has its own keys in the store and its own slab).
         """
         _check_batch_size(batch_size)
         if epochs is not None and epochs < 1:
@@ -387,53 +442,82 @@ class DataCache:
         counter = itertools.count(first_epoch)
         counter_lock = threading.Lock()
         h, w = res if res is not None else (None, None)
+        c = self.channels
+        steps = self.steps_per_epoch(batch_size, drop_remainder)
+        usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
+        slab = self._slab(res)
+        plans: Dict[int, Tuple[np.ndarray, bool, np.ndarray]] = {}
 
-        def order(_epoch: np.ndarray) -> np.ndarray:
-            with counter_lock:
-                epoch = next(counter)
-            return self._start_epoch(epoch, res)
+        def batch_of(state: np.ndarray, step: np.ndarray) -> Tuple[int, np.ndarray, bool, np.ndarray]:
+            """(epoch, the batch's samples, whether the epoch is all in the slab, their slots).
+            The first batch of an epoch takes the next epoch number and plans it."""
+            k = int(step) % steps
+            if k == 0:
+                with counter_lock:
+                    epoch = next(counter)
+                samples, in_slab = self._start_epoch(epoch, res)
+                samples = samples[:usable]
+                slots = slab.slots(samples) if in_slab else samples
+                with counter_lock:
+                    plans[epoch] = (samples, in_slab, slots)
+                    for old in [e for e in plans if e < epoch - 64]:  # iterations abandoned mid-epoch
+                        del plans[old]
+                if in_slab:
+                    self.store.count_hits(len(samples))
+            else:
+                epoch = int(state)
+            samples, in_slab, slots = plans[epoch]
+            part = slice(k * batch_size, (k + 1) * batch_size)
+            return epoch, samples[part], in_slab, slots[part]
 
-        def read(samples: np.ndarray):
-            return self._read_block(samples, res)
+        def slab_step(state: np.ndarray, step: np.ndarray):
+            epoch, samples, in_slab, slots = batch_of(state, step)
+            if not in_slab:
+                samples = self._read_into_slab(samples, res, slab)
+                slots = slab.slots(samples)
+            # the slab's arrays are zero-copy views of the node's mapping: TensorFlow takes them
+            # over without copying, and tf.gather copies out only the batch
+            return np.int64(epoch), samples, slots, slab.pixels, slab.labels
+
+        def read_step(state: np.ndarray, step: np.ndarray):
+            epoch, samples, _, _ = batch_of(state, step)
+            images, labels, ids = self._read_block(samples, res)
+            return np.int64(epoch), ids, images, labels
+
+        # One Python call per batch (sequential, in a scan whose state is the iteration's epoch);
+        # with a slab it only plans (and in epoch 1 fills) and the pixels are gathered by TF.
+        @tf.autograph.experimental.do_not_convert
+        def from_slab(state: tf.Tensor, step: tf.Tensor):
+            epoch, ids, slots, pixels, labels = tf.numpy_function(
+                slab_step, [state, step], [tf.int64, tf.int64, tf.int64, tf.uint8, tf.int64], stateful=True)
+            pixels.set_shape([None, h, w, c])
+            return _batch(epoch, tf.gather(pixels, slots), tf.gather(labels, slots), ids)
 
         @tf.autograph.experimental.do_not_convert
-        def read_fn(samples: tf.Tensor):
-            # numpy_function: no eager tensors in between, measurably lighter than py_function
-            images, labels, ids = tf.numpy_function(read, [samples], [tf.uint8, tf.int64, tf.int64], stateful=True)
-            images.set_shape([None, h, w, self.channels])
+        def from_values(state: tf.Tensor, step: tf.Tensor):
+            epoch, ids, images, labels = tf.numpy_function(
+                read_step, [state, step], [tf.int64, tf.int64, tf.uint8, tf.int64], stateful=True)
+            images.set_shape([None, h, w, c])
+            return _batch(epoch, images, labels, ids)
+
+        def _batch(epoch: tf.Tensor, images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
+            epoch.set_shape([])
             labels.set_shape([None])
             ids.set_shape([None])
-            return images, labels, ids
+            return epoch, ((images, labels, ids) if with_index or augment is not None else (images, labels))
 
-        # Samples are read a batch at a time (one Python call and one store transaction; larger
-        # chunks measured slower), with augmentation unbatched, augmented one by one and batched
-        # again. The reads, augmentation and batching run outside the per-epoch flat_map where
-        # they can (tf.data fuses map and batch there, not inside it): always without
-        # augmentation, and with it whenever no batch can straddle two epochs (one epoch per
-        # iteration, or whole batches only).
-        usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
-        straddles = augment is not None and epochs != 1 and usable % batch_size != 0
+        total = steps * epochs if epochs is not None else 2**62
+        read = from_slab if slab is not None else from_values
+        ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), read)
+        if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
+            per_batch = _batch_augment(augment, (batch_size, h, w, c), compile_augment)
 
-        def augmented(ds: tf.data.Dataset) -> tf.data.Dataset:
-            ds = ds.map(read_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).unbatch()
-            ds = ds.map(lambda x, y, i: (augment(x), y, i), num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-            return ds.batch(batch_size, drop_remainder=drop_remainder)
+            @tf.autograph.experimental.do_not_convert
+            def augmented(images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
+                images = per_batch(images)
+                return (images, labels, ids) if with_index else (images, labels)
 
-        @tf.autograph.experimental.do_not_convert
-        def one_epoch(epoch: tf.Tensor) -> tf.data.Dataset:
-            samples = tf.numpy_function(order, [epoch], tf.int64, stateful=True)
-            samples.set_shape([self.per_rank])
-            ds = tf.data.Dataset.from_tensor_slices(samples[:usable]).batch(batch_size)
-            return augmented(ds) if straddles else ds
-
-        epochs_ds = tf.data.Dataset.range(epochs) if epochs is not None else tf.data.Dataset.range(2**62)
-        ds = epochs_ds.flat_map(one_epoch)
-        if augment is None:
-            ds = ds.map(read_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-        elif not straddles:
-            ds = augmented(ds)
-        if not with_index:
-            ds = ds.map(tf.autograph.experimental.do_not_convert(lambda x, y, i: (x, y)))
+            ds = ds.map(augmented, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
         return ds.prefetch(prefetch)
 
     def close(self) -> None:
@@ -454,6 +538,30 @@ class DataCache:
 def _check_batch_size(batch_size: int) -> None:
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+
+
+def _batch_augment(augment: Callable, shape: Tuple, compile_augment: bool) -> Callable[[tf.Tensor], tf.Tensor]:
+    """`augment` applied to every sample of a batch of `shape` ([B, h, w, c]): `tf.map_fn`
+    (a random op draws per sample), compiled with XLA when asked and XLA has every op (a
+    batch then runs as one fused computation; compiled on the first batch of each shape)."""
+    sample = tf.TensorSpec(shape[1:], tf.uint8)
+    out = tf.function(augment).get_concrete_function(sample).structured_outputs
+    spec = tf.nest.map_structure(lambda t: tf.TensorSpec(t.shape, t.dtype), out)
+    signature = [tf.TensorSpec([None, *shape[1:]], tf.uint8)]
+
+    def per_batch(images: tf.Tensor):
+        return tf.map_fn(augment, images, fn_output_signature=spec)
+
+    if compile_augment and None not in shape:
+        compiled = tf.function(per_batch, input_signature=signature, jit_compile=True)
+        try:  # lowered to XLA's HLO (not run, not compiled yet): fails here if XLA lacks an op
+            compiled.experimental_get_compiler_ir(tf.zeros(shape, tf.uint8))(stage="hlo")
+            return compiled
+        except (tf.errors.OpError, ValueError, TypeError, NotImplementedError) as exc:
+            message = getattr(exc, "message", str(exc)).strip().splitlines()[0]
+            warnings.warn(f"hvdx.data: augment cannot be compiled with XLA ({message}); it runs uncompiled",
+                          RuntimeWarning, stacklevel=3)
+    return tf.function(per_batch, input_signature=signature)
 
 
 def _node_sizes(own: int, placement: Placement) -> List[int]:

@@ -7,7 +7,19 @@ node's local ranks share one copy instead of holding one each, and filled by all
 once (LMDB serialises writers with its own lock; readers never block).
 
 A value is a sample after decoding and resizing, before augmentation: a 20-byte header
-(label as int64, height, width, channels as uint32) then the uint8 pixels.
+(label as int64, height, width, channels as uint32) then the uint8 pixels; or the header
+alone when the pixels are in the resolution's slab.
+
+Slabs (the read path from epoch 2 on): samples of one resolution have one size, so the
+node's part at that resolution can live in one flat file beside the LMDB environment, slot
+j holding the part's j-th sample (pixels [n, height, width, channels], then the labels as
+int64 [n]). A slab is allocated whole when it is created (`posix_fallocate`: a full
+/dev/shm fails there, never later with a SIGBUS) if the memory budget holds it, written with
+`pwrite` and mapped read-only: a batch is one `tf.gather` over a zero-copy tensor of the
+mapping (no Python code touches the pixels, no rank holds a copy of them). LMDB stays the
+index: a slab slot counts only once its header-only entry is committed, after its pixels
+and label are written (LMDB's commit publishes them to the node's other processes). Without a slab (no fixed resolution, or a
+budget too small for the whole part) the pixels go into the LMDB values.
 
 The environment's metadata (format, hvdx version, data-set fingerprint, and the node's
 part: node, number of nodes, split seed) is checked when it is opened; a store of another
@@ -17,9 +29,12 @@ This module does not import TensorFlow, and imports lmdb only when a store is op
 """
 from __future__ import annotations
 
+import errno
 import fcntl
+import glob
 import json
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -28,11 +43,12 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["NodeStore", "Sample", "sample_key"]
+__all__ = ["NodeStore", "Sample", "Slab", "sample_key"]
 
-FORMAT = 1
+FORMAT = 2
 _HEADER = struct.Struct("<qIII")
 _META_KEY = b"\x00meta"
+_INDEX_BYTES = 128  # LMDB bytes per header-only entry, kept free beside a slab
 log = logging.getLogger(__name__)
 
 Sample = Tuple[np.ndarray, int]
@@ -48,16 +64,16 @@ def sample_key(index: int, resolution: Optional[Tuple[int, int]]) -> bytes:
     return struct.pack(">QII", index, h, w)
 
 
+def parse_key(key: bytes) -> Tuple[int, Optional[Tuple[int, int]]]:
+    """(sample index, resolution) of a store key (`sample_key`'s inverse)."""
+    index, h, w = struct.unpack(">QII", key)
+    return index, ((h, w) if h or w else None)
+
+
 def encode_sample(image: np.ndarray, label: int) -> bytes:
     if image.dtype != np.uint8 or image.ndim != 3:
         raise ValueError(f"image must be uint8 [height, width, channels], got {image.dtype} {image.shape}")
     return _HEADER.pack(int(label), *image.shape) + np.ascontiguousarray(image).tobytes()
-
-
-def decode_sample(value: bytes) -> Sample:
-    label, h, w, c = _HEADER.unpack_from(value)
-    pixels = np.frombuffer(value, np.uint8, count=h * w * c, offset=_HEADER.size)
-    return pixels.reshape(h, w, c), label
 
 
 def _aligned_empty(shape: Tuple[int, ...], alignment: int = 64) -> np.ndarray:
@@ -67,6 +83,81 @@ def _aligned_empty(shape: Tuple[int, ...], alignment: int = 64) -> np.ndarray:
     raw = np.empty(size + alignment, np.uint8)
     offset = -raw.ctypes.data % alignment
     return raw[offset:offset + size].reshape(shape)
+
+
+class Slab:
+    """The node part's samples at one resolution in one flat file: slot j holds sample
+    `part[j]` (pixels at j * height * width * channels, its label in the int64 array after
+    the pixels, page-aligned). Create with `Slab.create`, open with `Slab(path, part, shape)`."""
+
+    def __init__(self, path: str, part: np.ndarray, shape: Tuple[int, int, int]) -> None:
+        self.path = path
+        self.part = np.asarray(part, np.int64)
+        if self.part.ndim != 1 or np.any(np.diff(self.part) <= 0):
+            raise ValueError("part must be a sorted 1-d array of distinct sample indices")
+        self.shape = tuple(int(v) for v in shape)
+        n = len(self.part)
+        self.sample_bytes = int(np.prod(self.shape))
+        self.labels_offset = -(-n * self.sample_bytes // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.size = self.labels_offset + 8 * n
+        self._fd = os.open(path, os.O_RDWR)
+        if os.fstat(self._fd).st_size != self.size:
+            os.close(self._fd)
+            raise ValueError(f"slab {path} has {os.path.getsize(path)} bytes, expected {self.size}")
+        # Read-only mapping: writes go through pwrite. Page-aligned, so TensorFlow takes the
+        # arrays over from a numpy_function without copying them.
+        self._map = mmap.mmap(self._fd, self.size, prot=mmap.PROT_READ)
+        self.pixels = np.frombuffer(self._map, np.uint8, count=n * self.sample_bytes).reshape(n, *self.shape)
+        self.labels = np.frombuffer(self._map, np.int64, count=n, offset=self.labels_offset)
+
+    @staticmethod
+    def file_size(n: int, shape: Tuple[int, int, int]) -> int:
+        """Bytes of a slab of `n` samples of `shape`: the pixels, page-aligned, then the labels."""
+        pixels = n * int(np.prod(shape))
+        return -(-pixels // mmap.PAGESIZE) * mmap.PAGESIZE + 8 * n
+
+    @classmethod
+    def create(cls, path: str, part: np.ndarray, shape: Tuple[int, int, int]) -> "Slab":
+        """A new slab at `path`, its memory allocated whole (OSError ENOSPC if it does not fit),
+        published by an atomic rename (the caller holds the store's lock)."""
+        tmp = f"{path}.tmp{os.getpid()}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.posix_fallocate(fd, 0, cls.file_size(len(part), shape))
+        except OSError:
+            os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
+        os.replace(tmp, path)
+        return cls(path, part, shape)
+
+    def slots(self, samples: Sequence[int]) -> np.ndarray:
+        """The slot of each sample (-1 for one outside the part)."""
+        samples = np.asarray(samples, np.int64)
+        slots = np.searchsorted(self.part, samples)
+        inside = slots < len(self.part)
+        inside[inside] = self.part[slots[inside]] == samples[inside]
+        return np.where(inside, slots, -1)
+
+    def write(self, slot: int, image: np.ndarray, label: int) -> None:
+        """Writes one sample's pixels and label (visible to the node's other processes at once;
+        they read it only after its LMDB entry is committed)."""
+        if image.shape != self.shape or image.dtype != np.uint8:
+            raise ValueError(f"image must be uint8 {self.shape}, got {image.dtype} {image.shape}")
+        if not 0 <= slot < len(self.part):
+            raise ValueError(f"slot must be in [0, {len(self.part)}), got {slot}")
+        for data, offset in ((np.ascontiguousarray(image).reshape(-1).data, slot * self.sample_bytes),
+                             (struct.pack("<q", int(label)), self.labels_offset + 8 * slot)):
+            if os.pwrite(self._fd, data, offset) != len(data):  # the file is allocated: never short
+                raise OSError(f"short write to slab {self.path}")
+
+    def close(self) -> None:
+        """Closes the file; the mapping goes when the last array over it does."""
+        os.close(self._fd)
+
+    def __repr__(self) -> str:
+        return f"Slab({self.path!r}, {len(self.part)} x {self.shape})"
 
 
 def _open_env(path: str, map_size: int):
@@ -102,6 +193,7 @@ class NodeStore:
         self.rebuilt = False
         self.stats = {"hits": 0, "misses": 0, "puts": 0}
         self._stats_lock = threading.Lock()
+        self._slabs: Dict[Tuple[int, int], Slab] = {}
         os.makedirs(self.path, exist_ok=True)
         with open(self.path + ".lock", "a+") as lock:  # the node's ranks open it one at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -118,7 +210,74 @@ class NodeStore:
                 log.warning("hvdx.data: node store %s holds %s; rebuilding it for %s", self.path, found, self.meta)
                 self.rebuilt = True
                 txn.drop(self.env.open_db(txn=txn), delete=False)
+                for slab in glob.glob(os.path.join(self.path, "slab-*")):
+                    os.unlink(slab)  # a process still mapping it keeps its pages until it unmaps
             txn.put(_META_KEY, json.dumps(self.meta).encode())
+
+    def slab(self, resolution: Tuple[int, int], channels: int, part: np.ndarray) -> Optional[Slab]:
+        """The slab of `part` (the node's sorted sample indices) at `resolution`: opened if a
+        rank of the node made it, else made if the memory budget (less what the store holds)
+        fits it whole; None (samples then go into LMDB values) if it does not."""
+        h, w = resolution
+        shape = (h, w, channels)
+        found = self._slabs.get((h, w))
+        if found is not None:
+            return found if found.shape == shape and np.array_equal(found.part, part) else None
+        path = os.path.join(self.path, f"slab-{h}x{w}x{channels}-n{len(part)}")
+        with open(self.path + ".lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if os.path.exists(path):
+                slab = Slab(path, part, shape)
+            else:
+                free = self.memory_bytes - self.memory_used()
+                size = Slab.file_size(len(part), shape)
+                if size + _INDEX_BYTES * len(part) > free:
+                    log.warning("hvdx.data: node store %s: a slab of %d bytes at %s does not fit the budget "
+                                "(%d bytes left); samples go into LMDB values", self.path, size, resolution, free)
+                    return None
+                try:
+                    slab = Slab.create(path, part, shape)
+                except OSError as exc:
+                    if exc.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+                        raise
+                    log.warning("hvdx.data: node store %s: no room for a slab of %d bytes (%s); samples go "
+                                "into LMDB values", self.path, size, exc)
+                    return None
+        self._slabs[(h, w)] = slab
+        return slab
+
+    def _slab_of(self, key: bytes) -> Tuple[Optional[Slab], int]:
+        """(the slab holding `key`'s sample in this process, its slot), or (None, -1)."""
+        if not self._slabs:
+            return None, -1
+        index, resolution = parse_key(key)
+        slab = self._slabs.get(resolution) if resolution else None
+        if slab is None:
+            return None, -1
+        return slab, int(slab.slots([index])[0])
+
+    def locate(self, keys: Iterable[bytes]) -> np.ndarray:
+        """Per key: 0 missing, 1 in an LMDB value, 2 in a slab (read in one transaction)."""
+        with self.env.begin(buffers=True) as txn:
+            return np.asarray([0 if v is None else 2 if len(v) == _HEADER.size else 1
+                               for v in (txn.get(k) for k in keys)], np.int8)
+
+    def count_hits(self, hits: int, misses: int = 0) -> None:
+        """Counts samples found in (or missing from) the store that `get_many`/`get_batch` did
+        not read (the slab's are gathered by TensorFlow)."""
+        with self._stats_lock:
+            self.stats["hits"] += hits
+            self.stats["misses"] += misses
+
+    def _pixels(self, key: bytes, value, shape: Tuple[int, int, int]) -> np.ndarray:
+        """The pixels of an entry: from its value, or from its slab (header-only entry)."""
+        if len(value) > _HEADER.size:
+            return np.frombuffer(value, np.uint8, count=int(np.prod(shape)), offset=_HEADER.size).reshape(shape)
+        slab, slot = self._slab_of(key)
+        if slab is None or slot < 0 or slab.shape != shape:
+            raise ValueError(f"hvdx.data: node store {self.path}: entry {parse_key(key)} is in a slab this "
+                             "process has not opened")
+        return slab.pixels[slot]
 
     def get_many(self, keys: Sequence[bytes]) -> List[Optional[Sample]]:
         """The samples under `keys` (None where missing), read in one transaction.
@@ -132,8 +291,8 @@ class NodeStore:
                 if value is None:
                     out.append(None)
                 else:
-                    image, label = decode_sample(value)
-                    out.append((image.copy(), label))
+                    label, h, w, c = _HEADER.unpack_from(value)
+                    out.append((self._pixels(key, value, (h, w, c)).copy(), label))
         hits = sum(v is not None for v in out)
         with self._stats_lock:
             self.stats["hits"] += hits
@@ -149,10 +308,13 @@ class NodeStore:
         with self.env.begin(buffers=True) as txn:
             for j, key in enumerate(keys):
                 value = txn.get(key)
-                if value is None or len(value) != _HEADER.size + size:
+                if value is None or len(value) not in (_HEADER.size, _HEADER.size + size):
                     return None
-                labels[j] = _HEADER.unpack_from(value)[0]
-                images[j] = np.frombuffer(value, np.uint8, count=size, offset=_HEADER.size).reshape(shape)
+                label, h, w, c = _HEADER.unpack_from(value)
+                if (h, w, c) != tuple(shape):
+                    return None
+                labels[j] = label
+                images[j] = self._pixels(key, value, shape)
         with self._stats_lock:
             self.stats["hits"] += len(keys)
         return images, labels
@@ -162,16 +324,26 @@ class NodeStore:
             return [txn.get(key) is not None for key in keys]
 
     def put_many(self, items: Sequence[Tuple[bytes, np.ndarray, int]]) -> bool:
-        """Stores (key, image, label) items in one transaction; False (and one warning) once
-        the memory budget is exhausted, after which nothing more is written."""
+        """Stores (key, image, label) items: pixels of a sample with an open slab go into its
+        slot, then every entry goes into LMDB in one transaction (which publishes the slots).
+        False (and one warning) once the memory budget is exhausted, after which no LMDB entry
+        is written (slab slots still are: this process reads them; the others decode again)."""
         import lmdb
 
+        values = []
+        for key, image, label in items:  # slab pixels first: the LMDB commit publishes them
+            slab, slot = self._slab_of(key)
+            if slab is not None and slot >= 0 and image.shape == slab.shape and image.dtype == np.uint8:
+                slab.write(slot, image, label)
+                values.append(_HEADER.pack(int(label), *image.shape))
+            else:
+                values.append(encode_sample(image, label))
         if self.full or not items:
             return not self.full
         try:
             with self.env.begin(write=True) as txn:
-                for key, image, label in items:
-                    txn.put(key, encode_sample(image, label), overwrite=False)
+                for (key, _, _), value in zip(items, values):
+                    txn.put(key, value, overwrite=False)
         except (lmdb.MapFullError, lmdb.DiskError, lmdb.Error) as exc:
             self.full = True
             warnings.warn(f"hvdx.data: node store {self.path} is full ({exc.__class__.__name__}: {exc}; "
@@ -188,13 +360,23 @@ class NodeStore:
             return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False) if k != _META_KEY]
 
     def memory_used(self) -> int:
-        """Bytes the store occupies in memory (its file's allocated blocks on /dev/shm)."""
-        st = os.stat(os.path.join(self.path, "data.mdb"))
-        return st.st_blocks * 512
+        """Bytes the store occupies in memory (its files' allocated blocks on /dev/shm: the
+        LMDB environment and the slabs)."""
+        files = [os.path.join(self.path, "data.mdb")] + glob.glob(os.path.join(self.path, "slab-*"))
+        total = 0
+        for f in files:
+            try:
+                total += os.stat(f).st_blocks * 512
+            except FileNotFoundError:  # a slab being published or removed
+                pass
+        return total
 
     def close(self) -> None:
         """Closes this process' handle (every NodeStore of this path in the process shares it).
         The store stays on /dev/shm for the node's other ranks and later runs."""
+        for slab in self._slabs.values():
+            slab.close()
+        self._slabs.clear()
         with _envs_lock:
             if _envs.get(self.path) is self.env:
                 del _envs[self.path]

@@ -3,6 +3,7 @@ tree through a counting source and reports what it read; tests/test_datacache.py
 
     check_datacache.py ROOT CACHE_DIR STORE_DIR TFRECORD_GLOB
 """
+import os
 import sys
 
 import numpy as np
@@ -30,6 +31,8 @@ def main() -> dict:
         epochs.append({"ids": ids, "batches": batches, "labels_ok": labels_ok, "source_reads": source.total_reads})
         source.reset()
     stored = sorted(int.from_bytes(k[:8], "big") for k in cache.store.keys())
+    slabs = {name: os.path.getsize(os.path.join(cache.store.path, name))
+             for name in os.listdir(cache.store.path) if name.startswith("slab-")}
     # TFRecord files are dealt whole to the nodes, which agree on their parts' sizes (collective).
     shards = DataCache(tfrecords=tfrecords, resolution=24, cache_dir=cache_dir + "-tfrecord",
                        store_dir=store_dir + "-tfrecord", seed=7, memory_bytes=2**26)
@@ -38,7 +41,7 @@ def main() -> dict:
     hvdx.barrier()
     return {"tfrecord_ids": tfrecord_ids, "tfrecord_part": [int(i) for i in shards.part], "node": topo.node,
             "local_rank": topo.local_rank, "part": [int(i) for i in cache.part],
-            "store_path": cache.store.path, "stored": stored, "epochs": epochs,
+            "store_path": cache.store.path, "stored": stored, "slabs": slabs, "epochs": epochs,
             "steps_per_epoch": cache.steps_per_epoch(5), "per_rank": cache.samples_per_rank}
 
 
