@@ -24,9 +24,7 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -34,9 +32,9 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import markdown_table, update_readme
+    from report import launch_ranks, markdown_table, per_topology, update_readme
 except ImportError:
-    from benchmarks.report import markdown_table, update_readme
+    from benchmarks.report import launch_ranks, markdown_table, per_topology, update_readme
 
 HERE = Path(__file__).resolve().parent
 METHODS = ["horovod", "daso"]
@@ -162,20 +160,8 @@ def run_ranks(args) -> None:
 
 # -- the launcher ----------------------------------------------------------------------------
 def launch(args, nodes: int, per_node: int, worker_json: Path) -> None:
-    worker = [sys.executable, __file__, "--worker-json", str(worker_json), *sys.argv[1:]]
-    if args.local:
-        sys.path.insert(0, str(HERE.parent))
-        from tests.harness import hosts
-
-        horovodrun = Path(sys.executable).parent / "horovodrun"
-        command = [str(horovodrun), "-np", str(nodes * per_node), "-H", hosts(nodes, per_node), "--gloo", *worker]
-    else:
-        command = [sys.executable, str(HERE.parent / "hvdx" / "runner" / "cluster.py"), "--nodes", str(nodes),
-                   "--ranks-per-node", str(per_node), "--rate", args.rate, "--no-delay", "--", *worker]
-    print("launching:", " ".join(command), flush=True)
-    code = subprocess.call(command, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
-    if code:
-        raise SystemExit(f"the {nodes}x{per_node} run failed (exit status {code})")
+    launch_ranks(__file__, ["--worker-json", str(worker_json), *sys.argv[1:]], nodes, per_node, local=args.local,
+                 rate=args.rate)
 
 
 # -- the summary -----------------------------------------------------------------------------
@@ -326,8 +312,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.03)
     parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--warmup-epochs", type=int, default=2)
-    parser.add_argument("--cooldown-epochs", type=int, default=2)
+    parser.add_argument("--warmup-epochs", type=int, default=1)
+    parser.add_argument("--cooldown-epochs", type=int, default=1)
     parser.add_argument("--max-global-skips", type=int, default=8)
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy the time is measured to")
     parser.add_argument("--repeats", type=int, default=2)
@@ -340,15 +326,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         run_ranks(args)
         return
     results = []
-    for topology in args.topologies.split(","):
-        nodes, per_node = (int(x) for x in topology.split("x"))
-        load_before = os.getloadavg()[0]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "ranks.json"
-            launch(args, nodes, per_node, path)
-            result = json.loads(path.read_text())
+    for result in per_topology(args.topologies, lambda n, m, path: launch(args, n, m, path)):
         result["summary"] = summarize(result, args.target)
-        result["load_average"] = [load_before, os.getloadavg()[0]]
         results.append(result)
     report(args, results)
     print(json.dumps([{"topology": r["topology"], **{m: {k: v for k, v in r["summary"][m].items()

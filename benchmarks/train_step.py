@@ -26,7 +26,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,9 +35,9 @@ from typing import Callable, Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import markdown_table, update_readme
+    from report import launch_ranks, markdown_table, per_topology, update_readme
 except ImportError:
-    from benchmarks.report import markdown_table, update_readme
+    from benchmarks.report import launch_ranks, markdown_table, per_topology, update_readme
 
 HERE = Path(__file__).resolve().parent
 #: hvdx's strategies; "none" is the no-communication floor, "horovod" the baseline.
@@ -310,23 +309,9 @@ def run_ranks(args: argparse.Namespace) -> None:
 
 # -- the launcher ----------------------------------------------------------------------------
 def launch(args: argparse.Namespace, nodes: int, per_node: int, worker_json: Path) -> None:
-    worker = [sys.executable, __file__, "--worker-json", str(worker_json), *sys.argv[1:]]
-    if args.local:
-        sys.path.insert(0, str(HERE.parent))
-        from tests.harness import hosts
-
-        horovodrun = Path(sys.executable).parent / "horovodrun"
-        command = [str(horovodrun), "-np", str(nodes * per_node), "-H", hosts(nodes, per_node), "--gloo", *worker]
-    else:
-        command = [sys.executable, str(HERE.parent / "hvdx" / "runner" / "cluster.py"), "--nodes", str(nodes),
-                   "--ranks-per-node", str(per_node), "--rate", args.rate, "--no-delay", "--", *worker]
-    print("launching:", " ".join(command), flush=True)
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent))
-    if args.profile:
-        env["HOROVOD_TIMELINE"] = "DYNAMIC"  # hvd.start_timeline() around the profiled steps
-    code = subprocess.call(command, env=env)
-    if code:
-        raise SystemExit(f"the {nodes}x{per_node} run failed (exit status {code})")
+    env = {"HOROVOD_TIMELINE": "DYNAMIC"} if args.profile else None  # hvd.start_timeline() around profiled steps
+    launch_ranks(__file__, ["--worker-json", str(worker_json), *sys.argv[1:]], nodes, per_node, local=args.local,
+                 rate=args.rate, env=env)
 
 
 def summarize(models: dict) -> Dict[str, dict]:
@@ -488,17 +473,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         run_ranks(args)
         return
     results = []
-    for topology in args.topologies.split(","):
-        nodes, per_node = (int(x) for x in topology.split("x"))
-        load_before = os.getloadavg()[0]
-        with tempfile.TemporaryDirectory() as tmp:
-            path = Path(tmp) / "ranks.json"
-            launch(args, nodes, per_node, path)
-            result = json.loads(path.read_text())
+    for result in per_topology(args.topologies, lambda n, m, path: launch(args, n, m, path)):
         result["summary"] = summarize(result["models"])
-        # The machine may be shared: its 1-minute load average (runnable processes on 2
-        # cores) before and after the run, so that a reader knows how busy it was.
-        result["load_average"] = [load_before, os.getloadavg()[0]]
         results.append(result)
     report(args, results)
     print(json.dumps([r["summary"] for r in results], indent=1))
