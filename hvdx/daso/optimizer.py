@@ -23,9 +23,10 @@ hvdx.daso.sync does it over hvdx's own transport (hvdx.daso.transport).
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
-from typing import Any, Dict, List, Optional
+from typing import Any, Deque, Dict, List, Optional
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -41,6 +42,7 @@ from hvdx.optimizer import DistributedOptimizer
 __all__ = ["DASO"]
 
 log = logging.getLogger("hvdx.daso")
+HISTORY = 100_000  # actions kept in DASO.history
 
 
 @tf.keras.utils.register_keras_serializable(package="hvdx")
@@ -84,10 +86,10 @@ class DASO(DistributedOptimizer):
             schedule = Schedule.from_state(schedule_state)
         super().__init__(optimizer, name=name or f"DASO{type(optimizer).__name__}", communication="allreduce",
                          process_set=topo.local_set)
-        self._daso_config = self._no_dependency(dict(total_epochs=total_epochs, warmup_epochs=warmup_epochs,
-                                 cooldown_epochs=cooldown_epochs, max_global_skips=max_global_skips,
-                                 plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
-                                 blocking_wire_dtype=blocking_wire_dtype, timeout=float(timeout)))
+        self._daso_config = self._no_dependency(dict(
+            total_epochs=total_epochs, warmup_epochs=warmup_epochs, cooldown_epochs=cooldown_epochs,
+            max_global_skips=max_global_skips, plateau_patience=plateau_patience,
+            plateau_threshold=plateau_threshold, blocking_wire_dtype=blocking_wire_dtype, timeout=float(timeout)))
         self._topo = topo
         self.schedule = schedule
         self._timeout = float(timeout)
@@ -97,8 +99,9 @@ class DASO(DistributedOptimizer):
         self._reference0: Optional[np.ndarray] = None
         self._flat: Optional[FlatParameters] = None
         self._identical = False  # every rank holds the same parameters right now
-        self.history: List[Action] = self._no_dependency([])  # the actions taken (tests, benchmarks)
-        self.events: List[str] = self._no_dependency([])
+        # the last actions taken and schedule events (tests, benchmarks), bounded for long runs
+        self.history: Deque[Action] = self._no_dependency(collections.deque(maxlen=HISTORY))
+        self.events: Deque[str] = self._no_dependency(collections.deque(maxlen=HISTORY))
         with tf.init_scope():
             self._daso_state = tf.Variable(schedule.to_json(), dtype=tf.string, trainable=False,
                                            name="daso_state")

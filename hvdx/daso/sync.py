@@ -28,9 +28,10 @@ since parameters and momenta are linear in the gradients.
 """
 from __future__ import annotations
 
+import collections
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Deque, Dict, Optional, Sequence
 
 import horovod.tensorflow as hvd
 import ml_dtypes
@@ -87,16 +88,21 @@ class _InFlight:
     started_step: int
 
 
+def _recent() -> Deque[float]:
+    return collections.deque(maxlen=10_000)
+
+
 @dataclass
 class SyncStats:
-    """What the synchronisations cost, in seconds on this rank (benchmarks read it)."""
+    """What the synchronisations cost, in seconds on this rank (the last 10,000 of each kind;
+    benchmarks read it)."""
 
-    blocking: List[float] = field(default_factory=list)
-    start: List[float] = field(default_factory=list)
-    merge: List[float] = field(default_factory=list)
-    merge_wait: List[float] = field(default_factory=list)
-    full: List[float] = field(default_factory=list)
-    exchange: List[float] = field(default_factory=list)  # a non-blocking request's own duration
+    blocking: Deque[float] = field(default_factory=_recent)
+    start: Deque[float] = field(default_factory=_recent)
+    merge: Deque[float] = field(default_factory=_recent)
+    merge_wait: Deque[float] = field(default_factory=_recent)
+    full: Deque[float] = field(default_factory=_recent)
+    exchange: Deque[float] = field(default_factory=_recent)  # a non-blocking request's own duration
 
 
 class ParameterSync:

@@ -238,7 +238,7 @@ def check_convergence(topo, epochs=16, batch=16):
         out[method] = {"accuracy": accuracy, "loss": [float(v) for v in history.history["loss"]],
                        "spread": spread(model.get_weights(), f"fit.{method}")}
         if method == "daso":
-            out[method]["events"] = opt.events
+            out[method]["events"] = list(opt.events)
             out[method]["starts"] = sum(a.start_group is not None for a in opt.history)
             out[method]["blocking"] = sum(a.blocking_group is not None for a in opt.history)
             out[method]["exchange_seconds"] = sorted(opt.stats.exchange) if opt.stats else []
