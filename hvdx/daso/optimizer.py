@@ -92,10 +92,8 @@ class DASO(DistributedOptimizer):
             plateau_threshold=plateau_threshold, blocking_wire_dtype=blocking_wire_dtype, timeout=float(timeout)))
         self._topo = topo
         self.schedule = schedule
-        self._timeout = float(timeout)
         self._params: Optional[List[tf.Variable]] = None  # set once: a plain list, not tracked
         self._sync: Optional[ParameterSync] = None
-        self._transport = None
         self._reference0: Optional[np.ndarray] = None
         self._flat: Optional[FlatParameters] = None
         self._identical = False  # every rank holds the same parameters right now
@@ -151,10 +149,9 @@ class DASO(DistributedOptimizer):
                                       f"elements"},
                         "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
         groups = [tuple(node[lr] for node in topo.node_ranks) for lr in range(topo.local_size)]
-        self._transport = GroupTransport.create(groups, topo.rank, name="hvdx.daso.transport",
-                                                timeout=self._timeout)
-        self._sync = ParameterSync(self._flat, topo, self._transport,
-                                   wire_dtype=self._daso_config["blocking_wire_dtype"])
+        transport = GroupTransport.create(groups, topo.rank, name="hvdx.daso.transport",
+                                          timeout=self._daso_config["timeout"])
+        self._sync = ParameterSync(self._flat, topo, transport, wire_dtype=self._daso_config["blocking_wire_dtype"])
         self._sync.set_reference(self._reference0)
         self._reference0 = None
 

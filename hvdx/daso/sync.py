@@ -142,9 +142,9 @@ class ParameterSync:
                             process_set=self.topology.local_set)
         return out.numpy()
 
-    def set_reference(self, flat: Optional[np.ndarray] = None) -> None:
-        """x_ref := the current parameters (identical on every rank: after a broadcast or drain)."""
-        self.reference = self.params.read() if flat is None else flat
+    def set_reference(self, flat: np.ndarray) -> None:
+        """x_ref := `flat`, the parameters every rank holds (after the initial broadcast or a drain)."""
+        self.reference = flat
 
     # -- blocking ---------------------------------------------------------------------
     def blocking(self, group: int) -> None:
@@ -155,7 +155,7 @@ class ParameterSync:
         flat = None
         if self.is_member(group):
             if self.wire_dtype == np.float16 and self.group_size > 1:  # scaled per member: numpy
-                change = self._average_changes(self.params.read() - self.reference)
+                change = self._average_float16_changes(self.params.read() - self.reference)
                 flat, finite = self.reference + change, bool(np.isfinite(change).all())
                 self.params.write(flat)
             else:  # bfloat16 / float32: cast and apply in TensorFlow (multi-threaded, one pass each)
@@ -213,25 +213,17 @@ class ParameterSync:
 
         self._changes, self._apply_changes, self._blend = changes, apply_changes, blend
 
-    def _average_changes(self, change: np.ndarray) -> np.ndarray:
-        if self.wire_dtype == np.float32:
-            return self.transport.allreduce_sum(change).wait() / np.float32(self.group_size)
-        if self.wire_dtype == np.float16:
-            top = float(np.max(np.abs(change))) if change.size else 0.0
-            scale = np.float32(2.0 ** np.floor(np.log2(_FLOAT16_TOP / top))) if top > 0 and np.isfinite(top) \
-                else np.float32(1.0)
-            scales = self.transport.allgather(np.array([scale], np.float32))
-            wire = (change * scale).astype(np.float16)
-            pieces = self.transport.allgather(wire).wait()
-            scales = scales.wait()
-            total = np.zeros_like(change)
-            for piece, s in zip(pieces, scales):
-                total += piece.astype(np.float32) / s[0]
-            return total / np.float32(self.group_size)
-        pieces = self.transport.allgather(change.astype(self.wire_dtype)).wait()
+    def _average_float16_changes(self, change: np.ndarray) -> np.ndarray:
+        """float16 changes, each member's scaled by its own power of two (sent beside them)
+        so that small updates do not underflow; summed in float32 in member order."""
+        top = float(np.max(np.abs(change))) if change.size else 0.0
+        scale = np.float32(2.0 ** np.floor(np.log2(_FLOAT16_TOP / top))) if top > 0 and np.isfinite(top) \
+            else np.float32(1.0)
+        scales = self.transport.allgather(np.array([scale], np.float32))
+        pieces = self.transport.allgather((change * scale).astype(np.float16)).wait()
         total = np.zeros_like(change)
-        for piece in pieces:  # the same order on every member: identical sums
-            total += piece.astype(np.float32)
+        for piece, s in zip(pieces, scales.wait()):
+            total += piece.astype(np.float32) / s[0]
         return total / np.float32(self.group_size)
 
     # -- non-blocking -----------------------------------------------------------------
