@@ -65,15 +65,14 @@ def node_slices(d: int, n: int) -> List[Tuple[int, int]]:
 
 def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> List[tf.Tensor]:
     """Tensors whose sum is the node's sum of this rank's slice of `buffer` (shi2021 eq. 4),
-    the slices of `node_slices` (a small buffer is zero-padded first).
+    the slices of `node_slices` (a small buffer is zero-padded first). Collective over the
+    node-local set.
 
-    Under Gloo, Horovod 0.28's reducescatter is 3-5x slower than the alternatives, so the
-    node runs an all-to-all instead (rank j receives every rank's slice j: the (n-1)/n d
-    elements of eq. 7, half what an allreduce moves) and the n received slices are
-    returned, for the caller to add in the pass it makes anyway (HiTopK adds its residual
-    in the same one). Measured on the emulated 2 x 2 cluster, 25M floats: all-to-all + sum
-    0.15 s, allreduce + slice 0.25 s, reducescatter 0.79 s. Elsewhere (MPI, NCCL) the
-    native reducescatter runs where its even split is `node_slices`' (else the all-to-all).
+    Under Gloo: one all-to-all (rank j receives every rank's slice j, the (n-1)/n d
+    elements of eq. 7) and the n received slices are returned, for the caller to add in
+    the pass it makes anyway (HiTopK adds its residual in the same one); Horovod 0.28's
+    Gloo reducescatter is slower (docs/aggregation.md). Elsewhere (MPI, NCCL): the native
+    reducescatter where its even split is `node_slices`' (one tensor), else the all-to-all.
     """
     import horovod.tensorflow as hvd
 
