@@ -1,4 +1,4 @@
-"""Gradient aggregation strategies on one fused 1-D buffer (docs/aggregation.md).
+"""Gradient aggregation strategies on one fused 1-D buffer (docs/comm.md).
 
 | name               | aliases     | class             | module      | paper                               |
 | ------------------ | ----------- | ----------------- | ----------- | ----------------------------------- |

@@ -71,7 +71,7 @@ def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> L
     Under Gloo: one all-to-all (rank j receives every rank's slice j, the (n-1)/n d
     elements of eq. 7) and the n received slices are returned, for the caller to add in
     the pass it makes anyway (HiTopK adds its residual in the same one); Horovod 0.28's
-    Gloo reducescatter is slower (docs/aggregation.md). Elsewhere (MPI, NCCL): the native
+    Gloo reducescatter is slower (docs/comm.md). Elsewhere (MPI, NCCL): the native
     reducescatter where its even split is `node_slices`' (one tensor), else the all-to-all.
     """
     import horovod.tensorflow as hvd
