@@ -98,11 +98,6 @@ def repeated(calls: Dict[str, Callable[[], object]], repeats: int, tag: str) -> 
             yield times
 
 
-def sparse_options(key: str, density: float) -> Dict[str, float]:
-    """The density, for the strategies that take one (the dense ones reject it)."""
-    return {"density": density} if key in ("sparse_allgather", "hitopk") else {}
-
-
 def median_time(call: Callable[[], object], repeats: int, tag: str) -> float:
     """Median over `repeats` of the slowest rank's time of `call` (see `repeated`)."""
     return statistics.median(t["call"] for t in repeated({"call": call}, repeats, tag))
@@ -325,7 +320,7 @@ def run_ranks(args: argparse.Namespace) -> None:
     rows, breakdown = [], []
     for d in args.sizes:
         buffer = tf.constant(np.random.default_rng(topo.rank).standard_normal(d).astype(np.float32))
-        per_round = aggregate_times({key: hvdx.comm.get(key, **sparse_options(key, args.density)) for key in STRATEGIES},
+        per_round = aggregate_times({key: hvdx.comm.get(key, strict=False, density=args.density) for key in STRATEGIES},
                                     buffer, args.repeats, f"agg{d}")
         row = {"d": d, **{key: statistics.median(t) for key, t in per_round.items()},
                "rounds_seconds": per_round}

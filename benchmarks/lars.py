@@ -159,7 +159,7 @@ def run_model(name: str, shapes: List[Shape], repeats: int) -> dict:
     # hvdx.DistributedOptimizer leaves them (one real aggregation, outside the timings).
     aggregator = hvdx.GradientAggregator("hierarchical")
     aggregator([tf.identity(g) for g in grads], variables)
-    optimizer.note_aggregation(aggregator, variables)
+    optimizer.observe_aggregation(aggregator.last_aggregation)
     del aggregator
     mode_of = {"fused": None, "pto": "pto", "slices": "slices"}
 

@@ -5,13 +5,10 @@ Given one step's gradients (and the variables they belong to), the aggregator
 1. leaves out the gradients of registered local variables (averaged nowhere; divided by
    the number of ranks when `scale_local_gradients`, as Horovod does) and sends sparse
    gradients (tf.IndexedSlices) through Horovod's sparse allreduce unless `sparse_as_dense`;
-2. fuses the rest into buckets, filled in reverse order of the variables (the order
-   backpropagation produces their gradients): per dtype, closed once they hold
-   `bucket_bytes` (DEFAULT_BUCKET_BYTES; None: one bucket per dtype), a gradient of that
-   size or more alone in its bucket (no copy into a fused buffer), or Horovod's
-   `groups`/`num_groups`, and never more than 2**31 - 2**20 elements (indices stay int32).
-   In a tf.function each bucket's collectives start as soon as its gradients exist, while
-   backpropagation continues (shi2021 Fig. 1, wait-free backpropagation + tensor fusion);
+2. fuses the rest into buckets (`hvdx.buckets.plan`: in backpropagation's order, per dtype,
+   by `bucket_bytes` or Horovod's `groups`/`num_groups`, never more than 2**31 - 2**20
+   elements). In a tf.function each bucket's collectives start as soon as its gradients
+   exist, while backpropagation continues (shi2021 Fig. 1);
 3. checks, the first time it sees a layout, that every rank aggregates the same one
    (`hvdx.layout`);
 4. aggregates each bucket with the strategy (`hvdx.comm`), its residuals keyed by the
@@ -23,20 +20,21 @@ Given one step's gradients (and the variables they belong to), the aggregator
    with another pass over the d-vector;
 6. splits the buckets back into gradients of their original shapes and dtypes.
 
-`last_aggregation` keeps, for the trace in progress, each bucket's `hvdx.comm.Aggregated`
-(with the reduce-scattered slice a LARS/LAMB implementation reads its norms from).
+`last_aggregation` is the `hvdx.buckets.AggregationRecord` of the trace in progress: each
+bucket's `hvdx.comm.Aggregated` and pieces, and the variables they belong to (LARS/LAMB read
+their norms from the reduce-scattered slices it maps back to variables).
 """
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
+from hvdx.buckets import MAX_BUCKET_ELEMENTS, AggregationRecord, BucketRecord, plan
 from hvdx.comm.dense import OP_NAMES
 from hvdx.comm.memory import commit
 from hvdx.layout import check_agreement
@@ -45,8 +43,6 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "
 
 _log = logging.getLogger("hvdx")
 
-#: A bucket never holds more elements than this, so indices fit int32 (padding included).
-MAX_BUCKET_ELEMENTS = 2 ** 31 - 2 ** 20
 #: The default bucket size: a bucket closes once it holds this many bytes (PyTorch DDP's
 #: rule; Horovod's fusion threshold plays the same part). Buckets fill in reverse order of
 #: the variables, the order backpropagation produces their gradients, so the first
@@ -56,23 +52,13 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 
 def default_communication() -> Tuple[str, Optional[float]]:
     """The strategy (and density) used when none is given: dense averaging, exactly what
-    Horovod does, unless $HVDX_COMMUNICATION (and $HVDX_DENSITY) say otherwise, which lets
-    an unmodified Horovod script run with a sparse strategy."""
-    name = os.environ.get("HVDX_COMMUNICATION", "allreduce")
+    Horovod does, unless $HVDX_COMMUNICATION (and $HVDX_DENSITY, for a strategy that takes
+    a density) say otherwise, which lets an unmodified Horovod script run sparse."""
+    key = comm.resolve_name(os.environ.get("HVDX_COMMUNICATION", "allreduce"))
     density = os.environ.get("HVDX_DENSITY")
-    key = comm.resolve_name(name)
-    if key in ("allreduce", "hierarchical"):
+    if not density or "density" not in comm.strategy_class(key).options:
         return key, None
-    return key, float(density) if density else None
-
-
-@dataclass
-class _Piece:
-    """Elements [start, stop) of the flattened gradient `index` (usually the whole)."""
-
-    index: int
-    start: int
-    stop: int
+    return key, float(density)
 
 
 class _Book:
@@ -87,33 +73,22 @@ class _Book:
         self.strategies: List[comm.Strategy] = []
         self.groups: Any = None
         self.loss_scale: Any = None
-        self.last_aggregation: List[comm.Aggregated] = []
-        self.last_buckets: List[Tuple[comm.Aggregated, List[Tuple[int, int, int]]]] = []
+        self.last_aggregation: Optional[AggregationRecord] = None
 
 
-def aggregator_options(communication, density, num_samplings, wire_dtype, compression, op,
-                       gradient_predivide_factor, process_set) -> Tuple[Union[str, comm.Strategy], dict]:
-    """Validates the user's options at construction; returns (strategy name or instance,
-    constructor options). Every option either applies to the strategy or is rejected."""
-    if isinstance(communication, comm.Strategy):
-        given = {k: v for k, v in (("density", density), ("num_samplings", num_samplings),
-                                   ("wire_dtype", wire_dtype)) if v is not None}
-        if compression is not None and compression is not hvd.Compression.none:
-            given["compression"] = compression
-        if given:
-            raise ValueError(f"options {sorted(given)} given with the strategy instance {communication!r}: "
-                             "configure the instance itself, e.g. hvdx.comm.HiTopK(density=0.01)")
-        if op is not hvd.Average or gradient_predivide_factor != 1.0 or process_set is not hvd.global_process_set:
-            if not isinstance(communication, comm.Allreduce):
-                raise ValueError("op, gradient_predivide_factor and process_set apply to the dense allreduce; "
-                                 f"{communication!r} averages over every rank of hvdx.init()'s topology")
-        return communication, {}
-    if communication is None:
-        key, env_density = default_communication()
-        density = density if density is not None else env_density
-    else:
-        key = comm.resolve_name(communication)
-    dense = key in ("allreduce", "hierarchical")
+def aggregator_options(communication: Union[str, comm.Strategy, None], *, density: Optional[float] = None,
+                       num_samplings: Optional[int] = None, wire_dtype=None, compression=None, op=hvd.Average,
+                       gradient_predivide_factor: float = 1.0,
+                       process_set: hvd.ProcessSet = hvd.global_process_set) -> Tuple[comm.Strategy, Dict[str, Any]]:
+    """Validates the user's options once, at construction.
+
+    Returns:
+      (the strategy, the options that build another strategy when it is switched: each
+      takes those of them it declares in `Strategy.options`).
+    Raises:
+      ValueError: an option that does not apply to the strategy, a bad value, or options
+        given beside a strategy instance.
+    """
     if op not in OP_NAMES:
         raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
     if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
@@ -121,50 +96,49 @@ def aggregator_options(communication, density, num_samplings, wire_dtype, compre
         raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
     if gradient_predivide_factor != 1.0 and op is not hvd.Average:
         raise ValueError("gradient_predivide_factor != 1.0 only goes with op=hvd.Average (as in Horovod)")
-    if op is hvd.Adasum and key != "allreduce":
-        raise ValueError(f"op=hvd.Adasum combines gradients pairwise and needs communication='allreduce', "
-                         f"not {key!r}")
-    if process_set is not hvd.global_process_set and key != "allreduce":
-        raise ValueError(f"process_set= runs on a subset of ranks and needs communication='allreduce'; {key!r} "
-                         "aggregates over every rank of hvdx.init()'s topology")
-    if dense and (density is not None or num_samplings is not None):
-        raise ValueError(f"density and num_samplings select entries for the sparse strategies "
-                         f"('hitopk', 'sparse_allgather'); communication={key!r} is dense and lossless. "
-                         "Drop them, or choose a sparse strategy.")
-    wire = None if wire_dtype is None else tf.as_dtype(wire_dtype)
-    custom_compressor = None
-    if compression is not None and compression is not hvd.Compression.none:
-        if compression is hvd.Compression.fp16:
-            if wire is not None and wire != tf.float16:
-                raise ValueError(f"compression=hvd.Compression.fp16 and wire_dtype={wire.name} contradict")
-            wire = tf.float16
-        elif key == "allreduce":
-            custom_compressor = compression
-        else:
-            raise ValueError(f"compression={compression!r} works with communication='allreduce' only; the other "
-                             "strategies take wire_dtype=tf.float16 or tf.bfloat16 (or hvd.Compression.fp16)")
-    options: Dict[str, Any] = {"op": op, "process_set": process_set}
+    # hvdx's options: every one given must be taken by the strategy.
+    given: Dict[str, Any] = {k: v for k, v in (("density", density), ("num_samplings", num_samplings),
+                                               ("wire_dtype", wire_dtype)) if v is not None}
+    if compression is hvd.Compression.fp16:  # Horovod's fp16 compression: a float16 wire everywhere
+        if wire_dtype is not None and tf.as_dtype(wire_dtype) != tf.float16:
+            raise ValueError(f"compression=hvd.Compression.fp16 and wire_dtype={tf.as_dtype(wire_dtype).name} "
+                             "contradict")
+        given["wire_dtype"] = tf.float16
+    elif compression is not None and compression is not hvd.Compression.none:
+        given["compression"] = compression
+    # Horovod's options: passed where the strategy takes them.
+    horovod: Dict[str, Any] = {}
+    if op is not hvd.Average:
+        horovod["op"] = op
+    if process_set is not hvd.global_process_set:
+        horovod["process_set"] = process_set
     if gradient_predivide_factor != 1.0:  # Horovod's split of the average, for equal rounding
-        options.update(prescale_factor=1.0 / gradient_predivide_factor, postscale_factor=gradient_predivide_factor)
-    if custom_compressor is not None:
-        options["compression"] = custom_compressor
-    if wire is not None:
-        options["wire_dtype"] = wire
-    if density is not None:
-        options["density"] = comm.base.check_density(density)
-    if num_samplings is not None:
-        options["num_samplings"] = num_samplings
-    comm.get(key, **_options_for(key, options))  # fails now, not at the first step, if an option is wrong
-    return key, options
-
-
-def _options_for(key: str, options: Dict[str, Any]) -> Dict[str, Any]:
-    """The subset of the aggregator's options that strategy `key` takes."""
-    takes = {"allreduce": ("op", "process_set", "prescale_factor", "postscale_factor", "compression", "wire_dtype"),
-             "hierarchical": ("wire_dtype",),
-             "sparse_allgather": ("density", "num_samplings", "wire_dtype"),
-             "hitopk": ("density", "num_samplings", "wire_dtype")}[key]
-    return {k: v for k, v in options.items() if k in takes}
+        horovod.update(prescale_factor=1.0 / gradient_predivide_factor, postscale_factor=gradient_predivide_factor)
+    if isinstance(communication, comm.Strategy):
+        if given:
+            raise ValueError(f"options {sorted(given)} given with the strategy instance {communication!r}: "
+                             "configure the instance itself, e.g. hvdx.comm.HiTopK(density=0.01)")
+        if horovod and "op" not in communication.options:
+            raise ValueError("op, gradient_predivide_factor and process_set apply to strategies that take them "
+                             f"({comm.registry.takers('op')}); {communication!r} averages over every rank of "
+                             "hvdx.init()'s topology")
+        return communication, {}
+    if communication is None:
+        key, env_density = default_communication()
+        if density is None and env_density is not None:
+            given["density"] = env_density
+    else:
+        key = comm.resolve_name(communication)
+    takes = comm.strategy_class(key).options
+    if op is hvd.Adasum and "op" not in takes:
+        raise ValueError(f"op=hvd.Adasum combines gradients pairwise and needs a strategy that takes op "
+                         f"({comm.registry.takers('op')}), not communication={key!r}")
+    if "process_set" in horovod and "process_set" not in takes:
+        raise ValueError(f"process_set= runs on a subset of ranks and needs a strategy that takes it "
+                         f"({comm.registry.takers('process_set')}); {key!r} aggregates over every rank of "
+                         "hvdx.init()'s topology")
+    strategy = comm.get(key, **given, **{k: v for k, v in horovod.items() if k in takes})
+    return strategy, {**given, **horovod}
 
 
 class GradientAggregator(tf.Module):
@@ -194,8 +168,10 @@ class GradientAggregator(tf.Module):
             raise ValueError("groups must be an int (that many buckets) or a list of lists of variables")
         if isinstance(groups, int) and groups < 0:
             raise ValueError(f"groups must be >= 0, got {groups}")
-        key, options = aggregator_options(communication, density, num_samplings, wire_dtype, compression, op,
-                                          gradient_predivide_factor, process_set)
+        strategy, options = aggregator_options(
+            communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
+            compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
+            process_set=process_set)
         self._book = _Book()
         self._book.options = options
         self._sum = op is hvd.Sum
@@ -210,7 +186,7 @@ class GradientAggregator(tf.Module):
         self.bucket_bytes = bucket_bytes
         self.max_bucket_elements = MAX_BUCKET_ELEMENTS
         self._memories: List[comm.ResidualMemory] = []  # tracked: checkpoints carry the residuals
-        self.strategy = key
+        self.strategy = strategy
 
     # -- configuration -----------------------------------------------------------------
     @property
@@ -219,11 +195,9 @@ class GradientAggregator(tf.Module):
 
     @strategy.setter
     def strategy(self, communication: Union[str, comm.Strategy]) -> None:
-        if isinstance(communication, comm.Strategy):
-            strategy = communication
-        else:  # a name: each strategy takes the options that apply to it
-            key = comm.resolve_name(communication)
-            strategy = comm.get(key, **_options_for(key, self._book.options))
+        # A name: built from the options given at construction that apply to it.
+        strategy = comm.get(communication, **({} if isinstance(communication, comm.Strategy) else
+                                              dict(self._book.options, strict=False)))
         for known in self._book.strategies:  # reuse an earlier instance of the same kind
             if type(known) is type(strategy) and repr(known) == repr(strategy):
                 strategy = known
@@ -236,16 +210,13 @@ class GradientAggregator(tf.Module):
     @property
     def config(self) -> Dict[str, Any]:
         """The options that rebuild this aggregator (JSON-serialisable)."""
-        if type(self._strategy) not in (comm.Allreduce, comm.Hierarchical, comm.HiTopK, comm.SparseAllgather):
-            raise ValueError(f"a custom strategy {self._strategy!r} cannot be saved in a config")
-        out: Dict[str, Any] = {"communication": self._strategy.key}
-        for key in ("density", "num_samplings"):
-            value = getattr(self._strategy, key, None)
-            if value is not None:
-                out[key] = value
-        wire = getattr(self._strategy, "wire_dtype", None)
-        if wire is not None and not (wire == tf.float16 and self.compression is hvd.Compression.fp16):
-            out["wire_dtype"] = wire.name
+        strategy = self._strategy
+        if not comm.is_name(strategy.key) or comm.strategy_class(strategy.key) is not type(strategy):
+            raise ValueError(f"a strategy {strategy!r} that is not registered (hvdx.comm.register) cannot be "
+                             "saved in a config")
+        out: Dict[str, Any] = {"communication": strategy.key, **strategy.get_config()}
+        if out.get("wire_dtype") == "float16" and self.compression is hvd.Compression.fp16:
+            del out["wire_dtype"]  # Horovod's compression option says it
         out["bucket_bytes"] = self.bucket_bytes
         return out
 
@@ -268,16 +239,10 @@ class GradientAggregator(tf.Module):
         return ref in self._book.local_refs or ref in extra
 
     @property
-    def last_aggregation(self) -> List[comm.Aggregated]:
-        """Each bucket's result in the trace in progress (for LARS/LAMB and diagnostics)."""
+    def last_aggregation(self) -> Optional[AggregationRecord]:
+        """What the last aggregation of the trace in progress produced: each bucket's result
+        and pieces, and the variables they belong to (LARS/LAMB, diagnostics); None before."""
         return self._book.last_aggregation
-
-    @property
-    def last_buckets(self) -> List[Tuple[comm.Aggregated, List[Tuple[int, int, int]]]]:
-        """Each bucket of the trace in progress: its result and its pieces in buffer order,
-        (gradient index, start, stop) of the flattened gradient, so that buffer offsets
-        (e.g. of `Aggregated.local_slice`) map back to variables."""
-        return self._book.last_buckets
 
     @property
     def residuals(self) -> List[tf.Variable]:
@@ -357,63 +322,11 @@ class GradientAggregator(tf.Module):
     def _world_size(self) -> int:
         return self.process_set.size() if self.process_set is not hvd.global_process_set else hvd.size()
 
-    def _bucket_plan(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int]) -> List[List[_Piece]]:
-        """Buckets of pieces: by dtype, then groups / bucket_bytes (in backpropagation's order),
-        then the size cap."""
-        by_dtype: Dict[tf.DType, List[int]] = {}
-        for i in reversed(fused):  # backpropagation's order: the last layer's gradients first
-            by_dtype.setdefault(grads[i].dtype, []).append(i)
-        plan: List[List[_Piece]] = []
-        for dtype, indices in by_dtype.items():
-            for group in self._groups(indices, grads, variables, dtype):
-                # Buckets are chosen in backpropagation's order; inside one, the gradients lie in
-                # the variables' order (as in one fused buffer: the same MSTopK selections).
-                plan.extend(self._cap([_Piece(i, 0, grads[i].shape.num_elements()) for i in sorted(group)]))
-        return plan
-
-    def _groups(self, indices: List[int], grads: List[tf.Tensor], variables: List[Any],
-                dtype: tf.DType) -> List[List[int]]:
-        if isinstance(self._book.groups, int) and self._book.groups > 0:  # Horovod's num_groups: equal counts
-            n = min(self._book.groups, len(indices))
-            return [indices[j * len(indices) // n:(j + 1) * len(indices) // n] for j in range(n)]
-        if isinstance(self._book.groups, (list, tuple)):
-            position = {v.ref(): i for i, v in zip(indices, (variables[i] for i in indices)) if v is not None}
-            groups, taken = [], set()
-            for group in self._book.groups:
-                members = [position[v.ref()] for v in group if v.ref() in position]
-                if members:
-                    groups.append(sorted(members))
-                    taken.update(members)
-            return groups + [[i] for i in indices if i not in taken]
-        if self.bucket_bytes is None:
-            return [indices]
-        groups, current, used = [], [], 0
-        for i in indices:  # a bucket closes once it holds bucket_bytes (no bucket of a few bytes)
-            nbytes = dtype.size * grads[i].shape.num_elements()
-            if nbytes >= self.bucket_bytes and current:  # a large gradient goes alone: no fused copy of it
-                groups.append(current)
-                current, used = [], 0
-            current.append(i)
-            used += nbytes
-            if used >= self.bucket_bytes:
-                groups.append(current)
-                current, used = [], 0
-        return groups + ([current] if current else [])
-
-    def _cap(self, pieces: List[_Piece]) -> List[List[_Piece]]:
-        """Splits a bucket so that none exceeds max_bucket_elements (a tensor may span two)."""
-        limit, buckets, current, used = self.max_bucket_elements, [], [], 0
-        for piece in pieces:
-            start = piece.start
-            while start < piece.stop:
-                take = min(piece.stop - start, limit - used)
-                current.append(_Piece(piece.index, start, start + take))
-                used += take
-                start += take
-                if used == limit:
-                    buckets.append(current)
-                    current, used = [], 0
-        return buckets + ([current] if current else [])
+    def _bucket_plan(self, grads: List[Any], variables: List[Any], fused: List[int]):
+        """`hvdx.buckets.plan` of the fused gradients with this aggregator's options."""
+        return plan({i: grads[i].shape.num_elements() for i in fused}, {i: grads[i].dtype for i in fused},
+                    variables, groups=self._book.groups, bucket_bytes=self.bucket_bytes,
+                    max_elements=self.max_bucket_elements)
 
     def _set_key(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int]) -> str:
         """The residual namespace of these variables (in this graph): v0, v1, ... in order of
@@ -454,19 +367,18 @@ class GradientAggregator(tf.Module):
         """Aggregates the fused gradients into `out`, bucket by bucket; returns the residual
         updates to commit and the finiteness of every bucket (scalars, from the strategy
         where it has a cheap one, else a check of the bucket's output)."""
-        self._book.last_aggregation = []
-        self._book.last_buckets = []
+        self._book.last_aggregation = AggregationRecord(tuple(variables), ())
         if not fused:
             return [], []
         strategy = self._strategy
-        plan = self._bucket_plan(grads, variables, fused)
+        buckets = self._bucket_plan(grads, variables, fused)
         set_key = self._set_key(grads, variables, fused)
         loss_scale = self._current_loss_scale() if strategy.lossy else None
         with tf.name_scope("fuse"):
             flat = {i: tf.reshape(grads[i], [-1]) for i in fused}
         outputs: Dict[int, List[tf.Tensor]] = {i: [] for i in fused}
-        updates, checked = [], []
-        for b, bucket in enumerate(plan):
+        updates, checked, records = [], [], []
+        for b, bucket in enumerate(buckets):
             dtype = grads[bucket[0].index].dtype
             if strategy.lossy and dtype == tf.float64:
                 raise ValueError(f"{strategy!r} selects float32 values; float64 gradients need a dense strategy "
@@ -477,16 +389,16 @@ class GradientAggregator(tf.Module):
                                  else flat[p.index][p.start:p.stop], work) for p in bucket]
             with tf.name_scope(strategy.key or "strategy"):
                 pieces, result = strategy.aggregate_pieces(parts, f"{set_key}_b{b}", residual_scale=loss_scale)
-            self._book.last_aggregation.append(result)
-            self._book.last_buckets.append((result, [(p.index, p.start, p.stop) for p in bucket]))
+            records.append(BucketRecord(result, tuple(bucket)))
             updates.extend(result.updates)
             if strategy.lossy:
                 checked.append(result.finite if result.finite is not None else tf.reduce_all(
                     [tf.reduce_all(tf.math.is_finite(piece)) for piece in pieces]))
-            if self._sum and not isinstance(strategy, comm.Allreduce):
+            if self._sum and "op" not in strategy.options:  # the strategy averaged: Sum is n times that
                 pieces = [piece * tf.cast(self._world_size(), work) for piece in pieces]
             for p, piece in zip(bucket, pieces):
                 outputs[p.index].append(tf.cast(piece, dtype))
+        self._book.last_aggregation = AggregationRecord(tuple(variables), tuple(records))
         with tf.name_scope("split"):
             for i in fused:
                 whole = outputs[i][0] if len(outputs[i]) == 1 else tf.concat(outputs[i], axis=0)

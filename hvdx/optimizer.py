@@ -12,7 +12,8 @@ on the same averaged gradients, so no rank skips a step the others take.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, List, Optional, Sequence, Union
+import inspect
+from typing import Any, List, Optional, Sequence, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -20,6 +21,8 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.accumulation import LocalAccumulator
 from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
+from hvdx.buckets import AggregationObserver
+from hvdx.comm.base import HOROVOD_OPTIONS
 from hvdx.comm.dense import OP_NAMES
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -71,7 +74,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
-    expect. `add_after_update_hook(fn)` runs fn(grads_and_vars) after every update (DASO).
+    expect. A wrapped `hvdx.buckets.AggregationObserver` (LARS, LAMB) is given each
+    aggregation's record before it applies the gradients.
     """
 
     _HAS_AGGREGATE_GRAD = True
@@ -84,8 +88,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
                  bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:
-        if isinstance(name, (comm.Strategy,)) or (isinstance(name, str) and name.lower() in (
-                "hitopk", "hierarchical", "sparse_allgather", "allreduce", "2dtar", "naiveag", "dense")):
+        if isinstance(name, comm.Strategy) or comm.is_name(name):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
                              f"as communication={name!r}")
         if not isinstance(optimizer, _KERAS_OPTIMIZERS):
@@ -115,7 +118,6 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             average_aggregated_gradients=bool(average_aggregated_gradients),
             num_groups=groups if isinstance(groups, int) else num_groups,
             scale_local_gradients=bool(scale_local_gradients))
-        self._hooks: List[Callable] = []
         self._just_aggregated: Optional[List[Any]] = None
         self._ready = True
 
@@ -142,11 +144,6 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         when scale_local_gradients)."""
         self._aggregator.register_local_var(var)
 
-    def add_after_update_hook(self, hook: Callable[[List], Any]) -> None:
-        """Runs `hook(grads_and_vars)` after each update of the wrapped optimizer, in the same
-        step (DASO averages parameters there). It may return ops to wait for, or None."""
-        self._hooks.append(hook)
-
     def __getattr__(self, name: str):
         # Only reached when normal lookup fails: the wrapped optimizer's hyper-parameters
         # (momentum, beta_1, ...) read through the wrapper, as Horovod's callbacks do.
@@ -160,19 +157,17 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         variables = list(variables)
         if self._agg_helper is not None:
             return self._agg_helper(list(grads), lambda totals: self._aggregate_present(totals, grads, variables))
-        return self._noted(self._aggregator(list(grads), variables), variables)
+        return self._observed(self._aggregator(list(grads), variables))
 
     def _aggregate_present(self, totals, grads, variables):
         present_vars = [v for g, v in zip(grads, variables) if g is not None]
-        return self._noted(self._aggregator(totals, present_vars), present_vars)
+        return self._observed(self._aggregator(totals, present_vars))
 
-    def _noted(self, aggregated: List[Any], variables: List[Any]) -> List[Any]:
-        """Tells a wrapped optimizer that defines note_aggregation(aggregator, variables)
-        (hvdx.optimizers.LARS / LAMB) which variables `aggregator.last_buckets` indexes: they
-        compute their layer norms on the strategy's reduce-scattered slices."""
-        note = getattr(self._optimizer, "note_aggregation", None)
-        if note is not None:
-            note(self._aggregator, variables)
+    def _observed(self, aggregated: List[Any]) -> List[Any]:
+        """Hands the aggregation's record to a wrapped `AggregationObserver` (LARS / LAMB
+        compute their layer norms on the strategy's reduce-scattered slices)."""
+        if isinstance(self._optimizer, AggregationObserver) and self._aggregator.last_aggregation is not None:
+            self._optimizer.observe_aggregation(self._aggregator.last_aggregation)
         return aggregated
 
     def compute_gradients(self, loss, var_list, tape=None, grad_loss=None):
@@ -230,13 +225,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             update = self._optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
         else:
             update = self._optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
-        if not self._hooks:
-            return update if update is not None else self.iterations
-        deps = [update] if update is not None else []
-        with tf.control_dependencies(deps):
-            after = [hook(grads_and_vars) for hook in self._hooks]
-        with tf.control_dependencies([op for op in after if op is not None]):
-            return tf.identity(self.iterations)
+        return update if update is not None else self.iterations
 
     def minimize(self, loss, var_list, tape=None):
         grads_and_vars = self.compute_gradients(loss, var_list, tape=tape)
@@ -342,7 +331,17 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if config.get("wire_dtype") is not None:
             config["wire_dtype"] = tf.as_dtype(config["wire_dtype"])
         optimizer = config.pop("optimizer")
+        # A registered strategy with options of its own (not keywords of this class) is
+        # rebuilt from its config and passed as an instance.
+        strategy = comm.strategy_class(config.get("communication") or "allreduce")
+        own = [k for k in strategy.options if k in config and k not in _KEYWORDS]
+        if own:
+            config["communication"] = strategy.from_config(
+                {k: config.pop(k) for k in strategy.options if k in config and k not in HOROVOD_OPTIONS})
         return cls(optimizer, **config)
+
+
+_KEYWORDS = frozenset(inspect.signature(DistributedOptimizer.__init__).parameters)
 
 
 def PartialDistributedOptimizer(optimizer, name: Optional[str] = None, local_layers=None, **kwargs):

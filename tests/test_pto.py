@@ -8,8 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.lars import resnet50_shapes, transformer_base_shapes
+import hvdx
 from hvdx import pto
-from hvdx.optimizers.layerwise import slice_ranges, squared_norm
+from hvdx.buckets import AggregationRecord, BucketRecord, Piece
+from hvdx.optimizers.layerwise import squared_norm
 from tests import harness
 
 
@@ -81,9 +83,14 @@ def test_bad_input_names_the_argument(call, argument):
         call()
 
 
-class _Aggregated:
-    def __init__(self, length, offset):
-        self.local_slice = (tf.zeros([length]), offset)
+def _aggregated(length, offset):
+    return hvdx.comm.Aggregated(None, local_slice=(tf.zeros([length]), offset))
+
+
+def slice_ranges(buckets):
+    record = AggregationRecord((), tuple(BucketRecord(result, tuple(Piece(*p) for p in pieces))
+                                         for result, pieces in buckets))
+    return record.slice_ranges()
 
 
 def test_slice_ranges_map_a_padded_slice_back_to_variables():
@@ -91,12 +98,11 @@ def test_slice_ranges_map_a_padded_slice_back_to_variables():
     rank 1's slice [6, 12) covers all of gradient 1 and none of 0; gradient 2 spans two
     buckets, and rank 0 holds the first half of each."""
     pieces = [(0, 0, 6), (1, 0, 5)]
-    assert slice_ranges([(_Aggregated(6, 6), pieces)]) == {0: [], 1: [(0, 5)]}
-    assert slice_ranges([(_Aggregated(6, 0), pieces)]) == {0: [(0, 6)], 1: []}
-    spanning = [(_Aggregated(4, 0), [(2, 0, 8)]), (_Aggregated(3, 0), [(2, 8, 10), (3, 0, 4)])]
+    assert slice_ranges([(_aggregated(6, 6), pieces)]) == {0: [], 1: [(0, 5)]}
+    assert slice_ranges([(_aggregated(6, 0), pieces)]) == {0: [(0, 6)], 1: []}
+    spanning = [(_aggregated(4, 0), [(2, 0, 8)]), (_aggregated(3, 0), [(2, 8, 10), (3, 0, 4)])]
     assert slice_ranges(spanning) == {2: [(0, 4), (8, 10), ], 3: [(0, 1)]}
-    no_slice = type("NoSlice", (), {"local_slice": None})()
-    assert slice_ranges([(no_slice, pieces)]) is None
+    assert slice_ranges([(hvdx.comm.Aggregated(None), pieces)]) is None
 
 
 @pytest.mark.multirank

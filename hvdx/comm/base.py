@@ -9,14 +9,19 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from hvdx.comm import registry
 from hvdx.topology import Topology, topology
 
-__all__ = ["Aggregated", "SLICE_ALIGN", "Strategy", "check_density", "node_reduce_scatter",
-           "node_reduce_scatter_parts", "node_slices", "padded_length"]
+__all__ = ["Aggregated", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
+           "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
+
+#: Horovod's own options. A strategy may take them (`Allreduce` does); the optimizer saves
+#: them in its config itself, so they are not part of a strategy's `get_config()`.
+HOROVOD_OPTIONS = ("op", "process_set", "prescale_factor", "postscale_factor", "compression")
 
 
 def check_density(density: float) -> float:
@@ -24,6 +29,13 @@ def check_density(density: float) -> float:
     if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < float(density) <= 1:
         raise ValueError(f"density must be a number in (0, 1], got {density!r}")
     return float(density)
+
+
+def check_positive_int(value: Any, argument: str) -> int:
+    """An int >= 1 (NumPy integers too), as a Python int; ValueError naming `argument` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{argument} must be an int >= 1, got {value!r}")
+    return int(value)
 
 
 def padded_length(d: int, parts: int) -> int:
@@ -53,15 +65,14 @@ def node_slices(d: int, n: int) -> List[Tuple[int, int]]:
 
 def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> List[tf.Tensor]:
     """Tensors whose sum is the node's sum of this rank's slice of `buffer` (shi2021 eq. 4),
-    the slices of `node_slices` (a small buffer is zero-padded first).
+    the slices of `node_slices` (a small buffer is zero-padded first). Collective over the
+    node-local set.
 
-    Under Gloo, Horovod 0.28's reducescatter is 3-5x slower than the alternatives, so the
-    node runs an all-to-all instead (rank j receives every rank's slice j: the (n-1)/n d
-    elements of eq. 7, half what an allreduce moves) and the n received slices are
-    returned, for the caller to add in the pass it makes anyway (HiTopK adds its residual
-    in the same one). Measured on the emulated 2 x 2 cluster, 25M floats: all-to-all + sum
-    0.15 s, allreduce + slice 0.25 s, reducescatter 0.79 s. Elsewhere (MPI, NCCL) the
-    native reducescatter runs where its even split is `node_slices`' (else the all-to-all).
+    Under Gloo: one all-to-all (rank j receives every rank's slice j, the (n-1)/n d
+    elements of eq. 7) and the n received slices are returned, for the caller to add in
+    the pass it makes anyway (HiTopK adds its residual in the same one); Horovod 0.28's
+    Gloo reducescatter is slower (docs/comm.md). Elsewhere (MPI, NCCL): the native
+    reducescatter where its even split is `node_slices`' (one tensor), else the all-to-all.
     """
     import horovod.tensorflow as hvd
 
@@ -119,13 +130,50 @@ class Strategy:
     output is finite (a non-finite step leaves every residual as it was).
     """
 
-    #: The name `hvdx.comm.get` knows the strategy by.
-    key: str = ""
+    #: The name the registry knows the strategy by (set by `hvdx.comm.register`).
+    key: ClassVar[str] = ""
     #: Whether the strategy keeps error-feedback residuals (sparse) or is exact (dense).
-    lossy: bool = False
+    lossy: ClassVar[bool] = False
+    #: The options of hvdx's optimizer and tape that the strategy takes: keywords of its
+    #: constructor, each validated there (the one place).
+    options: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, topo: Optional[Topology] = None) -> None:
         self._topo = topo
+
+    @classmethod
+    def from_options(cls, *, strict: bool = True, **options: Any) -> "Strategy":
+        """The strategy built from the options of hvdx's optimizer or tape.
+
+        Args:
+          strict: an option the strategy does not take raises (True) or is dropped (False).
+          options: keywords of `cls.options`.
+        Raises:
+          ValueError: an option it does not take (strict, naming the strategies that take
+            it), or a bad value (from the constructor).
+        """
+        extra = sorted(set(options) - set(cls.options))
+        if extra and strict:
+            kind = " is dense and lossless and" if not cls.lossy else ""
+            taken = "; ".join(f"{o} by {registry.takers(o) or 'none'}" for o in extra)
+            raise ValueError(f"communication={cls.key!r}{kind} does not take {', '.join(extra)} (taken: {taken}). "
+                             "Drop them, or choose a strategy that takes them.")
+        return cls(**{k: v for k, v in options.items() if k in cls.options})
+
+    def get_config(self) -> Dict[str, Any]:
+        """This strategy's own options (not Horovod's, `HOROVOD_OPTIONS`) as JSON values;
+        `from_config` rebuilds an equal strategy from them. Options left at None are omitted."""
+        config: Dict[str, Any] = {}
+        for option in self.options:
+            value = getattr(self, option, None)
+            if option not in HOROVOD_OPTIONS and value is not None:
+                config[option] = value.name if isinstance(value, tf.DType) else value
+        return config
+
+    @classmethod
+    def from_config(cls, config: Dict[str, Any]) -> "Strategy":
+        """The inverse of `get_config` (dtype options may be given by name)."""
+        return cls.from_options(**config)
 
     @property
     def topology(self) -> Topology:

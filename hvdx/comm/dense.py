@@ -6,7 +6,9 @@ from typing import List, Optional, Sequence, Tuple
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdx.comm import wire
 from hvdx.comm.base import Aggregated, Strategy, node_reduce_scatter, node_slices
+from hvdx.comm.registry import register
 from hvdx.topology import Topology
 
 __all__ = ["Allreduce", "Hierarchical", "OP_NAMES"]
@@ -15,15 +17,7 @@ __all__ = ["Allreduce", "Hierarchical", "OP_NAMES"]
 OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
 
 
-def _wire(dtype) -> Optional[tf.DType]:
-    if dtype is None:
-        return None
-    dtype = tf.as_dtype(dtype)
-    if dtype not in (tf.float32, tf.float16, tf.bfloat16):
-        raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {dtype.name}")
-    return dtype
-
-
+@register("allreduce", aliases=("dense",))
 class Allreduce(Strategy):
     """The dense baseline: one Horovod allreduce over the job's ranks (exactly what
     `hvd.DistributedOptimizer` does with the same options).
@@ -36,7 +30,7 @@ class Allreduce(Strategy):
         the type the buffer travels in (cast there and back).
     """
 
-    key = "allreduce"
+    options = ("op", "prescale_factor", "postscale_factor", "process_set", "compression", "wire_dtype")
 
     def __init__(self, op=hvd.Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                  process_set: hvd.ProcessSet = hvd.global_process_set, compression=None,
@@ -49,7 +43,7 @@ class Allreduce(Strategy):
         self.op, self.prescale_factor, self.postscale_factor = op, float(prescale_factor), float(postscale_factor)
         self.process_set = process_set
         self.compression = compression
-        self.wire_dtype = _wire(wire_dtype)
+        self.wire_dtype = None if wire_dtype is None else wire.check_dtype(wire_dtype)
 
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
         sent, ctx = buffer, None
@@ -97,6 +91,7 @@ class Allreduce(Strategy):
         return f"Allreduce({', '.join(options)})"
 
 
+@register("hierarchical", aliases=("2dtar",))
 class Hierarchical(Strategy):
     """2DTAR (shi2021 sec. 5.3): reduce-scatter inside the node, allreduce of each slice
     across nodes in its cross set, all-gather inside the node.
@@ -106,11 +101,11 @@ class Hierarchical(Strategy):
     (e.g. float16) is the type every collective moves.
     """
 
-    key = "hierarchical"
+    options = ("wire_dtype",)
 
     def __init__(self, wire_dtype=None, topo: Optional[Topology] = None) -> None:
         super().__init__(topo)
-        self.wire_dtype = _wire(wire_dtype)
+        self.wire_dtype = None if wire_dtype is None else wire.check_dtype(wire_dtype)
 
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
         topo = self.topology

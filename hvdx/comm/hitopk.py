@@ -8,12 +8,14 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm.base import Aggregated, node_reduce_scatter_parts, node_slices
+from hvdx.comm.registry import register
 from hvdx.comm.sparse import TopKStrategy
 from hvdx.topology import barrier
 
 __all__ = ["HiTopK"]
 
 
+@register("hitopk", aliases=("hitopkcomm",))
 class HiTopK(TopKStrategy):
     """HiTopKComm (shi2021, Algorithm 2).
 
@@ -31,7 +33,6 @@ class HiTopK(TopKStrategy):
     ranks before each step) in `last_times`.
     """
 
-    key = "hitopk"
     STEPS = ("reduce_scatter", "mstopk", "inter_allgather", "intra_allgather")
 
     def __init__(self, *args, **kwargs) -> None:

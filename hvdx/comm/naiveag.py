@@ -8,16 +8,17 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm.base import Aggregated
+from hvdx.comm.registry import register
 from hvdx.comm.sparse import TopKStrategy
 
 __all__ = ["SparseAllgather"]
 
 
+@register("sparse_allgather", aliases=("naiveag",))
 class SparseAllgather(TopKStrategy):
     """NaiveAG: MSTopK on the whole buffer, all-gather of (value, index) pairs over all
     ranks, sparse accumulation. Every rank sends 2k elements to every other (eq. 3)."""
 
-    key = "sparse_allgather"
 
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         topo = self.topology

@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm import wire
-from hvdx.comm.base import Strategy, check_density
+from hvdx.comm.base import Strategy, check_density, check_positive_int
 from hvdx.comm.memory import ResidualMemory, Update
 from hvdx.topology import Topology
 
@@ -28,6 +28,7 @@ class TopKStrategy(Strategy):
     """Base of NaiveAG and HiTopK: error feedback + MSTopK + (value, index) all-gather."""
 
     lossy = True
+    options = ("density", "num_samplings", "wire_dtype")
 
     def __init__(self, density: float = DEFAULT_DENSITY, num_samplings: int = 30,
                  wire_dtype: tf.DType = tf.float32, topo: Optional[Topology] = None,
@@ -37,12 +38,8 @@ class TopKStrategy(Strategy):
         #: buckets always are), int64 above; tf.int64 forces the wide path end to end.
         self.index_dtype = index_dtype
         self.density = check_density(density)
-        if isinstance(num_samplings, bool) or not isinstance(num_samplings, int) or num_samplings < 1:
-            raise ValueError(f"num_samplings must be an int >= 1, got {num_samplings!r}")
-        self.num_samplings = num_samplings
-        self.wire_dtype = tf.as_dtype(wire_dtype)
-        if self.wire_dtype not in wire.WIRE_DTYPES:
-            raise ValueError(f"wire_dtype must be float32, float16 or bfloat16, got {self.wire_dtype.name}")
+        self.num_samplings = check_positive_int(num_samplings, "num_samplings")
+        self.wire_dtype = wire.check_dtype(wire_dtype)
         self._memory = ResidualMemory(self.key)
         self.last_indices: Optional[tf.Tensor] = None  # diagnostics: last call's selection
 

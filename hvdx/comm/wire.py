@@ -1,39 +1,65 @@
-"""The wire format of the sparse strategies: (value, index) pairs in one 1-D packet.
+"""The wire formats: the dtypes values may travel in, the float16 power-of-two scaling, and
+the (value, index) packets of the sparse strategies. DASO's blocking average uses the same
+dtypes and the same float16 scaling (`hvdx.daso.sync`).
 
-One all-gather moves every sender's packet: its k values in the wire dtype, then its k
-indices' bits reinterpreted as that dtype (int32 or int64; an int64 index takes two
-float32 or four 16-bit slots). A float16 packet also carries a power-of-two scale:
-values are divided by 2**e before the cast, with e chosen so that the largest finite
-value fits (float16 overflows at 65504: a finite 1e5 would otherwise arrive as Inf and
-poison training), and multiplied back on arrival. Powers of two are exact, so the only
-error is float16's rounding, which the sender keeps in its residual (it subtracts what
-the receivers decode, `decode_sent`). Inf and NaN stay what they are, so the loss scaler
-still sees them.
+A packet is one 1-D tensor per sender: its k values in the wire dtype, then its k indices'
+bits reinterpreted as that dtype (int32 or int64; an int64 index takes two float32 or four
+16-bit slots). A float16 packet also carries a power-of-two exponent e: values are
+multiplied by 2**-e before the cast so that the largest finite |value| is at most 2**14
+(float16 overflows at 65504: a finite 1e5 would otherwise arrive as Inf and poison
+training), and by 2**e on arrival. Powers of two are exact, so the only error is float16's
+rounding, which the sender keeps in its residual (it subtracts what the receivers decode,
+`decode_sent`). Inf and NaN stay what they are, so the loss scaler still sees them.
 """
 from __future__ import annotations
 
-from typing import Sequence, Tuple, Union
+from typing import Any, Sequence, Tuple, Union
 
 import tensorflow as tf
 
-__all__ = ["WIRE_DTYPES", "decode_sent", "pack", "packet_length", "unpack"]
+__all__ = ["WIRE_DTYPES", "check_dtype", "decode_sent", "float16_exponent", "pack", "packet_length", "to_wire",
+           "unpack"]
 
+#: The dtypes values may travel in.
 WIRE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
-_FLOAT16_TOP = 14  # scale so that max|v| < 2**15 (float16's largest finite value is ~2**16)
+_FLOAT16_TOP = 14  # scaled magnitudes stay <= 2**14 (float16's largest finite value is ~2**16)
 
 
-def _exponent(values: tf.Tensor) -> tf.Tensor:
-    """e >= 0 such that every finite |value| / 2**e < 2**15 (float32 scalar)."""
+def check_dtype(value: Any, argument: str = "wire_dtype") -> tf.DType:
+    """`value` (a tf/NumPy dtype or its name) as one of WIRE_DTYPES.
+
+    Raises:
+      ValueError: naming `argument`, for any other value.
+    """
+    try:
+        dtype = tf.as_dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype not in WIRE_DTYPES:
+        raise ValueError(f"{argument} must be one of {[d.name for d in WIRE_DTYPES]}, got {value!r}")
+    return dtype
+
+
+def float16_exponent(values: tf.Tensor, upscale: bool = False) -> tf.Tensor:
+    """The exponent e (a float32 scalar) with max finite |values| * 2**-e <= 2**14.
+
+    upscale=False: e >= 0 (small values are sent as they are). True: e may be negative (down
+    to -94, so 2**-e fits float32), so that small values use float16's full precision
+    instead of its subnormals; e = 0 when every value is zero or non-finite."""
     magnitude = tf.abs(tf.cast(values, tf.float32))
     largest = tf.reduce_max(tf.where(tf.math.is_finite(magnitude), magnitude, tf.zeros_like(magnitude)))
-    return tf.maximum(tf.math.ceil(tf.math.log(tf.maximum(largest, 1.0)) / tf.math.log(2.0)) - _FLOAT16_TOP, 0.0)
+    if not upscale:
+        return tf.maximum(tf.math.ceil(tf.math.log(tf.maximum(largest, 1.0)) / tf.math.log(2.0)) - _FLOAT16_TOP, 0.0)
+    e = tf.math.ceil(tf.math.log(tf.maximum(largest, 2.0 ** -80)) / tf.math.log(2.0)) - _FLOAT16_TOP
+    return tf.where(largest > 0, e, 0.0)
 
 
-def _to_wire(values: tf.Tensor, wire: tf.DType) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(values on the wire, the scale exponent e as float32; 0 when unscaled)."""
+def to_wire(values: tf.Tensor, wire: tf.DType, upscale: bool = False) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(values in dtype `wire`, the float16 exponent e as float32; 0 for the other dtypes).
+    The receiver decodes float32(values) * 2**e."""
     if wire != tf.float16:
         return tf.cast(values, wire), tf.zeros([], tf.float32)
-    e = _exponent(values)
+    e = float16_exponent(values, upscale)
     return tf.cast(tf.cast(values, tf.float32) * tf.pow(2.0, -e), wire), e
 
 
@@ -41,7 +67,7 @@ def decode_sent(values: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     """What the receivers will decode from `values` (in values' dtype)."""
     if wire == values.dtype:
         return values
-    on_wire, e = _to_wire(values, wire)
+    on_wire, e = to_wire(values, wire)
     return tf.cast(tf.cast(on_wire, tf.float32) * tf.pow(2.0, e), values.dtype)
 
 
@@ -51,7 +77,7 @@ def _slots_per_index(index_dtype: tf.DType, wire: tf.DType) -> int:
 
 def pack(values: tf.Tensor, indices: tf.Tensor, wire: tf.DType) -> tf.Tensor:
     """One 1-D packet of dtype `wire`: values, index bits, and (float16) the exponent."""
-    on_wire, e = _to_wire(values, wire)
+    on_wire, e = to_wire(values, wire)
     index_bits = tf.reshape(tf.bitcast(indices, wire), [-1])
     parts = [on_wire, index_bits]
     if wire == tf.float16:

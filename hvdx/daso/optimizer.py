@@ -32,10 +32,11 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdx.comm import wire
 from hvdx.topology import initialized as _initialized, topology as _get_topology
 from hvdx.daso.plateau import PlateauDetector
 from hvdx.daso.schedule import Action, Schedule
-from hvdx.daso.sync import WIRE_DTYPES, FlatParameters, ParameterSync
+from hvdx.daso.sync import FlatParameters, ParameterSync
 from hvdx.layout import check_agreement
 from hvdx.optimizer import DistributedOptimizer
 
@@ -74,9 +75,7 @@ class DASO(DistributedOptimizer):
         if not _initialized():
             raise RuntimeError("hvdx.DASO needs hvdx.init() first (it averages inside nodes and across them)")
         topo = _get_topology()
-        if blocking_wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"blocking_wire_dtype must be one of {sorted(WIRE_DTYPES)}, "
-                             f"got {blocking_wire_dtype!r}")
+        blocking_wire_dtype = wire.check_dtype(blocking_wire_dtype, "blocking_wire_dtype").name
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
         schedule = Schedule(total_epochs=total_epochs, warmup_epochs=warmup_epochs, cooldown_epochs=cooldown_epochs,

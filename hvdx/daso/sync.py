@@ -31,23 +31,20 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, Dict, Optional, Sequence
+from typing import TYPE_CHECKING, Deque, Optional, Sequence
 
 import horovod.tensorflow as hvd
-import ml_dtypes
 import numpy as np
 import tensorflow as tf
+
+from hvdx.comm import wire
 
 from hvdx.topology import Topology
 
 if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
     from hvdx.daso.transport import GroupTransport, Request
 
-__all__ = ["FlatParameters", "ParameterSync", "WIRE_DTYPES"]
-
-WIRE_DTYPES: Dict[str, np.dtype] = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float16": np.dtype(np.float16),
-                                    "float32": np.dtype(np.float32)}
-_FLOAT16_TOP = 2.0 ** 14  # scaled changes stay below this: fp16 keeps 11 bits down to 2^-14 * 2^-10
+__all__ = ["FlatParameters", "ParameterSync"]
 
 
 class FlatParameters:
@@ -114,12 +111,10 @@ class ParameterSync:
 
     def __init__(self, params: FlatParameters, topology: Topology, transport: "GroupTransport",
                  wire_dtype: str = "bfloat16") -> None:
-        if wire_dtype not in WIRE_DTYPES:
-            raise ValueError(f"blocking_wire_dtype must be one of {sorted(WIRE_DTYPES)}, got {wire_dtype!r}")
         self.params = params
         self.topology = topology
         self.transport = transport
-        self.wire_dtype = WIRE_DTYPES[wire_dtype]
+        self.wire_dtype = wire.check_dtype(wire_dtype, "blocking_wire_dtype")
         self.group_size = topology.num_nodes
         self.reference: Optional[np.ndarray] = None
         self.in_flight: Optional[_InFlight] = None
@@ -154,7 +149,7 @@ class ParameterSync:
             raise RuntimeError("the parameters' reference is not set (broadcast or drain first)")
         flat = None
         if self.is_member(group):
-            if self.wire_dtype == np.float16 and self.group_size > 1:  # scaled per member: numpy
+            if self.wire_dtype == tf.float16 and self.group_size > 1:  # scaled per member: numpy
                 change = self._average_float16_changes(self.params.read() - self.reference)
                 flat, finite = self.reference + change, bool(np.isfinite(change).all())
                 self.params.write(flat)
@@ -163,7 +158,7 @@ class ParameterSync:
                 change = self._changes(reference).numpy()
                 if self.group_size == 1:
                     gathered = change[None]
-                elif self.wire_dtype == np.float32:
+                elif self.wire_dtype == tf.float32:
                     gathered = self.transport.allreduce_sum(change).wait()[None]
                 else:
                     gathered = np.stack(self.transport.allgather(change).wait())
@@ -182,18 +177,18 @@ class ParameterSync:
 
     def _build_blocking(self) -> None:
         """The TensorFlow passes of the averages (traced once per model)."""
-        wire = tf.as_dtype(self.wire_dtype.name)
+        on_wire = self.wire_dtype
         size, divisor = self.params.size, float(self.group_size)
         params = self.params
 
         @tf.function(input_signature=[tf.TensorSpec([size], tf.float32)], autograph=False)
         def changes(reference):
-            return tf.cast(params._read_graph() - reference, wire)
+            return tf.cast(params._read_graph() - reference, on_wire)
 
-        @tf.function(input_signature=[tf.TensorSpec([size], tf.float32), tf.TensorSpec([None, size], wire)],
+        @tf.function(input_signature=[tf.TensorSpec([size], tf.float32), tf.TensorSpec([None, size], on_wire)],
                      autograph=False)
         def apply_changes(reference, gathered):
-            pieces = tf.unstack(tf.cast(gathered, tf.float32), num=1 if wire == tf.float32 else self.group_size)
+            pieces = tf.unstack(tf.cast(gathered, tf.float32), num=1 if on_wire == tf.float32 else self.group_size)
             total = pieces[0]
             for piece in pieces[1:]:  # in member order on every member: identical sums
                 total = total + piece
@@ -214,16 +209,15 @@ class ParameterSync:
         self._changes, self._apply_changes, self._blend = changes, apply_changes, blend
 
     def _average_float16_changes(self, change: np.ndarray) -> np.ndarray:
-        """float16 changes, each member's scaled by its own power of two (sent beside them)
-        so that small updates do not underflow; summed in float32 in member order."""
-        top = float(np.max(np.abs(change))) if change.size else 0.0
-        scale = np.float32(2.0 ** np.floor(np.log2(_FLOAT16_TOP / top))) if top > 0 and np.isfinite(top) \
-            else np.float32(1.0)
-        scales = self.transport.allgather(np.array([scale], np.float32))
-        pieces = self.transport.allgather((change * scale).astype(np.float16)).wait()
+        """float16 changes, each member's scaled by its own power of two (its exponent sent
+        beside them, `hvdx.comm.wire.to_wire` with upscale) so that small updates do not
+        underflow; summed in float32 in member order."""
+        scaled, e = wire.to_wire(tf.constant(change), tf.float16, upscale=True)
+        exponents = self.transport.allgather(np.array([e.numpy()], np.float32))
+        pieces = self.transport.allgather(scaled.numpy()).wait()
         total = np.zeros_like(change)
-        for piece, s in zip(pieces, scales.wait()):
-            total += piece.astype(np.float32) / s[0]
+        for piece, exponent in zip(pieces, exponents.wait()):
+            total += piece.astype(np.float32) * np.float32(2.0 ** exponent[0])
         return total / np.float32(self.group_size)
 
     # -- non-blocking -----------------------------------------------------------------

@@ -32,12 +32,11 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import pto
+from hvdx.buckets import AggregationObserver, AggregationRecord, Ranges
 
-__all__ = ["LayerwiseOptimizer", "MODES", "squared_norm", "slice_ranges"]
+__all__ = ["LayerwiseOptimizer", "MODES", "squared_norm"]
 
 MODES = (None, "pto", "slices")
-
-Ranges = List[Tuple[int, int]]
 
 
 def squared_norm(x: tf.Tensor) -> tf.Tensor:
@@ -61,35 +60,6 @@ def range_squared_norm(x: tf.Tensor, ranges: Ranges) -> tf.Tensor:
     for a, b in ranges[1:]:
         total = total + squared_norm(flat[a:b])
     return total
-
-
-def slice_ranges(buckets: Sequence[Tuple[Any, Sequence[Tuple[int, int, int]]]]) -> Optional[Dict[int, Ranges]]:
-    """For each gradient index of an aggregation, the element ranges of its flattened
-    gradient that lie in this rank's reduce-scattered slices; None if a bucket has no slice.
-
-    `buckets` is GradientAggregator.last_buckets: (Aggregated, pieces) with pieces
-    (gradient index, start, stop) in buffer order and Aggregated.local_slice = (slice,
-    offset). A slice may reach into the buffer's padding (HiTopK / 2DTAR pad to a multiple
-    of the node size): only real elements are counted. Every gradient of a bucket gets an
-    entry (possibly empty: another rank of the node covers it)."""
-    out: Dict[int, Ranges] = {}
-    for result, pieces in buckets:
-        local = getattr(result, "local_slice", None)
-        if local is None:
-            return None
-        tensor, offset = local
-        length = tensor.shape[0]
-        if length is None:
-            return None
-        lo, hi = int(offset), int(offset) + int(length)
-        position = 0
-        for index, start, stop in pieces:
-            a, b = max(lo, position), min(hi, position + stop - start)
-            ranges = out.setdefault(int(index), [])
-            if a < b:
-                ranges.append((start + a - position, start + b - position))
-            position += stop - start
-    return out
 
 
 def patterns(value: Union[None, str, Iterable[str]], argument: str) -> Optional[Tuple[str, ...]]:
@@ -133,7 +103,7 @@ def number(value: Any, argument: str, low: float = 0.0, high: Optional[float] = 
     return value
 
 
-class LayerwiseOptimizer(tf.keras.optimizers.Optimizer):
+class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
     """Base of hvdx.optimizers.LARS and LAMB (Keras 2 optimizer API of TF 2.15).
 
     A step runs in three phases over all variables at once (`_internal_apply_gradients`):
@@ -210,16 +180,11 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer):
         return config
 
     # -- the hook of hvdx.DistributedOptimizer -------------------------------------------
-    def note_aggregation(self, aggregator, variables: Sequence[Any]) -> None:
-        """Called by hvdx.DistributedOptimizer after each aggregation with its aggregator and
-        the variables whose gradients it aggregated, in the order of its buckets' pieces.
-        Records which variables' gradients are averaged over all ranks and, where the
-        strategy left reduce-scattered slices, this rank's element ranges of each."""
-        buckets = list(getattr(aggregator, "last_buckets", []) or [])
-        ranges = slice_ranges(buckets)
-        indices = {int(index) for _, pieces in buckets for index, _, _ in pieces}
-        self._book.aggregated = {variables[i].ref(): (ranges.get(i) if ranges is not None else None)
-                            for i in sorted(indices) if i < len(variables) and variables[i] is not None}
+    def observe_aggregation(self, record: AggregationRecord) -> None:
+        """Called by hvdx.DistributedOptimizer after each aggregation: records which
+        variables' gradients are averaged over all ranks and, where the strategy left
+        reduce-scattered slices, this rank's element ranges of each."""
+        self._book.aggregated = record.aggregated_variables()
 
     # -- the step ------------------------------------------------------------------------
     def _prepare(self, gradients: List[tf.Tensor], variables: List[Any]) -> List[tf.Tensor]:

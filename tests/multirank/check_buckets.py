@@ -43,7 +43,7 @@ def check_plans(topo):
         with hvdx.DistributedGradientTape(communication="hierarchical", bucket_bytes=bucket_bytes) as tape:
             loss = loss_fn(net, x, y)
         tape.gradient(loss, net.trainable_variables)
-        plans[name] = [[index for index, _, _ in pieces] for _, pieces in tape.aggregator.last_buckets]
+        plans[name] = [[piece.index for piece in bucket.pieces] for bucket in tape.aggregator.last_aggregation.buckets]
     return plans
 
 

@@ -445,17 +445,19 @@ def check_small_things(topo):
         out["mixed_precision_embedding"] = bool(all(np.isfinite(w).all() for w in weights))
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
-    # the hooks later features use: after the update (DASO), the reduce-scattered slice (LARS)
-    calls = tf.Variable(0)
+    # a wrapped AggregationObserver (LARS, LAMB) gets each aggregation's record: the slices
     seen = {}
 
-    def after_update(grads_and_vars):
-        seen["slices"] = [a.local_slice is not None for a in hooked.aggregator.last_aggregation]
-        return calls.assign_add(1)
-    hooked = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk", density=0.5)
-    hooked.add_after_update_hook(after_update)
-    train_steps(lambda: hooked, topo, steps=3)
-    out["after_update_hook"] = int(calls.numpy()) == 3 and seen.get("slices") == [True]
+    class Observer(tf.keras.optimizers.SGD, hvdx.buckets.AggregationObserver):
+        def observe_aggregation(self, record):
+            seen["slices"] = [r.local_slice is not None for r in record.results]
+            seen["variables"] = len(record.variables)
+            seen["calls"] = seen.get("calls", 0) + 1
+
+    observed = hvdx.DistributedOptimizer(Observer(0.1), communication="hitopk", density=0.5)
+    train_steps(lambda: observed, topo, steps=3)
+    out["aggregation_observed"] = seen.get("slices") == [True] and seen.get("calls", 0) >= 1 and \
+        seen.get("variables") == len(observed.aggregator.last_aggregation.variables) > 0
     # buckets never exceed the cap: a tensor spans two buckets, same result as one bucket
     g = tf.constant(np.random.default_rng(topo.rank).standard_normal(50).astype(np.float32))
     capped = hvdx.GradientAggregator(communication="hitopk", density=1.0)
