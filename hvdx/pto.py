@@ -25,6 +25,7 @@ every rank, with no communication to agree on them; more ranks than tensors leav
 ranks with an empty share (they still join the all-gather). Collective: every rank of the
 process set calls the same function with the same sizes and the same name, in the same
 order. Without Horovod initialised (or on a single rank) the op runs replicated, locally.
+Tensors must have static shapes (ValueError otherwise).
 """
 from __future__ import annotations
 

@@ -7,8 +7,10 @@
 - the cross set of each local rank l: rank l of every node (slow links; the inter-node
   all-gather of Alg. 2 line 8, one concurrent stream per local rank; DASO's groups).
 
-Nodes must be homogeneous (the same number of ranks on each). A set equal to the whole
-world is Horovod's global process set, which Horovod would not let us add twice.
+Nodes must be homogeneous (the same number of ranks on each): otherwise `init()` raises
+`TopologyError` on every rank, saying how to launch. A set equal to the whole world is
+Horovod's global process set, which Horovod would not let us add twice. `topology()`
+before `init()` raises RuntimeError.
 """
 from __future__ import annotations
 

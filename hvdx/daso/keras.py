@@ -8,7 +8,7 @@ After every batch the callback runs the schedule's global synchronisation
 callback's on_epoch_end, e.g. ModelCheckpoint) and hands the epoch's training loss to
 the schedule (`DASO.end_epoch`). Before the first batch it checks that every rank runs as
 many steps and epochs (DASO itself starts every rank from rank 0's parameters). No manual
-per-epoch call is needed (HeAT's DASO needs two).
+per-epoch call is needed.
 """
 from __future__ import annotations
 

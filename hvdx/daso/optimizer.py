@@ -19,7 +19,11 @@ Every step, the gradients are averaged inside the node (hvdx.DistributedOptimize
 the node-local process set) and applied by the wrapped optimizer; then the schedule
 (hvdx.daso.schedule) says whether the parameters are averaged globally now (blocking),
 start to be (non-blocking) or a stale average is merged (eq. 1), and
-hvdx.daso.sync does it over hvdx's own transport (hvdx.daso.transport).
+hvdx.daso.sync does it over hvdx's own transport (hvdx.daso.transport). Internals and
+guarantees: docs/daso.md.
+
+Raises RuntimeError without hvdx.init(), ValueError for bad arguments (naming them) and
+when a later apply_gradients passes other variables than the first.
 """
 from __future__ import annotations
 

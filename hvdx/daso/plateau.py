@@ -2,9 +2,9 @@
 
 "Each time the training loss plateaus, B and W are reduced by a factor of two": a plateau
 is `patience` + 1 epochs in a row whose loss is not lower than the best so far by more
-than the relative `threshold` (the paper's "set percentage threshold"; the rule of
-ReduceLROnPlateau, which HeAT's DetectMetricPlateau also follows). Once a plateau is
-reported the count starts again, so the next report needs another `patience` + 1 epochs.
+than the relative `threshold` (the paper's "set percentage threshold"; the rule of Keras'
+ReduceLROnPlateau). Once a plateau is reported the count starts again, so the next report
+needs another `patience` + 1 epochs.
 """
 from __future__ import annotations
 

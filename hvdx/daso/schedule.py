@@ -15,12 +15,7 @@ A pure, serialisable state machine: it decides, it never communicates.
 - Epochs end with a drain: the exchange in flight, if any, is merged, then all ranks are
   averaged, so every epoch's cycle starts again from identical parameters.
 
-Where this differs from HeAT's DASO (heat/optim/dp_optimizer.py), and why: HeAT
-decrements W by one on a plateau instead of halving it (the paper halves both), starts a
-cycle on the first batch of an epoch (here after B local steps: the drain has just made
-the ranks identical), and when W = B - 1 defers the merge by a whole cycle while still
-weighting it as S = 1; here the merge happens W steps after the start, weighted with the
-staleness actually measured.
+Where this differs from HeAT's DASO, and why: docs/daso.md.
 """
 from __future__ import annotations
 

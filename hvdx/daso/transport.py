@@ -1,44 +1,32 @@
-"""DASO's global network: a TCP ring among the members of one group whose exchanges overlap computation.
+"""DASO's global network: a TCP ring among the members of one group, whose exchanges
+progress on a thread of their own while TensorFlow computes (coquelin2021 sec. 3, Figs. 1,
+3 and 5). Why not Horovod or mpi4py: docs/daso.md.
 
-DASO (coquelin2021, section 3, Figures 1, 3 and 5) averages parameters inside one *group*,
-the ranks with the same local identifier on every node (hvdx's cross sets), and in the
-cycling phase starts that exchange and goes on training for W batches before merging it
-(eq. 1). The exchange must therefore progress by itself while TensorFlow computes. Neither
-of the obvious carriers does that here:
+    transport = GroupTransport.create(groups, rank)   # collective over all ranks
+    request = transport.allreduce_sum(x)               # returns at once
+    ...                                                # training goes on
+    total = request.wait()                             # sum over the group, same bits on every member
 
-- Horovod's TF API has no asynchronous handles, and one background thread runs all its CPU
-  collectives (Gloo): a long cross-node average issued through Horovod holds up the next
-  step's node-local gradient allreduce.
-- mpi4py has no MPI world under `horovodrun --gloo`, and Open MPI's non-blocking
-  collectives do not progress without a thread driving them anyway.
+A group is the ranks with the same local rank on every node (hvdx's cross sets). Each rank
+holds one connection to its right neighbour in the group's ring and one from its left,
+bootstrapped through one Horovod collective (`hvd.allgather_object` of every rank's
+listening address); one progress thread executes the requests in submission order.
 
-So each rank keeps a `GroupTransport`: one TCP connection to its right neighbour in the
-group's ring and one from its left, bootstrapped through a single Horovod collective
-(`hvd.allgather_object` of every rank's listening address), and one *progress thread* that
-executes the requests in submission order. Socket I/O and numpy's reductions release the
-GIL, so the training step keeps running while an exchange is in flight.
+- `allreduce_sum(x)`: sum over the members, x float32 or float64; ring reduce-scatter then
+  ring all-gather, streamed in chunks of `CHUNK_BYTES`. Each segment's final sum is
+  computed by exactly one member and copied, so the result is bit-identical on every member.
+- `allgather(x)`: every member's x in member order, any fixed-size dtype (bfloat16 and
+  float16 included).
 
-- `allreduce_sum`: ring reduce-scatter then ring all-gather, streamed chunk by chunk (a chunk
-  is forwarded as soon as it is reduced). Each segment's final sum is computed by exactly one
-  member and then copied, so the result is bit-identical on every member.
-- `allgather`: the ring all-gather alone, for any dtype (bfloat16 and float16 included: DASO's
-  blocking mode sends 16-bit parameters and sums them in float32 after the all-gather).
+Contract: every member submits the same requests (operation, dtype, size) in the same
+order; an input must not be modified until its request is done (it is read on the progress
+thread, never copied on the caller's). Memory: an allreduce holds its result (1x the input)
+and one chunk of receive buffer.
 
-Every frame carries the request's sequence number, operation, dtype, size and chunk index,
-checked on receipt: ranks that submit different requests get a `TransportError` naming both
-sides (the detecting rank forwards the reason around the ring) instead of corrupt data.
-A peer that closes, dies or stalls makes `Request.wait()` raise `TransportError` naming its
-global rank within `timeout` seconds; nothing waits forever.
-
-Memory: an allreduce needs its result (1x the input) and one chunk (`CHUNK_BYTES`) of receive
-buffer; chunks are sent from the input and the result in place. Inputs are not copied on the
-caller's thread (that would cost the training thread ~24 ms per 100 MB here, for nothing
-DASO needs): do not modify an input until its request is done.
-
-Measured (benchmarks/daso_transport.py, emulated 2 x 1 cluster at 1 Gbit/s): ~116 MB/s, 93 %
-of line rate (Horovod's allreduce on the same set: 93-109 MB/s); an exchange beside a main
-thread that waits is hidden almost entirely (overlap 1.9-2.0x); beside CPU-bound TF matmuls
-on the same two cores, 1.4-1.6x (the best possible there is ~1.75x).
+Raises `TransportError` from `Request.wait()`, naming the peer's global rank: when members
+submit different requests (every frame carries the request's sequence number, operation,
+dtype, size and chunk index, checked on receipt; the detecting rank forwards the reason
+around the ring), or when a peer closes, dies or stalls for `timeout` seconds.
 """
 from __future__ import annotations
 

@@ -1,47 +1,35 @@
-"""DataCache (shi2021 sec. 4.1, Fig. 5; evaluated in sec. 5.4, Fig. 9): a tf.data input
-pipeline that reads each training file once from slow storage, decodes it once per node,
-and serves it from node memory from the second epoch on.
+"""DataCache (shi2021 sec. 4.1, Fig. 5): a tf.data input pipeline that reads each training
+file once from slow storage, decodes it once per node, and serves it from node memory from
+the second epoch on. Internals and guarantees: docs/datacache.md.
 
     cache = hvdx.data.DataCache("/nfs/imagenet/train", resolution=96)
     model.fit(cache.dataset(batch_size=256, augment=flip_and_crop), epochs=90)
 
 Levels: `DiskCache` (level 1, local disk: every file read from its source is kept, for
 this run and later ones) and `NodeStore` (level 2, node memory: decoded samples keyed by
-(sample index, resolution), one LMDB store on /dev/shm per node, shared by its ranks).
+(sample index, resolution), one store on /dev/shm per node, shared by its ranks; at a fixed
+resolution a slab of the node's part, read by `tf.gather` from a zero-copy view).
 
-Split (sec. 4.1: "the full data set is split into multiple parts that are separately
-stored on multiple nodes"): a seeded permutation deals the samples to the m nodes (TFRecord
-shards are dealt whole); node j keeps only its part. Every epoch e, each rank of the node
-shuffles the part with the same seed (seed, e) and local rank l takes every n-th sample
-from position l: the node's ranks read disjoint shares, and across the job every sample is
-read exactly once per epoch. Every rank reads the same number of samples, `samples_per_rank`:
+The split, for N samples on m nodes of n ranks: a seeded permutation (`split_seed`) deals
+the samples to the nodes (TFRecord shards are dealt whole); node j keeps only its part.
+In epoch e every rank of the node shuffles the part with the same seed (`seed`, e) and
+local rank l takes every n-th sample from position l. Every rank reads
+`samples_per_rank` samples per epoch:
 
-- `remainder="drop"` (default): floor(N / (m n)) per rank; the at most m n - 1 samples left
-  over in an epoch are not read in it (they differ from epoch to epoch, since the order
-  does; they are still decoded into the store in epoch 1, so epoch 2 reads no file);
-- `remainder="pad"`: ceil(N / (m n)) per rank; a node's order is extended with its own
-  first samples, so every sample is read at least once and at most m n - 1 twice.
+- `remainder="drop"` (default): floor(N / (m n)); each sample is read at most once per
+  epoch, and the at most m n - 1 left over (different ones each epoch) are still decoded
+  into the store in epoch 1, so epoch 2 reads no file;
+- `remainder="pad"`: ceil(N / (m n)); a node's order is extended with its own first
+  samples, so every sample is read at least once and at most m n - 1 of them twice.
 
 Batches are cut per rank from its share: the same number on every rank, the last one
-partial unless `drop_remainder=True`. Augmentation runs after the cache, on the fly.
+partial unless `drop_remainder=True`. Augmentation runs after the cache, per sample over
+each batch (compiled with XLA where it can be). In epoch 1, `io_threads` workers fetch and
+decode this rank's missing samples in the order the reader will want them (the order is
+known from the seed), at most `lookahead` ahead.
 
-Epoch 1 prefetches clairvoyantly (beyond the paper): the order of every epoch is known from
-the seed, so as soon as an epoch starts, `io_threads` workers fetch and decode this rank's
-missing samples in the order the reader will want them (at most `lookahead` ahead, at most
-one decode per core at a time), instead of the reader waiting on each file; the reader
-puts each batch into the store in one transaction.
-
-With a fixed resolution the node's part lives in a slab (`hvdx.data.store.Slab`: one flat
-file on /dev/shm per resolution, LMDB as its index). The pipeline is a `scan` over batch
-numbers with one Python call per batch: it plans the epoch on its first batch (and knows then
-whether all of the rank's share is in the slab), and in epoch 1 makes sure the batch's
-samples are in the slab (prefetched or decoded now); it returns the batch's slots and the
-slab's arrays, zero-copy views of the mapping, from which `tf.gather` copies out the batch.
-From epoch 2 on no Python code touches pixels, and every rank of the node reads the one copy.
-Augmentation runs per sample over each batch (`tf.map_fn`, compiled with XLA where it can
-be, batches in parallel), so samples are never unbatched and batched again. Without a slab
-(no fixed resolution, or a budget that cannot hold the part) the Python call copies the
-batch out of the LMDB values.
+Raises ValueError for bad arguments (naming them), for an undecodable file with
+`on_error="raise"` (naming its path), and for node parts too small for the ranks.
 """
 from __future__ import annotations
 

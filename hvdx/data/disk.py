@@ -13,8 +13,6 @@ reads, in this run and in later runs (hyper-parameter sweeps, restarts), read th
 - A full disk (or any failure to write) degrades to reading through, with one warning.
 - `CACHE.json` records the data set's fingerprint and hvdx's version; a directory written
   for another data set or another version is emptied and rebuilt.
-
-tf.data's `cache(filename)` is not used: several ranks sharing it break on its lock files.
 """
 from __future__ import annotations
 
