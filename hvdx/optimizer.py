@@ -21,6 +21,7 @@ from hvdx import comm
 from hvdx.accumulation import LocalAccumulator
 from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
 from hvdx.comm.dense import OP_NAMES
+from hvdx.wrapped import Momentum, subclass_for
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -76,6 +77,14 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     _HAS_AGGREGATE_GRAD = True
 
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # An instance of the wrapped optimizer's class, as Horovod's wrapper (hvdx.wrapped).
+        made = subclass_for(cls, type(optimizer))
+        if not issubclass(made, cls):
+            raise TypeError(f"this class wraps a {cls._hvdx_wrapped_class.__name__}, not a "
+                            f"{type(optimizer).__name__}: call hvdx.DistributedOptimizer(optimizer)")
+        return super().__new__(made)
+
     def __init__(self, optimizer, name: Optional[str] = None, device_dense: str = "", device_sparse: str = "",
                  compression=hvd.Compression.none, sparse_as_dense: bool = False,
                  gradient_predivide_factor: float = 1.0, op=hvd.Average, backward_passes_per_step: int = 1,
@@ -97,8 +106,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if num_groups and groups is not None:
             raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         self._ready = False
-        super().__init__(name=name or f"Distributed{type(optimizer).__name__}")
+        tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._optimizer = optimizer
+        self._momentum = Momentum(optimizer)
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
@@ -146,6 +156,16 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         """Runs `hook(grads_and_vars)` after each update of the wrapped optimizer, in the same
         step (DASO averages parameters there). It may return ops to wait for, or None."""
         self._hooks.append(hook)
+
+    @property
+    def momentum(self):
+        """The wrapped optimizer's momentum: a variable its step reads where it holds a number
+        (Keras' SGD, hvdx's LARS; hvdx.wrapped.Momentum), so Horovod's LR callbacks can assign it."""
+        return self._momentum.get()
+
+    @momentum.setter
+    def momentum(self, value) -> None:
+        self._momentum.set(value)
 
     def __getattr__(self, name: str):
         # Only reached when normal lookup fails: the wrapped optimizer's hyper-parameters
@@ -226,10 +246,11 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
 
     def _apply(self, grads_and_vars):
-        if _is_legacy(self._optimizer):
-            update = self._optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
-        else:
-            update = self._optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
+        with self._momentum.read_by_step():
+            if _is_legacy(self._optimizer):
+                update = self._optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
+            else:
+                update = self._optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
         if not self._hooks:
             return update if update is not None else self.iterations
         deps = [update] if update is not None else []
