@@ -50,7 +50,8 @@ def _compression_name(compression) -> str:
 @tf.keras.utils.register_keras_serializable(package="hvdx")
 class DistributedOptimizer(tf.keras.optimizers.Optimizer):
     """Wraps a tf.keras optimizer so that gradients are aggregated over all ranks before
-    the wrapped optimizer applies them.
+    the wrapped optimizer applies them. Like Horovod's, the wrapper is an instance of the
+    wrapped optimizer's class (of a new-style Keras optimizer's; hvdx.wrapped).
 
     Horovod's arguments (same meaning, same order): name, device_dense, device_sparse,
     compression (hvd.Compression.fp16 sends 16-bit values with every strategy),
@@ -107,8 +108,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         self._ready = False
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
-        self._optimizer = optimizer
         self._momentum = Momentum(optimizer)
+        self._optimizer = optimizer
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
@@ -156,16 +157,6 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         """Runs `hook(grads_and_vars)` after each update of the wrapped optimizer, in the same
         step (DASO averages parameters there). It may return ops to wait for, or None."""
         self._hooks.append(hook)
-
-    @property
-    def momentum(self):
-        """The wrapped optimizer's momentum: a variable its step reads where it holds a number
-        (Keras' SGD, hvdx's LARS; hvdx.wrapped.Momentum), so Horovod's LR callbacks can assign it."""
-        return self._momentum.get()
-
-    @momentum.setter
-    def momentum(self, value) -> None:
-        self._momentum.set(value)
 
     def __getattr__(self, name: str):
         # Only reached when normal lookup fails: the wrapped optimizer's hyper-parameters
@@ -238,19 +229,20 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         self._just_aggregated = None
         if self._agg_helper is None:
-            return self._apply(grads_and_vars)
+            with self._momentum.read_by_step():  # the wrapped step reads the momentum variable
+                return self._apply(grads_and_vars)
 
         def skip():
             return self.iterations.assign_add(1)
 
-        return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
+        with self._momentum.read_by_step():
+            return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
 
     def _apply(self, grads_and_vars):
-        with self._momentum.read_by_step():
-            if _is_legacy(self._optimizer):
-                update = self._optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
-            else:
-                update = self._optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
+        if _is_legacy(self._optimizer):
+            update = self._optimizer.apply_gradients(grads_and_vars, experimental_aggregate_gradients=False)
+        else:
+            update = self._optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
         if not self._hooks:
             return update if update is not None else self.iterations
         deps = [update] if update is not None else []
@@ -334,6 +326,16 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             self._optimizer.iterations = variable
         else:  # the base constructor sets its own counter first
             self._iterations = variable
+
+    @property
+    def momentum(self):
+        """The wrapped optimizer's momentum: a variable its step reads where it holds a number
+        (Keras' SGD, hvdx's LARS; hvdx.wrapped.Momentum), so Horovod's LR callbacks can assign it."""
+        return self._momentum.get()
+
+    @momentum.setter
+    def momentum(self, value) -> None:
+        self._momentum.set(value)
 
     @property
     def learning_rate(self):
