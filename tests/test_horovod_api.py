@@ -82,6 +82,19 @@ def test_a_name_horovod_gains_later_is_found(monkeypatch):
         hvdx.tensorflow.not_horovods  # noqa: B018
 
 
+def test_an_undeclared_override_fails_at_import():
+    from hvdx.tensorflow import _horovod_api
+
+    with pytest.raises(ImportError, match="list it in `own`"):
+        _horovod_api.reexport(horovod_tf, {"__name__": "fake", "allreduce": object()}, own=())
+    with pytest.raises(ImportError, match="does not define"):
+        _horovod_api.reexport(horovod_tf, {"__name__": "fake"}, own=("init",))
+    namespace = {"__name__": "fake", "init": object()}
+    exported = _horovod_api.reexport(horovod_tf, namespace, own=("init",), lazy=("keras",))
+    assert namespace["allreduce"] is horovod_tf.allreduce and "keras" not in namespace
+    assert "init" in exported and "keras" in exported and "tf" in namespace and "tf" not in exported
+
+
 def test_partial_distributed_gradient_tape_keeps_local_layers_local():
     local, shared = tf.keras.layers.Dense(2), tf.keras.layers.Dense(2)
     x = tf.ones((3, 4))
