@@ -24,6 +24,7 @@ from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
 from hvdx.buckets import AggregationObserver
 from hvdx.comm.base import HOROVOD_OPTIONS
 from hvdx.comm.dense import OP_NAMES
+from hvdx.wrapped import Momentum, subclass_for
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -52,7 +53,8 @@ def _compression_name(compression) -> str:
 @tf.keras.utils.register_keras_serializable(package="hvdx")
 class DistributedOptimizer(tf.keras.optimizers.Optimizer):
     """Wraps a tf.keras optimizer so that gradients are aggregated over all ranks before
-    the wrapped optimizer applies them.
+    the wrapped optimizer applies them. Like Horovod's, the wrapper is an instance of the
+    wrapped optimizer's class (of a new-style Keras optimizer's; hvdx.wrapped).
 
     Horovod's arguments (same meaning, same order): name, device_dense, device_sparse,
     compression (hvd.Compression.fp16 sends 16-bit values with every strategy),
@@ -80,6 +82,14 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     _HAS_AGGREGATE_GRAD = True
 
+    def __new__(cls, optimizer=None, *args, **kwargs):
+        # An instance of the wrapped optimizer's class, as Horovod's wrapper (hvdx.wrapped).
+        made = subclass_for(cls, type(optimizer))
+        if not issubclass(made, cls):
+            raise TypeError(f"this class wraps a {cls._hvdx_wrapped_class.__name__}, not a "
+                            f"{type(optimizer).__name__}: call hvdx.DistributedOptimizer(optimizer)")
+        return super().__new__(made)
+
     def __init__(self, optimizer, name: Optional[str] = None, device_dense: str = "", device_sparse: str = "",
                  compression=hvd.Compression.none, sparse_as_dense: bool = False,
                  gradient_predivide_factor: float = 1.0, op=hvd.Average, backward_passes_per_step: int = 1,
@@ -100,7 +110,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if num_groups and groups is not None:
             raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         self._ready = False
-        super().__init__(name=name or f"Distributed{type(optimizer).__name__}")
+        tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
+        self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
@@ -213,12 +224,14 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         self._just_aggregated = None
         if self._agg_helper is None:
-            return self._apply(grads_and_vars)
+            with self._momentum.read_by_step():  # the wrapped step reads the momentum variable
+                return self._apply(grads_and_vars)
 
         def skip():
             return self.iterations.assign_add(1)
 
-        return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
+        with self._momentum.read_by_step():
+            return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
 
     def _apply(self, grads_and_vars):
         if _is_legacy(self._optimizer):
@@ -302,6 +315,16 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             self._optimizer.iterations = variable
         else:  # the base constructor sets its own counter first
             self._iterations = variable
+
+    @property
+    def momentum(self):
+        """The wrapped optimizer's momentum: a variable its step reads where it holds a number
+        (Keras' SGD, hvdx's LARS; hvdx.wrapped.Momentum), so Horovod's LR callbacks can assign it."""
+        return self._momentum.get()
+
+    @momentum.setter
+    def momentum(self, value) -> None:
+        self._momentum.set(value)
 
     @property
     def learning_rate(self):

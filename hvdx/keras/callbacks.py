@@ -1,9 +1,13 @@
-"""Horovod's Keras callbacks, with hvdx's BroadcastGlobalVariablesCallback (Horovod's plus
-a check that every rank runs the same number of steps) and SwitchCommunication."""
-from horovod.tensorflow.keras.callbacks import (BestModelCheckpoint, LearningRateScheduleCallback,
-                                                LearningRateWarmupCallback, MetricAverageCallback)
+"""Horovod's Keras callbacks (`horovod.tensorflow.keras.callbacks`, every public name,
+re-exported from it), with hvdx's BroadcastGlobalVariablesCallback (Horovod's plus a check
+that every rank runs the same number of steps) and SwitchCommunication. Horovod's LR
+callbacks work with hvdx's optimizer, momentum correction included (the wrapper's
+`momentum` is a variable, hvdx.wrapped.Momentum).
+"""
+import horovod.tensorflow.keras.callbacks as _horovod
 
 from hvdx.callbacks import BroadcastGlobalVariablesCallback, SwitchCommunication
+from hvdx.tensorflow import _horovod_api
 
-__all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "MetricAverageCallback", "SwitchCommunication"]
+__all__ = _horovod_api.reexport(_horovod, globals(), own=("BroadcastGlobalVariablesCallback", "SwitchCommunication"))
+__getattr__ = _horovod_api.late(_horovod, __name__)

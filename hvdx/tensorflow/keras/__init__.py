@@ -1,3 +1,10 @@
-"""`hvdx.tensorflow.keras` is `hvdx.keras` (as `horovod.tensorflow.keras` is Horovod's)."""
-from hvdx.keras import *  # noqa: F401,F403 - the same module under Horovod's path
-from hvdx.keras import __all__, callbacks  # noqa: F401
+"""`hvdx.tensorflow.keras` is `hvdx.keras` (as `horovod.tensorflow.keras` is Horovod's): the
+same names, bound to the same objects."""
+import hvdx.keras as _keras
+
+globals().update({name: getattr(_keras, name) for name in dir(_keras) if not name.startswith("_")})
+__all__ = list(_keras.__all__)
+
+
+def __getattr__(name: str):
+    return getattr(_keras, name)  # names Horovod's module gains later (hvdx.keras finds them)

@@ -1,0 +1,145 @@
+"""What lets an optimizer wrapper pass for the Keras optimizer it wraps, as Horovod's does
+(Horovod's wrapper is a subclass of the wrapped optimizer's class, `type(cls.__name__, (cls,), ...)`).
+
+- Its class. `subclass_for(wrapper, wrapped)` is a subclass of `wrapper` that has the
+  wrapped optimizer's class among its bases, made once per pair: `isinstance(opt,
+  tf.keras.optimizers.SGD)` holds for a wrapped SGD. It behaves exactly as `wrapper`: an
+  attribute the wrapped class adds to Keras' Optimizer is read from the wrapped optimizer
+  (as the wrapper's `__getattr__` reads instance attributes), one it overrides is Keras'
+  Optimizer's; it has `wrapper`'s name and serialises under `wrapper`'s registered name.
+  Only new-style Keras optimizers get one: a legacy optimizer's wrapper stays a new-style
+  Optimizer (were it also a `tf.keras.optimizers.legacy.Optimizer`, Keras would take it
+  for a legacy one, e.g. put it under the legacy LossScaleOptimizer, which calls the
+  legacy optimizer API on it).
+- Its momentum. Keras' new SGD (and hvdx's LARS) hold `momentum` as a Python number, which
+  a traced step reads as a constant, so Horovod's LR callbacks cannot assign it
+  (`tf.keras.backend.set_value(opt.momentum, m)`: "'float' object has no attribute
+  'dtype'", with Horovod's wrapper too). `Momentum` keeps it in a variable that the wrapped
+  optimizer's step reads while the wrapper traces it (`Momentum.read_by_step`).
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Dict, Iterator, Optional, Tuple
+
+import tensorflow as tf
+
+from hvdx.optimizers.lars import LARS
+
+__all__ = ["Momentum", "subclass_for"]
+
+# Class attributes that make up the class itself, never copied into a subclass.
+_STRUCTURAL = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__",
+                         "__annotations__", "__abstractmethods__", "_abc_impl", "__orig_bases__", "__parameters__"})
+# Optimizers whose step reads `self.momentum` through TensorFlow ops only (a variable works
+# there); RMSprop, e.g., branches on `self.momentum > 0` in Python.
+_TENSOR_MOMENTUM = (tf.keras.optimizers.SGD, LARS)
+
+_MADE: Dict[Tuple[type, type], type] = {}
+_LOCK = threading.Lock()
+
+
+class _FromWrapped:
+    """An attribute the wrapped optimizer's class adds to Keras' Optimizer: read from the
+    wrapped optimizer (`inner_optimizer`), never run on the wrapper's state."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return getattr(owner._hvdx_wrapped_class, self._name)
+        return getattr(instance.inner_optimizer, self._name)
+
+
+def subclass_for(wrapper: type, wrapped: type) -> type:
+    """The class of a `wrapper` instance that wraps a `wrapped` instance: `wrapper` itself
+    unless `wrapped` is a new-style Keras optimizer (and no wrapper), else the subclass of
+    both described in the module docstring (one per pair). A subclass made here passed as
+    `wrapper` stands for the wrapper it was made from."""
+    wrapper = vars(wrapper).get("_hvdx_wrapper", wrapper)
+    if not issubclass(wrapped, tf.keras.optimizers.Optimizer) or "_hvdx_wrapper" in vars(wrapped) \
+            or issubclass(wrapped, wrapper) or issubclass(wrapper, wrapped):
+        return wrapper
+    with _LOCK:
+        made = _MADE.get((wrapper, wrapped))
+        if made is None:
+            made = _MADE[(wrapper, wrapped)] = _make(wrapper, wrapped)
+    return made
+
+
+def _make(wrapper: type, wrapped: type) -> type:
+    shared = [k for k in wrapper.__mro__ if k in wrapped.__mro__]  # Keras' Optimizer and its bases
+    own = [k for k in wrapper.__mro__ if k not in shared]
+    namespace = {"__module__": wrapper.__module__, "__qualname__": wrapper.__qualname__, "__doc__": wrapper.__doc__,
+                 "_hvdx_wrapper": wrapper, "_hvdx_wrapped_class": wrapped}
+    for klass in wrapped.__mro__:  # the wrapped class's own attributes, most derived first
+        if klass in shared:
+            continue
+        for name, value in vars(klass).items():
+            if name in namespace or name in _STRUCTURAL or not hasattr(value, "__get__") \
+                    or any(name in vars(k) for k in own):  # plain data, or the wrapper's own: as they are
+                continue
+            base = next((k for k in shared if name in vars(k)), None)
+            namespace[name] = vars(base)[name] if base is not None else _FromWrapped(name)
+    made = type(wrapper.__name__, (wrapper, wrapped), namespace)
+    registered = tf.keras.utils.get_registered_name(wrapper)
+    if ">" in registered:  # saved as the wrapper (whose from_config makes the subclass again)
+        package, name = registered.split(">", 1)
+        tf.keras.utils.register_keras_serializable(package, name)(made)
+        tf.keras.utils.register_keras_serializable(package, name)(wrapper)  # the name still finds `wrapper`
+    return made
+
+
+class Momentum:
+    """The momentum of a wrapped optimizer. Where the wrapped optimizer holds it as a Python
+    number that its step reads through TensorFlow ops only (Keras' SGD, hvdx's LARS:
+    `held`), the momentum is also a float32 variable, which the step reads while the
+    wrapper calls the wrapped optimizer's apply_gradients inside `read_by_step()`. The
+    variable is not tracked: checkpoints and configs keep the wrapped optimizer's number
+    (Horovod's momentum correction assigns the variable for one step and restores it). A
+    new number set on the wrapped optimizer reaches the variable at the next trace."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = optimizer
+        number = getattr(optimizer, "momentum", None)
+        self.held = isinstance(optimizer, _TENSOR_MOMENTUM) and isinstance(number, (int, float)) \
+            and not isinstance(number, bool)
+        self._variable: Optional[tf.Variable] = None
+        self._number = None
+
+    def get(self):
+        """The variable where `held`, else the wrapped optimizer's own `momentum` (AttributeError
+        if it has none)."""
+        if not self.held:
+            return getattr(self._optimizer, "momentum")
+        number = self._optimizer.__dict__["momentum"]
+        with tf.init_scope():
+            if self._variable is None:
+                self._variable = tf.Variable(float(number), dtype=tf.float32, trainable=False, name="momentum")
+            elif number != self._number:  # set on the wrapped optimizer since
+                self._variable.assign(float(number))
+        self._number = number
+        return self._variable
+
+    def set(self, value) -> None:
+        """Sets the wrapped optimizer's momentum (and the variable where `held`)."""
+        self._optimizer.momentum = value
+        if self.held:
+            self.get().assign(float(value))
+
+    @contextlib.contextmanager
+    def read_by_step(self) -> Iterator[None]:
+        """Where `held`, the wrapped optimizer's `momentum` is the variable inside (set
+        without tracking, so no checkpoint sees it)."""
+        if not self.held:
+            yield
+            return
+        number = self._optimizer.__dict__["momentum"]
+        variable = self.get()
+        object.__setattr__(self._optimizer, "momentum", variable)
+        try:
+            yield
+        finally:
+            object.__setattr__(self._optimizer, "momentum", number)
