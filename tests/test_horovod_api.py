@@ -125,7 +125,7 @@ def test_the_wrapper_is_an_instance_of_the_wrapped_class(make):
     assert opt.learning_rate is inner.learning_rate
     # the wrapped class's own methods run on the wrapped optimizer, never on the wrapper's state
     if cls is hvdx.optimizers.LARS:
-        assert opt.trust_ratios.__self__ is inner and opt.note_aggregation.__self__ is inner
+        assert opt.trust_ratios.__self__ is inner and opt.observe_aggregation.__self__ is inner
     assert type(opt).update_step is tf.keras.optimizers.Optimizer.update_step
     config = json.loads(json.dumps(tf.keras.optimizers.serialize(opt)))
     assert config["registered_name"] == "hvdx>DistributedOptimizer" and config["class_name"] == "DistributedOptimizer"
