@@ -102,9 +102,11 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
                              f"as communication={name!r}")
         if not isinstance(optimizer, _KERAS_OPTIMIZERS):
+            hint = ("; a tf.compat.v1.train optimizer is wrapped by hvdx.tensorflow.DistributedOptimizer"
+                    if isinstance(optimizer, tf.compat.v1.train.Optimizer) else "")
             raise ValueError("hvdx.DistributedOptimizer wraps a tf.keras optimizer "
                              "(tf.keras.optimizers.* or tf.keras.optimizers.legacy.*), got "
-                             f"{type(optimizer).__name__}")
+                             f"{type(optimizer).__name__}{hint}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
         if num_groups and groups is not None:
