@@ -13,7 +13,17 @@ from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
-__all__ = ["LocalAccumulator"]
+__all__ = ["LocalAccumulator", "aggregate_passes"]
+
+
+def aggregate_passes(accumulator: Optional["LocalAccumulator"], aggregate: Callable[[List, List], List],
+                     grads: Sequence, variables: Sequence) -> List:
+    """`aggregate(grads, variables)` at once (no accumulator), or through `accumulator`: on
+    its N-th pass, `aggregate(totals, variables of the gradients that are not None)`."""
+    if accumulator is None:
+        return aggregate(list(grads), list(variables))
+    present = [v for g, v in zip(grads, variables) if g is not None]
+    return accumulator(list(grads), lambda totals: aggregate(totals, present))
 
 
 class LocalAccumulator(tf.Module):

@@ -19,7 +19,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.accumulation import LocalAccumulator
+from hvdx.accumulation import LocalAccumulator, aggregate_passes
 from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
 from hvdx.buckets import AggregationObserver
 from hvdx.comm.base import HOROVOD_OPTIONS
@@ -167,18 +167,13 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     # -- the step ----------------------------------------------------------------------
     def _aggregate(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
-        variables = list(variables)
-        if self._agg_helper is not None:
-            return self._agg_helper(list(grads), lambda totals: self._aggregate_present(totals, grads, variables))
-        return self._observed(self._aggregator(list(grads), variables))
+        return aggregate_passes(self._agg_helper, self._aggregate_and_observe, grads, variables)
 
-    def _aggregate_present(self, totals, grads, variables):
-        present_vars = [v for g, v in zip(grads, variables) if g is not None]
-        return self._observed(self._aggregator(totals, present_vars))
-
-    def _observed(self, aggregated: List[Any]) -> List[Any]:
-        """Hands the aggregation's record to a wrapped `AggregationObserver` (LARS / LAMB
-        compute their layer norms on the strategy's reduce-scattered slices)."""
+    def _aggregate_and_observe(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        """The aggregated gradients; the aggregation's record goes to a wrapped
+        `AggregationObserver` (LARS / LAMB compute their layer norms on the strategy's
+        reduce-scattered slices)."""
+        aggregated = self._aggregator(grads, variables)
         if isinstance(self._optimizer, AggregationObserver) and self._aggregator.last_aggregation is not None:
             self._optimizer.observe_aggregation(self._aggregator.last_aggregation)
         return aggregated

@@ -19,7 +19,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.accumulation import LocalAccumulator
+from hvdx.accumulation import LocalAccumulator, aggregate_passes
 from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
 
 __all__ = ["DistributedOptimizerV1"]
@@ -91,10 +91,7 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
         return list(zip(self._aggregate(grads, variables), variables))
 
     def _aggregate(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
-        if self._accumulator is None:
-            return self._aggregator(grads, variables)
-        present = [v for g, v in zip(grads, variables) if g is not None]
-        return self._accumulator(list(grads), lambda totals: self._aggregator(totals, present))
+        return aggregate_passes(self._accumulator, self._aggregator, grads, variables)
 
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """The wrapped optimizer's apply_gradients; with backward_passes_per_step = N, only on
