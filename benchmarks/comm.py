@@ -30,11 +30,11 @@ from typing import Callable, Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (by_key, launch_ranks, markdown_table, network as cluster_description, slowest, timed_rounds,
+    from common import (by_key, cluster_description, launch_ranks, markdown_table, slowest, timed_rounds,
                         under_launcher, update_readme)
 except ImportError:
-    from benchmarks.common import (by_key, launch_ranks, markdown_table, network as cluster_description, slowest,
-                                   timed_rounds, under_launcher, update_readme)
+    from benchmarks.common import (by_key, cluster_description, launch_ranks, markdown_table, slowest, timed_rounds,
+                                   under_launcher, update_readme)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [1_000_000, 4_000_000, 16_000_000, 25_000_000, 64_000_000, 100_000_000]

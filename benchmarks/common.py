@@ -2,7 +2,7 @@
 
 - launching (hvdx.runner): `under_launcher`, `launch_ranks` (horovodrun over loopback, or
   the emulated cluster), `add_topology_arguments` + `run_topologies` (one job per "MxN"),
-  `network` (the emulated network a rank runs on);
+  `cluster_description` (the emulated network a rank runs on);
 - timing, inside a Horovod job: `slowest` (the slowest rank's time), `timed_rounds` (calls
   taking turns, round after round), `by_key`, `medians`; `load_during` (how busy the
   machine was);
@@ -37,7 +37,7 @@ def under_launcher() -> bool:
     return any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
 
 
-def network() -> Optional[dict]:
+def cluster_description() -> Optional[dict]:
     """The emulated network this rank runs on ($HVDX_CLUSTER, set by hvdx/runner/cluster.py),
     or None (horovodrun over loopback)."""
     text = os.environ.get("HVDX_CLUSTER")

@@ -32,11 +32,11 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (README, add_output_arguments, add_topology_arguments, markdown_table, network, run_topologies,
-                        update_readme)
+    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
+                        run_topologies, update_readme)
 except ImportError:
-    from benchmarks.common import (README, add_output_arguments, add_topology_arguments, markdown_table, network,
-                                   run_topologies, update_readme)
+    from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
+                                   markdown_table, run_topologies, update_readme)
 
 METHODS = ["horovod", "daso"]
 LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO"}
@@ -153,7 +153,7 @@ def run_ranks(args) -> None:
             runs[method].append(train(method, args, topo, data))
     if topo.rank == 0:
         Path(args.worker_json).write_text(json.dumps({
-            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size}, "network": network(),
+            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size}, "network": cluster_description(),
             "parameters": int(build_model(args.width).count_params()), "runs": runs}))
     hvdx.barrier()
 

@@ -42,9 +42,10 @@ from typing import Callable, Dict, List
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import by_key, launch_ranks, medians, network, slowest, timed_rounds, under_launcher
+    from common import by_key, cluster_description, launch_ranks, medians, slowest, timed_rounds, under_launcher
 except ImportError:
-    from benchmarks.common import by_key, launch_ranks, medians, network, slowest, timed_rounds, under_launcher
+    from benchmarks.common import (by_key, cluster_description, launch_ranks, medians, slowest, timed_rounds,
+                                   under_launcher)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [6_250_000, 25_000_000]   # 25 MB and 100 MB of float32
@@ -223,7 +224,7 @@ def main() -> None:
                   f"{row['throughput_MBps']['transport']:.1f} MB/s vs horovod {row['throughput_MBps']['horovod']:.1f}",
                   flush=True)
     transport.close()
-    cluster = network()
+    cluster = cluster_description()
     if topo.rank == 0:
         result = {
             "benchmark": "daso_transport",

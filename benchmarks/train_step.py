@@ -35,11 +35,11 @@ from typing import Callable, Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (README, add_output_arguments, add_topology_arguments, markdown_table, network, run_topologies,
-                        timed_rounds, update_readme)
+    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
+                        run_topologies, timed_rounds, update_readme)
 except ImportError:
-    from benchmarks.common import (README, add_output_arguments, add_topology_arguments, markdown_table, network,
-                                   run_topologies, timed_rounds, update_readme)
+    from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
+                                   markdown_table, run_topologies, timed_rounds, update_readme)
 
 #: hvdx's strategies; "none" is the no-communication floor, "horovod" the baseline.
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
@@ -292,7 +292,7 @@ def run_ranks(args: argparse.Namespace) -> None:
     if hvd.rank() == 0:
         Path(args.worker_json).write_text(json.dumps({
             "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
-            "network": network(), "models": results}, indent=1))
+            "network": cluster_description(), "models": results}, indent=1))
     hvdx.barrier()
 
 
