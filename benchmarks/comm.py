@@ -8,7 +8,7 @@ the strategies take turns within a round, and speed-ups are medians of per-round
 
     python benchmarks/comm.py                    # 2 nodes x 2 ranks over loopback (horovodrun)
     python benchmarks/comm.py --cluster          # on the emulated cluster: 1 Gbit/s between nodes
-    python -m hvdx.runner.cluster --rate 1gbit -- python benchmarks/comm.py    # the same
+    python -m hvdx.runner --rate 1gbit -- python benchmarks/comm.py    # the same
 
 Over loopback every link is equally fast, so that run measures the algorithms' own costs,
 not the intra/inter-node bandwidth gap the paper exploits. On the emulated cluster
@@ -23,18 +23,18 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import markdown_table, update_readme
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import (by_key, cluster_description, launch_ranks, markdown_table, slowest, timed_rounds,
+                        under_launcher, update_readme)
 except ImportError:
-    from benchmarks.report import markdown_table, update_readme
+    from benchmarks.common import (by_key, cluster_description, launch_ranks, markdown_table, slowest, timed_rounds,
+                                   under_launcher, update_readme)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [1_000_000, 4_000_000, 16_000_000, 25_000_000, 64_000_000, 100_000_000]
@@ -48,64 +48,15 @@ LABELS = {"allreduce": "Allreduce (dense)", "hierarchical": "Hierarchical (2DTAR
           "sparse_allgather": "SparseAllgather (NaiveAG)", "hitopk": "HiTopK (HiTopKComm)"}
 
 
-def under_launcher() -> bool:
-    return any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
-
-
-def cluster_description() -> Optional[dict]:
-    """The emulated network this rank runs on (set by hvdx/runner/cluster.py), or None."""
-    text = os.environ.get("HVDX_CLUSTER")
-    return json.loads(text) if text else None
-
-
-def relaunch(args: argparse.Namespace) -> int:
-    if args.cluster:
-        command = [sys.executable, str(HERE.parent / "hvdx" / "runner" / "cluster.py"), "--nodes", str(args.nodes), "--ranks-per-node",
-                   str(args.ranks_per_node), "--rate", args.rate, "--", sys.executable, __file__, *sys.argv[1:]]
-    else:
-        sys.path.insert(0, str(HERE.parent))
-        from tests.harness import hosts  # the emulated-node host list
-
-        horovodrun = Path(sys.executable).parent / "horovodrun"
-        command = [str(horovodrun), "-np", str(args.nodes * args.ranks_per_node),
-                   "-H", hosts(args.nodes, args.ranks_per_node), "--gloo", sys.executable, __file__, *sys.argv[1:]]
-    print("launching:", " ".join(command), flush=True)
-    return subprocess.call(command, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
-
-
-def slowest(seconds: float, name: str) -> float:
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
-
-
-def repeated(calls: Dict[str, Callable[[], object]], repeats: int, tag: str) -> Iterator[Dict[str, float]]:
-    """For each of `repeats` rounds, the slowest rank's time of every call, by key. The calls
-    take turns within a round, so a slow spell of the shared machine hits all of them alike
-    and their per-round ratios stay fair. One warm-up round first (it also builds residuals
-    and traces tf.functions); a barrier before each call, so the ranks start together."""
-    import hvdx
-
-    for r in range(repeats + 1):
-        times = {}
-        for key, call in calls.items():
-            hvdx.barrier()
-            start = time.perf_counter()
-            call()
-            times[key] = slowest(time.perf_counter() - start, f"{tag}.{key}.t{r}")
-        if r:
-            yield times
-
-
 def median_time(call: Callable[[], object], repeats: int, tag: str) -> float:
-    """Median over `repeats` of the slowest rank's time of `call` (see `repeated`)."""
-    return statistics.median(t["call"] for t in repeated({"call": call}, repeats, tag))
+    """Median over `repeats` of the slowest rank's time of `call` (common.timed_rounds)."""
+    return statistics.median(t["call"] for t in timed_rounds({"call": call}, repeats, tag))
 
 
 def aggregate_times(strategies: Dict[str, object], buffer, repeats: int, tag: str) -> Dict[str, List[float]]:
     """The slowest rank's time of each strategy on `buffer`, per round, the strategies taking
-    turns. Each runs in a tf.function, as in a Keras train step."""
+    turns after a warm-up round (it builds residuals and traces the tf.functions). Each runs
+    in a tf.function, as in a Keras train step."""
     import tensorflow as tf
 
     def compiled(key, strategy):
@@ -115,8 +66,7 @@ def aggregate_times(strategies: Dict[str, object], buffer, repeats: int, tag: st
         return lambda: function(buffer)
 
     calls = {key: compiled(key, strategy) for key, strategy in strategies.items()}
-    rounds = list(repeated(calls, repeats, tag))
-    return {key: [r[key] for r in rounds] for key in strategies}
+    return by_key(timed_rounds(calls, repeats, tag))
 
 
 def hitopk_steps(strategy, buffer, repeats: int, tag: str):
@@ -125,7 +75,7 @@ def hitopk_steps(strategy, buffer, repeats: int, tag: str):
     strategy.record_times = True
     totals: List[float] = []
     per_step: Dict[str, List[float]] = {}
-    for times in repeated({"call": lambda: strategy(buffer, name=tag)}, repeats, tag):
+    for times in timed_rounds({"call": lambda: strategy(buffer, name=tag)}, repeats, tag):
         totals.append(times["call"])
         for k, v in strategy.last_times.items():
             per_step.setdefault(k, []).append(slowest(v, f"{tag}.{k}.{len(totals)}"))
@@ -414,7 +364,8 @@ def main() -> None:
     parser.add_argument("--readme", type=Path, default=None)
     args = parser.parse_args()
     if not under_launcher():
-        raise SystemExit(relaunch(args))
+        raise SystemExit(launch_ranks([__file__, *sys.argv[1:]], args.nodes, args.ranks_per_node, cluster=args.cluster,
+                                      rate=args.rate))
     on_cluster = cluster_description() is not None
     if args.sizes is None:
         args.sizes = CLUSTER_SIZES if on_cluster else DEFAULT_SIZES

@@ -31,12 +31,13 @@ from typing import Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import launch_ranks, markdown_table, per_topology, update_readme
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
+                        run_topologies, update_readme)
 except ImportError:
-    from benchmarks.report import launch_ranks, markdown_table, per_topology, update_readme
+    from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
+                                   markdown_table, run_topologies, update_readme)
 
-HERE = Path(__file__).resolve().parent
 METHODS = ["horovod", "daso"]
 LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO"}
 GOAL_LESS_TIME, GOAL_ACCURACY_POINTS = 0.35, 0.5
@@ -151,17 +152,10 @@ def run_ranks(args) -> None:
         for method in args.methods:
             runs[method].append(train(method, args, topo, data))
     if topo.rank == 0:
-        network = json.loads(os.environ["HVDX_CLUSTER"]) if "HVDX_CLUSTER" in os.environ else None
         Path(args.worker_json).write_text(json.dumps({
-            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size}, "network": network,
+            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size}, "network": cluster_description(),
             "parameters": int(build_model(args.width).count_params()), "runs": runs}))
     hvdx.barrier()
-
-
-# -- the launcher ----------------------------------------------------------------------------
-def launch(args, nodes: int, per_node: int, worker_json: Path) -> None:
-    launch_ranks(__file__, ["--worker-json", str(worker_json), *sys.argv[1:]], nodes, per_node, local=args.local,
-                 rate=args.rate)
 
 
 # -- the summary -----------------------------------------------------------------------------
@@ -304,10 +298,8 @@ def report(args, results: List[dict]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--topologies", default="2x2,2x1", help="nodes x ranks per node, comma-separated")
+    add_topology_arguments(parser)
     parser.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
-    parser.add_argument("--rate", default="1gbit", help="inter-node link rate (tc syntax)")
-    parser.add_argument("--local", action="store_true", help="horovodrun over loopback instead of the emulated cluster")
     parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.03)
@@ -318,15 +310,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--target", type=float, default=0.95, help="test accuracy the time is measured to")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--readme", type=Path, default=HERE / "README.md")
-    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    add_output_arguments(parser, readme=README)
     args = parser.parse_args(argv)
     if args.worker_json:
         run_ranks(args)
         return
     results = []
-    for result in per_topology(args.topologies, lambda n, m, path: launch(args, n, m, path)):
+    for result in run_topologies(__file__, args, sys.argv[1:]):
         result["summary"] = summarize(result, args.target)
         results.append(result)
     report(args, results)

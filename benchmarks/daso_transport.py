@@ -20,7 +20,7 @@ exchange alone (user + system, all threads; kernel work in softirq context is no
 A time is the slowest rank's, median of rounds after a warm-up round, the methods taking turns
 within each round. Throughput = bytes a member sends, 2 (P-1)/P x 4d, per second.
 
-    python -m hvdx.runner.cluster --nodes 2 --ranks-per-node 1 --rate 1gbit --no-delay -- \\
+    python -m hvdx.runner --nodes 2 --ranks-per-node 1 --rate 1gbit --no-delay -- \\
         .venv/bin/python benchmarks/daso_transport.py      # as root; see hvdx/runner/cluster.py
     python benchmarks/daso_transport.py --sizes 100000 --rounds 1   # relaunches itself on 2x1, loopback
 
@@ -34,7 +34,6 @@ import os
 import platform
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -42,32 +41,15 @@ from typing import Callable, Dict, List
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import by_key, cluster_description, launch_ranks, medians, slowest, timed_rounds, under_launcher
+except ImportError:
+    from benchmarks.common import (by_key, cluster_description, launch_ranks, medians, slowest, timed_rounds,
+                                   under_launcher)
+
 HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [6_250_000, 25_000_000]   # 25 MB and 100 MB of float32
 METHODS = ("exchange", "compute", "together", "idle", "together_idle", "horovod")
-
-
-def under_launcher() -> bool:
-    return "HOROVOD_RANK" in os.environ
-
-
-def relaunch(args: argparse.Namespace) -> int:
-    """Not under a launcher: run on `--nodes` x 1 emulated nodes over loopback (horovodrun)."""
-    sys.path.insert(0, str(HERE.parent))
-    from tests.harness import hosts
-
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    command = [str(horovodrun), "-np", str(args.nodes), "-H", hosts(args.nodes, 1), "--gloo",
-               sys.executable, __file__, *sys.argv[1:]]
-    print("launching:", " ".join(command), flush=True)
-    return subprocess.call(command, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
-
-
-def slowest(seconds: float, name: str) -> float:
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
 
 
 _loops: dict = {}
@@ -171,18 +153,7 @@ def measure(size: int, rounds: int, transport, topo, tag: str) -> dict:
     calls: Dict[str, Callable[[], None]] = {"exchange": exchange, "compute": lambda: matmul_loop(a, iterations),
                                             "together": together, "idle": lambda: time.sleep(target),
                                             "together_idle": together_idle, "horovod": horovod}
-    per_round: Dict[str, List[float]] = {m: [] for m in METHODS}
-    for r in range(rounds + 1):
-        order = METHODS[r % len(METHODS):] + METHODS[:r % len(METHODS)]  # take turns
-        times = {}
-        for method in order:
-            hvdx.barrier()
-            start = time.perf_counter()
-            calls[method]()
-            times[method] = slowest(time.perf_counter() - start, f"{tag}.{method}.{r}")
-        if r:  # round 0 warms up
-            for method in METHODS:
-                per_round[method].append(times[method])
+    per_round = by_key(timed_rounds({m: calls[m] for m in METHODS}, rounds, tag, rotate=True))
     # the copy the caller would pay if allreduce_sum copied its input on the caller's thread
     start = time.perf_counter()
     for _ in range(3):
@@ -194,21 +165,21 @@ def measure(size: int, rounds: int, transport, topo, tag: str) -> dict:
     ratios = [(c + e) / t for c, e, t in zip(per_round["compute"], per_round["exchange"], per_round["together"])]
     idle_ratios = [(c + e) / t for c, e, t in zip(per_round["idle"], per_round["exchange"], per_round["together_idle"])]
     hidden = [(c + e - t) / e for c, e, t in zip(per_round["compute"], per_round["exchange"], per_round["together"])]
-    medians = {m: statistics.median(v) for m, v in per_round.items()}
+    seconds = medians(per_round)
     cpu = statistics.median(cpu_seconds[3:])  # after the warm-up exchanges
     cpu = slowest(cpu, f"{tag}.cpu")
     return {
         "d": size, "bytes": 4 * size, "group_size": p, "matmul_iterations": iterations,
-        "rounds_seconds": per_round, "seconds": medians,
+        "rounds_seconds": per_round, "seconds": seconds,
         "overlap_ratio": statistics.median(ratios), "overlap_ratio_rounds": ratios,
-        "overlap_ratio_ideal": (medians["compute"] + medians["exchange"]) / max(medians["compute"],
-                                                                                medians["exchange"]),
+        "overlap_ratio_ideal": (seconds["compute"] + seconds["exchange"]) / max(seconds["compute"],
+                                                                                seconds["exchange"]),
         "exchange_hidden_fraction": statistics.median(hidden),
         "overlap_ratio_idle_main_thread": statistics.median(idle_ratios),
         "exchange_cpu_seconds": cpu,
-        "throughput_MBps": {"transport": sent_bytes / medians["exchange"] / 1e6,
-                            "horovod": sent_bytes / medians["horovod"] / 1e6},
-        "transport_over_horovod_time": medians["exchange"] / medians["horovod"],
+        "throughput_MBps": {"transport": sent_bytes / seconds["exchange"] / 1e6,
+                            "horovod": sent_bytes / seconds["horovod"] / 1e6},
+        "transport_over_horovod_time": seconds["exchange"] / seconds["horovod"],
         "caller_copy_seconds": copy_seconds,
         "together_stamps_rank0_last_round": together_stamps[-1] if together_stamps else None,
     }
@@ -223,8 +194,8 @@ def main() -> None:
     parser.add_argument("--shared-machine", action=argparse.BooleanOptionalAction, default=True,
                         help="all emulated nodes share this machine's cores (TF threads per rank = cores / ranks)")
     args = parser.parse_args()
-    if not under_launcher():
-        sys.exit(relaunch(args))
+    if not under_launcher():  # --nodes x 1 emulated nodes over loopback
+        sys.exit(launch_ranks([__file__, *sys.argv[1:]], args.nodes, 1))
 
     import horovod
     import tensorflow as tf
@@ -253,7 +224,7 @@ def main() -> None:
                   f"{row['throughput_MBps']['transport']:.1f} MB/s vs horovod {row['throughput_MBps']['horovod']:.1f}",
                   flush=True)
     transport.close()
-    cluster = json.loads(os.environ["HVDX_CLUSTER"]) if os.environ.get("HVDX_CLUSTER") else None
+    cluster = cluster_description()
     if topo.rank == 0:
         result = {
             "benchmark": "daso_transport",

@@ -52,12 +52,12 @@ import tensorflow as tf  # noqa: E402
 import hvdx  # noqa: E402
 from hvdx.data import DataCache, SlowSource, decode_image  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402
-try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import markdown_table, update_readme  # noqa: E402
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import add_output_arguments, load_during, markdown_table, readme_path, update_readme  # noqa: E402
 except ImportError:
-    from benchmarks.report import markdown_table, update_readme  # noqa: E402
+    from benchmarks.common import (add_output_arguments, load_during, markdown_table, readme_path,  # noqa: E402
+                                   update_readme)
 
-HERE = Path(__file__).resolve().parent
 INPUT_METHODS = ("no_cache", "no_cache_16", "tf_cache", "datacache")
 TRAIN_METHODS = ("no_cache", "tf_cache", "datacache")
 LABELS = {"no_cache": "no cache (tf.data, AUTOTUNE)", "no_cache_16": "no cache (tf.data, 16 parallel reads)",
@@ -404,13 +404,11 @@ def main() -> None:
     parser.add_argument("--local-size", type=int, default=2, help="ranks per node, for memory per node")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--readme", type=Path, default=None,
-                        help="README to update (default: benchmarks/README.md when --out is the default)")
+    add_output_arguments(parser)
     parser.add_argument("--render", action="store_true",
                         help="redo the JSON's summary, the plot and the table from <out>/datacache.json")
     args = parser.parse_args()
-    readme = args.readme or (HERE / "README.md" if args.out == HERE / "results" else None)
+    readme = readme_path(args)
     if args.render:
         render(json.loads((args.out / "datacache.json").read_text()), args.out, readme)
         return
@@ -419,16 +417,15 @@ def main() -> None:
         args.epochs, args.rounds, args.latency_ms = 2, 1, 1.0
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-"))
-    load = {"start": os.getloadavg()}
-    try:
-        root = work / "nfs"
-        make_dataset(root, args.images, args.size)
-        file_bytes = sum(p.stat().st_size for p in root.rglob("*.jpg"))
-        inputs = bench_input(root, work, args)
-        training = bench_training(root, work, args)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    load["end"] = os.getloadavg()
+    with load_during() as load:
+        try:
+            root = work / "nfs"
+            make_dataset(root, args.images, args.size)
+            file_bytes = sum(p.stat().st_size for p in root.rglob("*.jpg"))
+            inputs = bench_input(root, work, args)
+            training = bench_training(root, work, args)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     machine = {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine(),
                "tensorflow": tf.__version__, "hvdx": hvdx.__version__,
                "load_average": {k: [round(v, 2) for v in vs] for k, vs in load.items()}}

@@ -28,18 +28,18 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Callable, Dict, List, Sequence, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import markdown_table, update_readme
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import (README, add_output_arguments, by_key, launch_ranks, markdown_table, medians, timed_rounds,
+                        under_launcher, update_readme)
 except ImportError:
-    from benchmarks.report import markdown_table, update_readme
+    from benchmarks.common import (README, add_output_arguments, by_key, launch_ranks, markdown_table, medians,
+                                   timed_rounds, under_launcher, update_readme)
 
 HERE = Path(__file__).resolve().parent
 METHODS = ["naive", "fused", "pto", "slices"]
@@ -88,50 +88,16 @@ def scaled(shapes: Sequence[Shape], scale: float) -> List[Shape]:
     return [(max(1, int(np.prod(s) * scale)),) for s in shapes]
 
 
-def under_launcher() -> bool:
-    return any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
-
-
-def relaunch() -> int:
-    sys.path.insert(0, str(HERE.parent))
-    from tests.harness import hosts  # the emulated-node host list
-
-    horovodrun = Path(sys.executable).parent / "horovodrun"
-    command = [str(horovodrun), "-np", "4", "-H", hosts(2, 2), "--gloo", sys.executable, __file__, *sys.argv[1:]]
-    print("launching:", " ".join(command), flush=True)
-    return subprocess.call(command, env=dict(os.environ, PYTHONPATH=str(HERE.parent)))
-
-
-def slowest(seconds: float, name: str) -> float:
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
-
-
 def rounds(calls: Dict[str, Callable[[], object]], repeats: int, tag: str) -> Dict[str, List[float]]:
     """The slowest rank's time of every call in each of `repeats` rounds after a warm-up
-    round (it traces the tf.functions); the calls take turns within a round, a barrier
-    before each, so a slow spell of the shared machine hits all of them alike."""
-    import hvdx
-
-    out: Dict[str, List[float]] = {key: [] for key in calls}
-    for r in range(repeats + 1):
-        for key, call in calls.items():
-            hvdx.barrier()
-            start = time.perf_counter()
-            call()
-            elapsed = slowest(time.perf_counter() - start, f"lars.{tag}.{key}.{r}")
-            if r:
-                out[key].append(elapsed)
-    return out
+    round (it traces the tf.functions), the calls taking turns (common.timed_rounds)."""
+    return by_key(timed_rounds(calls, repeats, f"lars.{tag}"))
 
 
 def summary(per_round: Dict[str, List[float]]) -> dict:
-    medians = {k: statistics.median(v) for k, v in per_round.items()}
     ratio = lambda base: {k: statistics.median(b / t for b, t in zip(per_round[base], per_round[k]))  # noqa: E731
                           for k in per_round}
-    return {"median_seconds": medians, "rounds_seconds": per_round, "speedup_over_fused": ratio("fused"),
+    return {"median_seconds": medians(per_round), "rounds_seconds": per_round, "speedup_over_fused": ratio("fused"),
             "speedup_over_naive": ratio("naive")}
 
 
@@ -208,7 +174,7 @@ def run_model(name: str, shapes: List[Shape], repeats: int) -> dict:
     part_rounds = rounds({"fused_reduction": lambda: fused_fn().numpy(), "pto_share": lambda: share_fn().numpy(),
                           "allgather_global": lambda: gather().numpy(),
                           "allgather_local": lambda: gather_local().numpy()}, repeats, f"{name}.parts")
-    parts = {k: statistics.median(v) for k, v in part_rounds.items()}
+    parts = medians(part_rounds)
     return {"model": name, "tensors": len(shapes), "elements": int(sum(sizes)), "modes": modes,
             "share_imbalance": shares.imbalance, "rates": summary(rate_rounds), "step": summary(step_rounds),
             "parts_seconds": parts, "parts_rounds_seconds": part_rounds}
@@ -367,8 +333,7 @@ def main() -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="tensor sizes x this (smoke tests)")
     parser.add_argument("--limit", type=int, default=None, help="only each model's first LIMIT tensors (smoke tests)")
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--readme", type=Path, default=HERE / "README.md")
+    add_output_arguments(parser, readme=README)
     parser.add_argument("--report-only", type=Path, default=None,
                         help="rewrite the PNG, the model and the table from this JSON of an earlier run")
     args = parser.parse_args()
@@ -376,8 +341,8 @@ def main() -> None:
         sys.path.insert(0, str(HERE.parent))
         report(json.loads(args.report_only.read_text()), args.out, args.readme)
         return
-    if not under_launcher():
-        raise SystemExit(relaunch())
+    if not under_launcher():  # 2 nodes x 2 ranks over loopback
+        raise SystemExit(launch_ranks([__file__, *sys.argv[1:]], 2, 2))
     import tensorflow as tf
 
     import hvdx

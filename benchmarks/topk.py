@@ -39,12 +39,11 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdx  # noqa: E402
-try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import markdown_table, update_readme  # noqa: E402
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import add_output_arguments, markdown_table, readme_path, update_readme  # noqa: E402
 except ImportError:
-    from benchmarks.report import markdown_table, update_readme  # noqa: E402
+    from benchmarks.common import add_output_arguments, markdown_table, readme_path, update_readme  # noqa: E402
 
-HERE = Path(__file__).resolve().parent
 DEFAULT_SIZES = [2**18, 2**20, 2**22, 2**24, 25_000_000, 2**26, 2**27]
 DENSITY = 0.001
 
@@ -337,13 +336,11 @@ def main() -> None:
                         help="where the ops run; gpu writes topk_gpu.json/png and the README's GPU section")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "hvdx" / "topk",
                         help="where captured gradients are kept between runs")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--readme", type=Path, default=None,
-                        help="README to update (default: benchmarks/README.md when --out is the default)")
+    add_output_arguments(parser)
     args = parser.parse_args()
     sizes = args.sizes or ([65536, 100003] if args.quick else DEFAULT_SIZES)
     dist_d = args.d or (100_003 if args.quick else 25_000_000)
-    readme = args.readme or (HERE / "README.md" if args.out == HERE / "results" else None)
+    readme = readme_path(args)
     args.out.mkdir(parents=True, exist_ok=True)
     gpu = args.device == "gpu"
     if gpu and not tf.config.list_physical_devices("GPU"):

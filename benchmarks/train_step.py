@@ -34,12 +34,13 @@ from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.report
-    from report import launch_ranks, markdown_table, per_topology, update_readme
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
+                        run_topologies, timed_rounds, update_readme)
 except ImportError:
-    from benchmarks.report import launch_ranks, markdown_table, per_topology, update_readme
+    from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
+                                   markdown_table, run_topologies, timed_rounds, update_readme)
 
-HERE = Path(__file__).resolve().parent
 #: hvdx's strategies; "none" is the no-communication floor, "horovod" the baseline.
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
 #: "<strategy>_fused": the strategy on one fused buffer (bucket_bytes=None), no overlap.
@@ -98,13 +99,6 @@ def make_optimizer(key: str, args: argparse.Namespace):
 
 
 # -- the ranks -----------------------------------------------------------------------------
-def slowest(seconds: float, name: str) -> float:
-    import horovod.tensorflow as hvd
-    import tensorflow as tf
-
-    return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
-
-
 def trainers(kind: str, args: argparse.Namespace) -> Dict[str, Callable[[int], float]]:
     """For each optimizer, a function that runs n steps of Keras' own train function (as
     model.fit does) and returns this rank's last loss (which waits for the step to end)."""
@@ -145,16 +139,12 @@ def measure(kind: str, args: argparse.Namespace) -> Dict[str, List[float]]:
         run(2)
         hvdx.barrier()
     per_round: Dict[str, List[float]] = {key: [] for key in runs}
-    keys = list(runs)
-    for r in range(args.rounds):
-        order = keys[r % len(keys):] + keys[:r % len(keys)]
-        for key in order:
-            hvdx.barrier()
-            start = time.perf_counter()
-            runs[key](args.steps)
-            per_round[key].append(slowest(time.perf_counter() - start, f"ts.{kind}.{key}.{r}") / args.steps)
+    calls = {key: (lambda run=run: run(args.steps)) for key, run in runs.items()}
+    for r, times in enumerate(timed_rounds(calls, args.rounds, f"ts.{kind}", warmup=0, rotate=True)):
+        for key, seconds in times.items():
+            per_round[key].append(seconds / args.steps)
         if hvd.rank() == 0:
-            print(f"[{kind}] round {r}: " + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in keys), flush=True)
+            print(f"[{kind}] round {r}: " + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in runs), flush=True)
     if args.profile:
         profiles = profile_steps(kind, runs, args)
         return {"rounds": per_round, "profile": profiles}
@@ -300,20 +290,13 @@ def run_ranks(args: argparse.Namespace) -> None:
     for kind in args.models:
         results[kind] = measure(kind, args)
     if hvd.rank() == 0:
-        network = json.loads(os.environ["HVDX_CLUSTER"]) if "HVDX_CLUSTER" in os.environ else None
         Path(args.worker_json).write_text(json.dumps({
             "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
-            "network": network, "models": results}, indent=1))
+            "network": cluster_description(), "models": results}, indent=1))
     hvdx.barrier()
 
 
-# -- the launcher ----------------------------------------------------------------------------
-def launch(args: argparse.Namespace, nodes: int, per_node: int, worker_json: Path) -> None:
-    env = {"HOROVOD_TIMELINE": "DYNAMIC"} if args.profile else None  # hvd.start_timeline() around profiled steps
-    launch_ranks(__file__, ["--worker-json", str(worker_json), *sys.argv[1:]], nodes, per_node, local=args.local,
-                 rate=args.rate, env=env)
-
-
+# -- the summary -----------------------------------------------------------------------------
 def summarize(models: dict) -> Dict[str, dict]:
     """Per model and optimizer: the median step time, and the median (min, max) over rounds
     of the per-round ratio of Horovod's step time to this one's (> 1: faster than Horovod)."""
@@ -452,11 +435,9 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--topologies", default="2x2,2x1", help="nodes x ranks per node, comma-separated")
+    add_topology_arguments(parser)
     parser.add_argument("--models", default="mlp,cnn", type=lambda s: s.split(","))
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), type=lambda s: s.split(","))
-    parser.add_argument("--rate", default="1gbit", help="inter-node link rate (tc syntax)")
-    parser.add_argument("--local", action="store_true", help="horovodrun over loopback instead of the emulated cluster")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--bucket-bytes", type=int, default=None, help="hvdx's bucket size (0: one fused buffer)")
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
@@ -465,15 +446,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--scale", type=float, default=1.0, help="width multiplier of the models (tests: tiny)")
     parser.add_argument("--profile", action="store_true", help="also profile one step per optimizer on rank 0")
     parser.add_argument("--profile-steps", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=HERE / "results")
-    parser.add_argument("--readme", type=Path, default=HERE / "README.md")
-    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    add_output_arguments(parser, readme=README)
     args = parser.parse_args(argv)
     if args.worker_json:
         run_ranks(args)
         return
     results = []
-    for result in per_topology(args.topologies, lambda n, m, path: launch(args, n, m, path)):
+    env = {"HOROVOD_TIMELINE": "DYNAMIC"} if args.profile else None  # hvd.start_timeline() around profiled steps
+    for result in run_topologies(__file__, args, sys.argv[1:], env=env):
         result["summary"] = summarize(result["models"])
         results.append(result)
     report(args, results)

@@ -5,42 +5,28 @@ traceback) to $HVDX_RESULT_DIR/rank-<r>.json, then meets the others at a final b
 `launch()` runs the job under a timeout, kills every process of it on expiry, and
 `Launch.check()` fails with the ranks that failed or wrote nothing, and why.
 
-On one machine, horovodrun treats `localhost`, `127.0.0.1` and this machine's host name
-as three nodes: `hosts(2, 2)` gives a real 2-node x 2-rank topology. `launch_on_cluster()`
-runs the same scripts on the emulated cluster of hvdx/runner/cluster.py instead (one network
-namespace per node, shaped links between them).
+Host lists and launching are hvdx.runner's: `hosts(2, 2)` is a real 2-node x 2-rank
+topology on this one machine (hvdx/runner/hosts.py), and `launch_on_cluster()` runs the same
+scripts on the emulated cluster of hvdx/runner/cluster.py instead (one network namespace per
+node, shaped links between them).
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import psutil
 
+from hvdx.runner import NODE_NAMES, cluster_command, horovodrun_command, host_list, hosts, kill_tree, run  # noqa: F401
+from hvdx.runner.netns import unavailable
+
 ROOT = Path(__file__).resolve().parents[1]
 MULTIRANK = Path(__file__).resolve().parent / "multirank"
-NODE_NAMES = ("localhost", "127.0.0.1", socket.gethostname())
-
-
-def hosts(nodes: int, ranks_per_node: int) -> str:
-    """A horovodrun -H value for `nodes` emulated nodes of `ranks_per_node` ranks each."""
-    return host_list([ranks_per_node] * nodes)
-
-
-def host_list(ranks_per_node: Sequence[int]) -> str:
-    """A horovodrun -H value with the given number of ranks on each emulated node."""
-    if len(ranks_per_node) > len(NODE_NAMES):
-        raise ValueError(f"at most {len(NODE_NAMES)} emulated nodes on one machine")
-    return ",".join(f"{name}:{n}" for name, n in zip(NODE_NAMES, ranks_per_node))
 
 
 @dataclass
@@ -90,18 +76,7 @@ def leftover_processes(job: "Launch") -> List[psutil.Process]:
             if job.script in (proc.info["cmdline"] or ()) and proc.pid != os.getpid()]
 
 
-def _kill_tree(pid: int) -> None:
-    try:
-        parent = psutil.Process(pid)
-        procs = parent.children(recursive=True) + [parent]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
+_kill_tree = kill_tree  # SIGKILL to a process and all its descendants (hvdx/runner/launch.py)
 
 
 def test_env(result_dir: str = ".") -> Dict[str, str]:
@@ -113,9 +88,8 @@ def test_env(result_dir: str = ".") -> Dict[str, str]:
 def launch(script: str, *args: str, np: int, hosts: str, timeout: float = 180,
            env: Optional[Dict[str, str]] = None) -> Launch:
     """Runs tests/multirank/<script> on `np` ranks placed on `hosts`, under `timeout`."""
-    horovodrun = Path(sys.executable).parent / "horovodrun"
     script_path = str(MULTIRANK / script)
-    command = [str(horovodrun), "-np", str(np), "-H", hosts, "--gloo", sys.executable, script_path, *args]
+    command = horovodrun_command([sys.executable, script_path, *args], np=np, hosts=hosts)
     return _run(command, script_path, np, timeout, env)
 
 
@@ -124,43 +98,24 @@ def launch_on_cluster(script: str, *args: str, nodes: int, ranks_per_node: int, 
     """Runs tests/multirank/<script> on the emulated cluster (hvdx/runner/cluster.py): one
     network namespace per node, links shaped to `rate`. Needs root; see `cluster_unavailable`."""
     script_path = str(MULTIRANK / script)
-    command = [sys.executable, str(ROOT / "hvdx" / "runner" / "cluster.py"), "--nodes", str(nodes),
-               "--ranks-per-node", str(ranks_per_node), "--rate", rate, "--timeout", str(timeout),
-               "--", sys.executable, script_path, *args]
+    command = cluster_command([sys.executable, script_path, *args], nodes=nodes, ranks_per_node=ranks_per_node,
+                              rate=rate, timeout=timeout)
     return _run(command, script_path, nodes * ranks_per_node, timeout + 30, env)
 
 
 def cluster_unavailable() -> Optional[str]:
     """Why the emulated cluster cannot be built here (None when it can)."""
-    if os.geteuid() != 0:
-        return "the emulated cluster needs root (network namespaces and tc)"
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "the emulated cluster needs iproute2's ip and tc"
-    probe = f"hvdx-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
+    return unavailable()
 
 
 def _run(command: List[str], script_path: str, np: int, timeout: float, env: Optional[Dict[str, str]]) -> Launch:
     with tempfile.TemporaryDirectory(prefix="hvdx-ranks-") as result_dir:
         full_env = test_env(result_dir)
         full_env.update(env or {})
-        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, text=True, env=full_env, cwd=ROOT,
-                                start_new_session=True)
-        timed_out = False
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_tree(proc.pid)
-            output, _ = proc.communicate()
+        job = run(command, timeout=timeout, env=full_env, cwd=ROOT)
         results = {}
         for path in Path(result_dir).glob("rank-*.json"):
             result = json.loads(path.read_text())
             results[result["rank"]] = result
-    return Launch(command=command, script=script_path, np=np, returncode=proc.returncode, timed_out=timed_out,
-                  output=output, results=results)
+    return Launch(command=command, script=script_path, np=np, returncode=job.returncode, timed_out=job.timed_out,
+                  output=job.output, results=results)

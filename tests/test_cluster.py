@@ -1,5 +1,6 @@
 """The emulated cluster (hvdx/runner/cluster.py): nodes as network namespaces behind shaped
-links, a Horovod job across them without ssh, and nothing left behind afterwards."""
+links, a Horovod job across them without ssh, and nothing left behind afterwards. Its command
+line (hvdx/runner/cli.py) runs as `python hvdx/runner/cluster.py` or `python -m hvdx.runner`."""
 import json
 import os
 import signal
@@ -9,10 +10,11 @@ import time
 
 import pytest
 
-from hvdx.runner import cluster
+from hvdx.runner import cli, cluster, netns, probe, shaping
+from hvdx.runner.launch import CLUSTER_SCRIPT
 from tests import harness
 
-CLUSTER_PY = str(harness.ROOT / "hvdx" / "runner" / "cluster.py")
+CLUSTER_PY = str(CLUSTER_SCRIPT)
 UNAVAILABLE = harness.cluster_unavailable()
 needs_namespaces = pytest.mark.skipif(UNAVAILABLE is not None, reason=str(UNAVAILABLE))
 
@@ -22,7 +24,7 @@ def system_state() -> dict:
     def run(*cmd):
         return subprocess.run(cmd, capture_output=True, text=True).stdout
 
-    return {"netns": sorted(cluster.namespaces()),
+    return {"netns": sorted(netns.namespaces()),
             "links": sorted(line.split(":")[1].strip() for line in run("ip", "-o", "link").splitlines()),
             "qdiscs": sorted(run("tc", "qdisc", "show").splitlines()),
             "etc_netns": sorted(os.listdir("/etc/netns")) if os.path.isdir("/etc/netns") else []}
@@ -44,13 +46,13 @@ def launcher(*args: str, **kwargs) -> subprocess.Popen:
 # -- without namespaces: specs and the environment each rank gets -------------------------
 
 def test_rates_and_delays_parse_like_tc():
-    assert cluster.parse_rate("1gbit") == 10**9
-    assert cluster.parse_rate("100mbit") == 10**8
-    assert cluster.parse_rate("2.5gbit") == 25 * 10**8
-    assert cluster.parse_time("0.1ms") == pytest.approx(1e-4)
+    assert shaping.parse_rate("1gbit") == 10**9
+    assert shaping.parse_rate("100mbit") == 10**8
+    assert shaping.parse_rate("2.5gbit") == 25 * 10**8
+    assert shaping.parse_time("0.1ms") == pytest.approx(1e-4)
     for bad in ("1gbps", "fast", "-1mbit", "0bit"):
         with pytest.raises(cluster.ClusterError, match="bad rate"):
-            cluster.parse_rate(bad)
+            shaping.parse_rate(bad)
     with pytest.raises(cluster.ClusterError, match="bad delay"):
         cluster.LinkSpec(delay="soon")
     with pytest.raises(cluster.ClusterError, match="bad loss"):
@@ -65,6 +67,26 @@ def test_bad_command_line_fails_with_a_reason():
     assert proc.returncode == 2 and "bad rate '1gbps'" in proc.stderr, proc.stderr
     proc = subprocess.run([sys.executable, CLUSTER_PY], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "give a command after --" in proc.stderr, proc.stderr
+
+
+def test_the_command_line_is_the_same_in_process(capsys):
+    """cli.main, which `python -m hvdx.runner` runs, gives the file's answers."""
+    assert cli.main(["--rate", "1gbps", "--", "true"]) == 2
+    assert "hvdx-cluster: bad rate '1gbps'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main([])
+    assert info.value.code == 2 and "give a command after --" in capsys.readouterr().err
+
+
+def test_the_launcher_starts_without_tensorflow():
+    """Run as a file, the launcher loads hvdx.runner alone, not hvdx (which imports TensorFlow):
+    a launcher that only starts processes costs no seconds and no ~400 MB of it."""
+    proc = subprocess.run([sys.executable, "-X", "importtime", CLUSTER_PY, "--help"], capture_output=True,
+                          text=True, timeout=60, env=harness.test_env())
+    assert proc.returncode == 0 and "--ranks-per-node" in proc.stdout, proc.stderr[-3000:]
+    imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
+    assert {"hvdx.runner.cli", "hvdx.runner.cluster", "hvdx.runner.launch"} <= imported
+    assert not {"hvdx", "tensorflow", "horovod.tensorflow"} & imported
 
 
 def test_every_rank_gets_horovodruns_environment():
@@ -99,9 +121,9 @@ def test_two_by_two_job_sees_a_real_topology(leaves_nothing_behind):
 def test_links_run_at_the_configured_rate_and_nodes_inside_are_fast(leaves_nothing_behind):
     rate = 200 * 10**6
     with cluster.Cluster(2, cluster.LinkSpec(rate="200mbit", delay=None)) as c:
-        there = cluster.throughput(c, 0, 1, nbytes=8 << 20)
-        back = cluster.throughput(c, 1, 0, nbytes=8 << 20)
-        inside = cluster.throughput(c, 0, 0, nbytes=64 << 20)
+        there = probe.throughput(c, 0, 1, nbytes=8 << 20)
+        back = probe.throughput(c, 1, 0, nbytes=8 << 20)
+        inside = probe.throughput(c, 0, 0, nbytes=64 << 20)
     for measured in (there, back):
         assert 0.8 * rate <= measured <= 1.2 * rate, (there, back)
     assert inside > 5 * max(there, back), (inside, there, back)
@@ -135,12 +157,12 @@ def test_a_job_past_its_timeout_is_killed(leaves_nothing_behind):
 @needs_namespaces
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_interrupting_the_launcher_removes_everything(sig, leaves_nothing_behind):
-    before = set(cluster.namespaces())
+    before = set(netns.namespaces())
     proc = launcher("--nodes", "2", "--ranks-per-node", "1", "--", "sleep", "120")
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and len(set(cluster.namespaces()) - before) < 3:
+    while time.monotonic() < deadline and len(set(netns.namespaces()) - before) < 3:
         time.sleep(0.1)
-    assert len(set(cluster.namespaces()) - before) == 3, "the cluster never came up"
+    assert len(set(netns.namespaces()) - before) == 3, "the cluster never came up"
     time.sleep(1)  # the ranks are starting
     proc.send_signal(sig)
     output, _ = proc.communicate(timeout=60)
@@ -156,6 +178,6 @@ def test_cleanup_removes_what_a_killed_launcher_left(leaves_nothing_behind):
     try:
         proc = subprocess.run([sys.executable, CLUSTER_PY, "--cleanup"], capture_output=True, text=True, timeout=60)
         assert proc.returncode == 0 and stale in proc.stdout, proc.stdout + proc.stderr
-        assert stale not in cluster.namespaces()
+        assert stale not in netns.namespaces()
     finally:
         subprocess.run(["ip", "netns", "del", stale], capture_output=True)

@@ -1,2 +1,16 @@
-"""Launchers: `python -m hvdx.runner.cluster` runs a Horovod job on an emulated cloud
-cluster (one network namespace per node, tc-shaped links between them; needs root)."""
+"""Launching Horovod jobs on emulated topologies, one module per concern:
+
+- hosts: horovodrun host lists that make one machine several nodes (`hosts(2, 2)`);
+- launch: the launchers' command lines (`horovodrun_command`, `cluster_command`) and
+  `run`, which runs a job under a timeout and kills its process tree when it expires;
+- the emulated cloud cluster (docs/cluster.md; root): netns (namespaces, veth pairs,
+  addresses, cleanup), shaping (tc), probe (link measurements), cluster (composes them
+  and places the ranks with horovodrun's Gloo environment), cli (`python -m hvdx.runner`,
+  also `python hvdx/runner/cluster.py`).
+
+Nothing here imports TensorFlow; the cluster imports Horovod's launcher parts only.
+"""
+from .hosts import NODE_NAMES, host_list, hosts
+from .launch import Finished, cluster_command, horovodrun_command, kill_tree, run
+
+__all__ = ["NODE_NAMES", "Finished", "cluster_command", "horovodrun_command", "host_list", "hosts", "kill_tree", "run"]

@@ -1,0 +1,185 @@
+"""Shared by the benchmark scripts: launching their ranks, timing them, and their tables.
+
+- launching (hvdx.runner): `under_launcher`, `launch_ranks` (horovodrun over loopback, or
+  the emulated cluster), `add_topology_arguments` + `run_topologies` (one job per "MxN"),
+  `cluster_description` (the emulated network a rank runs on);
+- timing, inside a Horovod job: `slowest` (the slowest rank's time), `timed_rounds` (calls
+  taking turns, round after round), `by_key`, `medians`; `load_during` (how busy the
+  machine was);
+- reporting: `add_output_arguments` + `readme_path` (where results and the README go),
+  `markdown_table`, `update_readme` (a script's section of benchmarks/README.md).
+
+A script imports it as `common` (run as a file, benchmarks/ is on sys.path) or as
+`benchmarks.common` (imported by the tests).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+README = ROOT / "benchmarks" / "README.md"
+
+
+# -- launching -----------------------------------------------------------------------------
+def under_launcher() -> bool:
+    """Whether this process is a rank of a job (horovodrun, mpirun or the emulated cluster)."""
+    return any(v in os.environ for v in ("HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK"))
+
+
+def cluster_description() -> Optional[dict]:
+    """The emulated network this rank runs on ($HVDX_CLUSTER, set by hvdx/runner/cluster.py),
+    or None (horovodrun over loopback)."""
+    text = os.environ.get("HVDX_CLUSTER")
+    return json.loads(text) if text else None
+
+
+def launch_ranks(argv: Sequence[str], nodes: int, per_node: int, *, cluster: bool = False, rate: str = "1gbit",
+                 no_delay: bool = False, env: Optional[Dict[str, str]] = None) -> int:
+    """Runs `python ARGV...` as nodes x per_node ranks, with this checkout importable: on
+    horovodrun over loopback (emulated nodes, hvdx.runner.hosts), or with `cluster` on the
+    emulated cluster, `rate` links between nodes (root; `no_delay`: no netem). Prints the
+    command line first; output goes to this process's. Returns the job's exit status."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from hvdx.runner import cluster_command, horovodrun_command, hosts, run
+
+    worker = [sys.executable, *argv]
+    if cluster:
+        command = cluster_command(worker, nodes=nodes, ranks_per_node=per_node, rate=rate, no_delay=no_delay)
+    else:
+        command = horovodrun_command(worker, np=nodes * per_node, hosts=hosts(nodes, per_node))
+    print("launching:", " ".join(command), flush=True)
+    return run(command, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})), capture=False).returncode
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser, topologies: str = "2x2,2x1") -> None:
+    """--topologies, --rate, --local, and the hidden --worker-json of `run_topologies`."""
+    parser.add_argument("--topologies", default=topologies, help="nodes x ranks per node, comma-separated")
+    parser.add_argument("--rate", default="1gbit", help="inter-node link rate (tc syntax)")
+    parser.add_argument("--local", action="store_true", help="horovodrun over loopback instead of the emulated cluster")
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+
+
+def run_topologies(script: str, args: argparse.Namespace, argv: Sequence[str],
+                   env: Optional[Dict[str, str]] = None) -> Iterator[dict]:
+    """For each "MxN" of args.topologies: `script --worker-json PATH ARGV...` on M nodes x N
+    ranks (the emulated cluster at args.rate without delay, or loopback with args.local),
+    then the JSON its rank 0 wrote to PATH, with the machine's 1-minute load average before
+    and after the run as "load_average" (the cores may be shared: a reader should know how
+    busy they were).
+
+    Raises:
+        SystemExit: a run failed (its exit status in the message).
+    """
+    for topology in args.topologies.split(","):
+        nodes, per_node = (int(x) for x in topology.split("x"))
+        with tempfile.TemporaryDirectory() as tmp, load_during() as load:
+            path = Path(tmp) / "ranks.json"
+            code = launch_ranks([script, "--worker-json", str(path), *argv], nodes, per_node, cluster=not args.local,
+                                rate=args.rate, no_delay=True, env=env)
+            if code:
+                raise SystemExit(f"the {nodes}x{per_node} run failed (exit status {code})")
+            result = json.loads(path.read_text())
+        result["load_average"] = [load["start"][0], load["end"][0]]
+        yield result
+
+
+# -- timing ----------------------------------------------------------------------------------
+def slowest(seconds: float, name: str) -> float:
+    """The largest of every rank's `seconds` (a Horovod allreduce, Max, named `name`): the job
+    is as fast as its slowest rank."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    return float(hvd.allreduce(tf.constant(seconds, tf.float64), op=hvd.Max, name=name))
+
+
+def timed_rounds(calls: Mapping[str, Callable[[], object]], repeats: int, tag: str, *, warmup: int = 1,
+                 rotate: bool = False) -> Iterator[Dict[str, float]]:
+    """For each of `repeats` rounds after `warmup` ones (tracing, first-use costs), the
+    slowest rank's seconds of every call, by key. The calls take turns within a round, so a
+    slow spell of a shared machine hits all of them alike and their per-round ratios stay
+    fair; with `rotate`, round i starts with the (i mod len)-th call. A barrier before each
+    call makes the ranks start it together. Collective names: f"{tag}.{key}.{round}"."""
+    import hvdx
+
+    keys = list(calls)
+    for r in range(warmup + repeats):
+        order = keys[r % len(keys):] + keys[:r % len(keys)] if rotate else keys
+        times = {}
+        for key in order:
+            hvdx.barrier()
+            start = time.perf_counter()
+            calls[key]()
+            times[key] = slowest(time.perf_counter() - start, f"{tag}.{key}.{r}")
+        if r >= warmup:
+            yield {key: times[key] for key in keys}
+
+
+def by_key(rounds: Iterable[Mapping[str, float]]) -> Dict[str, List[float]]:
+    """Rounds of {key: seconds} as {key: [seconds of each round]}."""
+    out: Dict[str, List[float]] = {}
+    for times in rounds:
+        for key, seconds in times.items():
+            out.setdefault(key, []).append(seconds)
+    return out
+
+
+def medians(per_round: Mapping[str, Sequence[float]]) -> Dict[str, float]:
+    """The median of each key's rounds."""
+    return {key: statistics.median(times) for key, times in per_round.items()}
+
+
+@contextlib.contextmanager
+def load_during() -> Iterator[Dict[str, Tuple[float, float, float]]]:
+    """The machine's load average (1, 5, 15 min) when the block starts and when it ends:
+    {"start": ..., "end": ...} ("end" once the block is over)."""
+    load = {"start": os.getloadavg()}
+    try:
+        yield load
+    finally:
+        load["end"] = os.getloadavg()
+
+
+# -- reporting -------------------------------------------------------------------------------
+def add_output_arguments(parser: argparse.ArgumentParser, readme: Optional[Path] = None) -> None:
+    """--out (default benchmarks/results) and --readme (default `readme`; None: `readme_path`'s)."""
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--readme", type=Path, default=readme, help="README whose section the run rewrites" + (
+        "" if readme else " (default: benchmarks/README.md when --out is the default)"))
+
+
+def readme_path(args: argparse.Namespace) -> Optional[Path]:
+    """args.readme, or benchmarks/README.md when the results go to benchmarks/results: a run
+    that writes its results elsewhere (a smoke run) leaves the README alone."""
+    return args.readme or (README if args.out == RESULTS else None)
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], text_columns: int = 0) -> str:
+    """A Markdown table: the first `text_columns` columns left-aligned, the others (numbers) right."""
+    align = ["---"] * text_columns + ["---:"] * (len(header) - text_columns)
+    return "\n".join("| " + " | ".join(str(cell) for cell in line) + " |" for line in [header, align, *rows])
+
+
+def update_readme(section: str, body: str, readme: Path) -> None:
+    """Replaces the text between the section's markers (<!-- section:begin/end -->) in
+    `readme`, or appends the section when it has none."""
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+    text = readme.read_text() if readme.exists() else "# hvdx benchmarks\n"
+    block = f"{begin}\n{body}\n{end}"
+    if begin in text:
+        text = re.sub(re.escape(begin) + r".*?" + re.escape(end), lambda _: block, text, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    readme.write_text(text)
