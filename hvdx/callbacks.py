@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Union
 
-import horovod.tensorflow as hvd
 import horovod.tensorflow.keras.callbacks as hvd_callbacks
 import tensorflow as tf
 
