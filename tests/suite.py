@@ -18,18 +18,23 @@ harness.host_list), "cluster:2x2" (the emulated cluster, 1 Gbit/s links; "cluste
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import resource
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
+import psutil
 import pytest
 
 from tests import harness
 
 STARTUP = 180  # seconds a launch may spend starting (horovodrun, TensorFlow's import) and ending
+GRACE = 120  # seconds past a check's timeout before the host stops a launch (the rank's own watchdog did not)
 _LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 
 
@@ -100,7 +105,8 @@ def check(name: str, topology: str, *, timeout: float = 300, env: Optional[Dict[
           setup: Optional[Callable[[Path], Dict[str, Any]]] = None, **kwargs: Any) -> Check:
     """A `Check`; `timeout` bounds the check on each rank (the launch adds its start-up)."""
     Topology.parse(topology)
-    return Check(name, topology, tuple(sorted(kwargs.items())), tuple(sorted((env or {}).items())), setup, timeout)
+    frozen = {key: tuple(value) if isinstance(value, list) else value for key, value in kwargs.items()}
+    return Check(name, topology, tuple(sorted(frozen.items())), tuple(sorted((env or {}).items())), setup, timeout)
 
 
 def runs(*checks: Check, ids: Optional[Sequence[str]] = None):
@@ -137,6 +143,11 @@ class RankResults(dict):
         """The check's last lines of output from `rank`."""
         mine = [line for line in self.output.splitlines() if line.startswith(f"[{rank}]")]
         return "\n".join(mine[-lines:])
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def needed(item: pytest.Item) -> Optional[Check]:
@@ -187,14 +198,66 @@ class LaunchRecord:
     checks: int
     seconds: float
     failed: List[str]
+    cpu_seconds: float = 0.0  # of every process of the launch
     check_seconds: Dict[str, float] = field(default_factory=dict)  # the slowest rank's, by check id
 
     def __str__(self) -> str:
         slowest = sorted(self.check_seconds.items(), key=lambda kv: -kv[1])[:5]
-        text = f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s"
+        text = f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s ({self.cpu_seconds:.0f} CPU s)"
         if slowest:
             text += " (slowest: " + ", ".join(f"{cid} {sec:.0f} s" for cid, sec in slowest) + ")"
         return text + (f"; failed: {', '.join(self.failed)}" if self.failed else "")
+
+
+def _stop_processes(marker: str) -> None:
+    """SIGTERM to every process whose command line holds `marker` (the launcher cleans up),
+    SIGKILL to those left 30 s later."""
+    procs = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or ())]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
+class _StallWatch(threading.Thread):
+    """Stops a launch whose ranks stopped reporting: some never began their checks within
+    STARTUP seconds, or one has been in a check (or the barrier after it) past the check's
+    timeout and its own watchdog's grace. `reason` says which."""
+
+    def __init__(self, out: Path, plan: Path, timeouts: Dict[str, float], np: int):
+        super().__init__(daemon=True)
+        self.out, self.plan, self.timeouts, self.np = out, plan, timeouts, np
+        self.reason: Optional[str] = None
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        start = time.time()
+        while not self._done.wait(5):
+            self.reason = self._why(time.time() - start)
+            if self.reason:
+                _stop_processes(str(self.plan))
+                return
+
+    def _why(self, elapsed: float) -> Optional[str]:
+        states = {}
+        for rank in range(self.np):
+            with contextlib.suppress(OSError, ValueError):
+                states[rank] = json.loads((self.out / f"progress-{rank}.json").read_text())
+        missing = sorted(set(range(self.np)) - set(states))
+        if missing and elapsed > STARTUP:
+            return f"rank(s) {missing} did not begin their checks within {STARTUP} s of the launch"
+        for rank, state in states.items():
+            limit = self.timeouts.get(state.get("check"), 0) + GRACE
+            if state.get("check") and time.time() - state["since"] > limit:
+                return f"rank {rank} was in {state['check']} ({state['phase']}) for more than {limit:.0f} s"
+        return None
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
 
 
 class Suite:
@@ -254,24 +317,31 @@ class Suite:
         plan.write_text(json.dumps({"checks": [{"id": p.id, "name": p.check.name, "kwargs": p.kwargs,
                                                 "env": dict(p.check.env), "timeout": p.check.timeout}
                                                for p in todo]}, indent=1))
-        start = time.monotonic()
-        job = topology.launch(plan, timeout=max(deadline - start, 60))
+        start, cpu = time.monotonic(), _children_cpu()
+        watch = _StallWatch(out, plan, {p.id: p.check.timeout for p in todo}, topology.np)
+        watch.start()
+        try:
+            job = topology.launch(plan, timeout=max(deadline - start, 60))
+        finally:
+            watch.stop()
+        ended = (f"was stopped ({watch.reason})" if watch.reason else "timed out" if job.timed_out else
+                 f"ended with exit status {job.returncode}")
         outputs = split_output(job.output)
         reached = self._reached(out, [p.id for p in todo], topology.np)
         never_started = [p for i, p in enumerate(todo) if all(r < i for r in reached.values())]
         for p in todo:
             if p not in never_started:
-                p.outcome = self._settle(p, out, job, outputs.get(p.id, ""), reached, [q.id for q in todo])
+                p.outcome = self._settle(p, out, job, ended, outputs.get(p.id, ""), reached, [q.id for q in todo])
         self.launches.append(LaunchRecord(topology.name, len(todo), time.monotonic() - start,
                                           [p.id for p in todo if isinstance(p.outcome, str)],
-                                          self._seconds(out, [p.id for p in todo])))
+                                          _children_cpu() - cpu, self._seconds(out, [p.id for p in todo])))
         if not never_started:
             return []
         problems = "\n\n".join(job.failures()) or "(no rank reported a problem)"
         if len(never_started) == len(todo) or time.monotonic() > deadline - STARTUP:
             for p in never_started:  # no progress, or no time left: say why, do not try again
-                p.outcome = (f"{p.check} did not run: its launch ({' '.join(job.command)}) ended before it"
-                             f"{' (timed out)' if job.timed_out else ''}:\n\n{problems}")
+                p.outcome = (f"{p.check} did not run: its launch ({' '.join(job.command)}) {ended} before it:"
+                             f"\n\n{problems}")
             return []
         return never_started
 
@@ -297,8 +367,10 @@ class Suite:
         return reached
 
     @staticmethod
-    def _settle(p: _Planned, out: Path, job: harness.Launch, output: str, reached: Dict[int, int],
+    def _settle(p: _Planned, out: Path, job: harness.Launch, ended: str, output: str, reached: Dict[int, int],
                 ids: List[str]) -> Any:
+        """`p`'s RankResults, or the message that fails its tests (each rank's failure, or
+        where it was when the launch ended)."""
         results = {}
         for path in (out / p.id).glob("rank-*.json"):
             result = json.loads(path.read_text())
@@ -317,8 +389,7 @@ class Suite:
             if reached[rank] == index and state.get("timed_out"):
                 why = f"timed out after {state['timed_out']:.0f} s in it ({state.get('phase')})"
             elif reached[rank] == index:
-                why = (f"did not finish it ({state.get('phase')}): the launch "
-                       f"{'timed out' if job.timed_out else f'ended with {job.returncode}'}")
+                why = f"did not finish it ({state.get('phase')}): the launch {ended}"
             elif reached[rank] < index:
                 stuck = ids[reached[rank]] if reached[rank] >= 0 else "its start-up"
                 why = f"never reached it: it stopped in {stuck}"

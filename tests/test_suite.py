@@ -1,6 +1,9 @@
 """The multi-rank suite (tests/suite.py, tests/multirank/suite.py): one launch runs many
 checks, each test gets its own check's result and output, and a check that fails or hangs
 fails only its own tests, naming the rank and the check."""
+import json
+import time
+
 import pytest
 
 from tests import suite
@@ -37,6 +40,19 @@ def test_only_the_selected_tests_checks_are_planned():
     assert [suite.needed(i) for i in (Item(a), Item(b), Item("other"))] == [a, b, None]
     assert suite.budget([a, b]) == suite.STARTUP + 300 + 20
     assert str(b) == "suite.echo(value='b') on 2x1"
+
+
+def test_a_launch_whose_ranks_stop_reporting_is_stopped_saying_where(tmp_path):
+    """The host's watch for what the ranks' own watchdogs cannot end (a hung start-up)."""
+    watch = suite._StallWatch(tmp_path, tmp_path / "plan.json", {"00-a": 10}, np=2)
+    assert watch._why(elapsed=suite.STARTUP - 1) is None
+    (tmp_path / "progress-0.json").write_text(json.dumps({"check": "00-a", "phase": "check", "since": time.time()}))
+    assert watch._why(elapsed=suite.STARTUP + 1) == \
+        f"rank(s) [1] did not begin their checks within {suite.STARTUP} s of the launch"
+    (tmp_path / "progress-1.json").write_text(json.dumps({"check": "00-a", "phase": "barrier after it",
+                                                          "since": time.time() - 10 - suite.GRACE - 1}))
+    assert watch._why(elapsed=suite.STARTUP + 1) == \
+        f"rank 1 was in 00-a (barrier after it) for more than {10 + suite.GRACE} s"
 
 
 @pytest.mark.multirank
