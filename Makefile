@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # TensorFlow's start-up banners, once per rank, hide the demo's output.
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: bootstrap build demo test clean
+.PHONY: bootstrap build demo test test-fast clean
 bootstrap:
 	bash scripts/bootstrap.sh
 
@@ -20,6 +20,11 @@ demo: bootstrap
 
 test: bootstrap
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The fast loop while editing: every test that runs in this process (no multi-rank launch,
+# no benchmark smoke run). `make test` runs them all, multi-rank and slow ones included.
+test-fast: bootstrap
+	$(PY) -m pytest -m "not multirank and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf build hvdx/_hvdx_ops*.so *.egg-info

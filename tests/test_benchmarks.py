@@ -1,4 +1,5 @@
-"""The benchmark scripts run end to end (tiny sizes; timings are never asserted)."""
+"""The benchmark scripts run end to end (tiny sizes; timings are never asserted; marked `slow`),
+and their reporting works on made-up numbers."""
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from tests import harness
 CLUSTER_UNAVAILABLE = harness.cluster_unavailable()
 
 
+@pytest.mark.slow
 def test_topk_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "topk.py"), "--quick", "--sizes", "65536",
@@ -46,6 +48,8 @@ def test_topk_verdicts_say_by_how_much_a_goal_is_missed():
     assert "met on 1 of 2" in topk.worst_case(rows)
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_comm_benchmark_launches_itself_and_writes_results(tmp_path):
     readme = tmp_path / "README.md"
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "comm.py"), "--sizes", "10000",
@@ -66,6 +70,8 @@ def test_comm_benchmark_launches_itself_and_writes_results(tmp_path):
     assert "<!-- comm:begin -->" in text and "| HiTopK speed-up over Allreduce | over Hierarchical |" in text
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 @pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
 def test_comm_benchmark_on_the_emulated_cluster_fits_the_model(tmp_path):
     readme = tmp_path / "README.md"
@@ -117,6 +123,8 @@ def test_goals_are_judged_on_paired_rounds_and_a_miss_says_why():
     assert "| 25,000,000 | 1600.0 | 0.75 | 0.25 | 0.25 | 4.00x (4.00-5.00) | 3.50x (3.00-3.50) |" in comm.fig7_table([row])
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_train_step_benchmark_writes_json_plot_and_table(tmp_path):
     """A tiny MLP over loopback (horovodrun, 2 nodes x 1 rank), profile included."""
     readme = tmp_path / "README.md"
@@ -172,6 +180,8 @@ def test_train_step_models_and_profile_categories():
         "global allreduce"
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_daso_benchmark_writes_json_plot_and_table(tmp_path):
     """A tiny MLP over loopback (horovodrun, 2 nodes x 1 rank), both methods, one repeat."""
     readme = tmp_path / "README.md"

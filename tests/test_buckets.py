@@ -4,56 +4,52 @@ while the backward pass of earlier layers goes on; every strategy gives the same
 with buckets as with one fused buffer, and error feedback, checkpoints and the strategy
 switch keep working per bucket.
 
-One horovodrun launch (tests/multirank/check_buckets.py, 2 nodes x 2 ranks); timings are
-measured by benchmarks/train_step.py, never asserted here.
+The checks of tests/multirank/check_buckets.py, on 2 nodes x 2 ranks (the suite's 2x2
+launch); timings are measured by benchmarks/train_step.py, never asserted here.
 """
-import pytest
-
 from hvdx.comm.base import node_slices
-from tests import harness
-
-pytestmark = pytest.mark.multirank
+from tests import suite
 
 STRATEGIES = ("allreduce", "hierarchical", "hitopk", "sparse_allgather")
 
 
-@pytest.fixture(scope="module")
-def ranks():
-    return harness.launch("check_buckets.py", np=4, hosts=harness.hosts(2, 2), timeout=420).check()
+def on_2x2(check: str):
+    """The test asserts on CHECKS[check] of tests/multirank/check_buckets.py, on 2x2."""
+    return suite.runs(suite.check(f"buckets.{check}", "2x2"))
 
 
-def every(ranks, check):
-    return [ranks[r][check] for r in sorted(ranks)]
-
-
+@on_2x2("plans")
 def test_buckets_fill_in_backpropagation_order(ranks):
     """Variables (k0, b0, k1, b1, k2, b2) of 2048, 32, 19200, 2400, 24000, 40 bytes: with
     16 KiB buckets the last layer's gradients come first, a gradient of 16 KiB or more goes
     alone (no fused copy of it), a bucket closes once it holds 16 KiB; None fuses all.
     Inside a bucket the gradients keep the variables' order (as in one fused buffer)."""
-    for plans in every(ranks, "check_plans"):
+    for plans in ranks.every():
         assert plans["small"] == [[5], [4], [3], [2], [0, 1]]
         assert plans["medium"] == [[2, 3, 4, 5], [0, 1]]  # 30000 bytes: closes at 45640
         assert plans["fused"] == [[0, 1, 2, 3, 4, 5]]
 
 
+@on_2x2("bucketed_equals_fused")
 def test_every_strategy_averages_the_same_with_buckets_as_fused(ranks):
-    for deviations in every(ranks, "check_bucketed_equals_fused"):
+    for deviations in ranks.every():
         assert sorted(deviations) == sorted(f"{s}/{b}" for s in STRATEGIES for b in ("None", "16384", "4096"))
         assert max(deviations.values()) < 1e-6, deviations
 
 
+@on_2x2("overlap_structure")
 def test_first_bucket_does_not_wait_for_the_first_layers_gradient(ranks):
     """The traced train step lets the first bucket's collectives start before
     backpropagation reaches the first layer; only the last bucket waits for it."""
-    for structure in every(ranks, "check_overlap_structure"):
+    for structure in ranks.every():
         assert sorted(structure) == sorted(STRATEGIES)
         for strategy, found in structure.items():
             assert found == {"buckets": 5, "first_waits": False, "last_waits": True}, strategy
 
 
+@on_2x2("error_feedback_per_bucket")
 def test_error_feedback_checkpoints_and_switch_work_per_bucket(ranks):
-    for result in every(ranks, "check_error_feedback_per_bucket"):
+    for result in ranks.every():
         sizes, n = result["sizes"], result["local_size"]
         buckets = [[5], [4], [3], [2], [0, 1]]
         want = {f"v0_b{b}": node_slices(sum(sizes[i] for i in bucket), n)[0][1] for b, bucket in enumerate(buckets)}

@@ -8,7 +8,7 @@ import pytest
 
 from hvdx.daso.plateau import PlateauDetector
 from hvdx.daso.schedule import COOLDOWN, CYCLING, WARMUP, Schedule
-from tests import harness
+from tests import suite
 
 
 # -- plateau detection ------------------------------------------------------------------
@@ -133,42 +133,22 @@ def test_schedule_start_epoch_resumes_a_later_epoch():
 
 
 # -- the method on ranks (tests/multirank/check_daso.py) ----------------------------------
-TOPOLOGIES = {"2x2": ((2, 2), ("blocking", "merge", "checkpoint", "convergence", "mixed")),
-              "3x2": ((3, 2), ("blocking", "merge", "checkpoint")),
-              "2x1": ((2, 1), ("blocking", "merge", "errors")),
-              "1x2": ((1, 2), ("blocking", "merge"))}
-
-
-_launched: dict = {}
-
-
-def launched(topology: str):
-    """(name, nodes, every rank's data) of the topology's one launch, made on first use."""
-    if topology not in _launched:
-        (nodes, per_node), checks = TOPOLOGIES[topology]
-        _launched[topology] = harness.launch("check_daso.py", *checks, np=nodes * per_node,
-                                             hosts=harness.hosts(nodes, per_node), timeout=600).check()
-    return topology, TOPOLOGIES[topology][0][0], _launched[topology]
+TOPOLOGIES = {"2x2": ("blocking", "merge", "checkpoint", "convergence", "mixed"),
+              "3x2": ("blocking", "merge", "checkpoint"),
+              "2x1": ("blocking", "merge", "errors"),
+              "1x2": ("blocking", "merge")}
+TIMEOUTS = {"convergence": 400}
 
 
 def running(check: str):
-    """The topologies whose launch runs `check`."""
-    return pytest.mark.parametrize("topology", [t for t, (_, checks) in TOPOLOGIES.items() if check in checks])
+    """The topologies that run `check` (CHECKS[check] of tests/multirank/check_daso.py)."""
+    return suite.runs(*[suite.check(f"daso.{check}", t, timeout=TIMEOUTS.get(check, 300))
+                        for t, checks in TOPOLOGIES.items() if check in checks])
 
 
-def per_node(job) -> int:
-    return TOPOLOGIES[job[0]][0][1]
-
-
-def every(job, check):
-    return [job[2][r][check] for r in sorted(job[2])]
-
-
-@pytest.mark.multirank
 @running("blocking")
-def test_blocking_float32_every_step_equals_synchronous_horovod(topology):
-    job = launched(topology)
-    for result in every(job, "blocking"):
+def test_blocking_float32_every_step_equals_synchronous_horovod(ranks):
+    for result in ranks.every():
         exact = result["float32"]
         assert exact["max_error"] < 1e-6 * max(1.0, exact["max_update"]) * 10, exact
         for wire in ("float32", "bfloat16", "float16"):
@@ -180,29 +160,25 @@ def test_blocking_float32_every_step_equals_synchronous_horovod(topology):
         # ... and the float32 master weights are not rounded to bfloat16
         assert result["bfloat16"]["off_bf16_grid"] > 0
         # the groups take turns: the ranks of local rank 0, then 1, ...
-        assert exact["groups"] == [i % per_node(job) for i in range(len(exact["groups"]))]
+        assert exact["groups"] == [i % ranks.per_node for i in range(len(exact["groups"]))]
 
 
-@pytest.mark.multirank
 @running("blocking")
-def test_optimizer_slots_stay_node_local(topology):
-    job = launched(topology)
-    _, nodes, _ = job
-    for result in every(job, "blocking"):
+def test_optimizer_slots_stay_node_local(ranks):
+    nodes = ranks.nodes
+    for result in ranks.every():
         # parameters are averaged, momenta are not: they differ between nodes, never inside one
         assert (result["float32"]["momentum_spread"] > 0) == (nodes > 1)
 
 
-@pytest.mark.multirank
 @running("merge")
-def test_stale_merge_is_eq1_with_measured_staleness_and_rotating_groups(topology):
-    job = launched(topology)
-    results = every(job, "merge")
+def test_stale_merge_is_eq1_with_measured_staleness_and_rotating_groups(ranks):
+    results = ranks.every()
     assert all(r["actions"] == results[0]["actions"] and r["drains"] == results[0]["drains"] for r in results)
     first = results[0]
     for result in results:  # every rank matches a float64 simulation of every rank, step by step
         assert result["max_error"] < 1e-6 * max(1.0, result["scale"]), result
-    n = per_node(job)
+    n = ranks.per_node
     # B = 8, W = 2: starts every 8 steps of an epoch (17 and 13 steps), merged 2 steps later (S = 2) ...
     assert first["actions"] == [["start", 8, 0], ["merge", 10, 0, 2], ["start", 16, 1 % n],
                                 ["start", 25, 2 % n], ["merge", 27, 2 % n, 2]]
@@ -212,21 +188,17 @@ def test_stale_merge_is_eq1_with_measured_staleness_and_rotating_groups(topology
         assert result["drain_spreads"] == [0.0, 0.0]
 
 
-@pytest.mark.multirank
 @running("checkpoint")
-def test_checkpoint_in_the_middle_of_a_cycle_continues_identically(topology):
-    job = launched(topology)
-    for result in every(job, "checkpoint"):
+def test_checkpoint_in_the_middle_of_a_cycle_continues_identically(ranks):
+    for result in ranks.every():
         assert result["in_flight_before_drain"] and result["phase_at_save"] == "cycling"
         assert result["state_restored"] and result["state_continues"]
         assert result["max_difference"] == 0.0
 
 
-@pytest.mark.multirank
 @running("convergence")
-def test_converges_on_digits_within_one_point_of_horovod(topology):
-    job = launched(topology)
-    results = every(job, "convergence")
+def test_converges_on_digits_within_one_point_of_horovod(ranks):
+    results = ranks.every()
     accuracy = {m: results[0][m]["accuracy"] for m in ("horovod", "daso")}
     print("digits test accuracy:", accuracy, "DASO events:", results[0]["daso"]["events"])
     assert all(r[m]["accuracy"] == accuracy[m] for r in results for m in accuracy)
@@ -237,26 +209,22 @@ def test_converges_on_digits_within_one_point_of_horovod(topology):
     assert all(r["daso"]["spread"] == 0.0 for r in results)  # training ends drained
 
 
-@pytest.mark.multirank
 @running("mixed")
-def test_mixed_precision_and_the_keras_format(topology):
-    job = launched(topology)
-    results = every(job, "mixed")
-    _, nodes, _ = job
+def test_mixed_precision_and_the_keras_format(ranks):
+    results = ranks.every()
+    nodes = ranks.nodes
     for result in results:
         assert result["finite"] and result["spread"] == 0.0
         assert result["loaded_type"] == "DASO" and result["state_round_trip"] and result["weights_round_trip"]
     scales = results[0]["loss_scales"]
-    by_node = [scales[i:i + per_node(job)] for i in range(0, len(scales), per_node(job))]
+    by_node = [scales[i:i + ranks.per_node] for i in range(0, len(scales), ranks.per_node)]
     # the overflowing rank 1 lowered its node's loss scale only: node-local gradient averaging
     assert all(len(set(node)) == 1 for node in by_node) and len({node[0] for node in by_node}) == nodes
 
 
-@pytest.mark.multirank
 @running("errors")
-def test_bad_arguments_and_disagreeing_ranks_fail_clearly(topology):
-    job = launched(topology)
-    for result in every(job, "errors"):
+def test_bad_arguments_and_disagreeing_ranks_fail_clearly(ranks):
+    for result in ranks.every():
         assert result["total_epochs"].startswith("ValueError: total_epochs must be an int >= 1")
         assert "exceed total_epochs" in result["phases"]
         assert result["skips"].startswith("ValueError: max_global_skips")

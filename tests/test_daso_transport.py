@@ -2,7 +2,8 @@
 (coquelin2021, section 3, Figures 1, 3, 5; hvdx/daso/transport.py).
 
 Unit tests run rings of threads inside this process (the address exchange passed in, no
-Horovod); the multirank tests run tests/multirank/check_daso_transport.py on 3x2 and 2x2 ranks.
+Horovod); the multirank tests run tests/multirank/check_daso_transport.py on 3x2 and 2x2 ranks
+and on the emulated cluster.
 """
 import json
 import subprocess
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from hvdx.daso.transport import GroupTransport, Request, TransportError, listen_address
-from tests import harness
+from tests import harness, suite
 
 
 def ring(groups: Sequence[Sequence[int]], timeout: float = 30.0) -> List[GroupTransport]:
@@ -224,15 +225,13 @@ def test_close_does_not_hang_with_requests_in_flight(ring_3_2):
 
 
 # -------------------------------------------------------------------- real processes
-@pytest.mark.multirank
-@pytest.mark.parametrize("nodes,per_node", [(3, 2), (2, 2)], ids=lambda v: str(v))
-def test_transport_across_processes(nodes, per_node):
+@suite.runs(suite.check("daso_transport.rings", "3x2", timeout=180),
+            suite.check("daso_transport.rings", "2x2", timeout=180))
+def test_transport_across_processes(ranks):
     """Rings of the cross sets on a real m x n Horovod job: sums bit-identical on all members,
     allgather in member order, requests in order, the exchange overlapping a TF matmul loop,
     a size mismatch raising on every member, a fresh transport after it, a closed peer named."""
-    job = harness.launch("check_daso_transport.py", np=nodes * per_node, hosts=harness.hosts(nodes, per_node),
-                         timeout=180)
-    data = job.check()
+    data, nodes, per_node = ranks, ranks.nodes, ranks.per_node
     assert sorted(data) == list(range(nodes * per_node))
     groups = {tuple(d["members"]) for d in data.values()}
     assert groups == {tuple(range(l, nodes * per_node, per_node)) for l in range(per_node)}
@@ -252,13 +251,12 @@ def test_transport_across_processes(nodes, per_node):
 CLUSTER_UNAVAILABLE = harness.cluster_unavailable()
 
 
-@pytest.mark.multirank
 @pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
-def test_transport_on_the_emulated_cluster():
+@suite.runs(suite.check("daso_transport.rings", "cluster:2x2@1gbit", timeout=240))
+def test_transport_on_the_emulated_cluster(ranks):
     """The same checks across network namespaces: ranks listen on their node's eth0
     ($HOROVOD_GLOO_IFACE), and the rings cross the 1 Gbit/s links."""
-    job = harness.launch_on_cluster("check_daso_transport.py", nodes=2, ranks_per_node=2, rate="1gbit", timeout=240)
-    data = job.check()
+    data = ranks
     assert sorted(data) == [0, 1, 2, 3]
     for group in ((0, 2), (1, 3)):
         assert data[group[0]]["digests"] == data[group[1]]["digests"]
@@ -266,6 +264,8 @@ def test_transport_on_the_emulated_cluster():
         assert all(data[r]["listen"].startswith("10.77.0.") for r in group), [data[r]["listen"] for r in group]
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
 def test_benchmark_runs_end_to_end(tmp_path):
     """benchmarks/daso_transport.py on 2 x 1 ranks over loopback, tiny sizes (no timing asserted)."""
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "daso_transport.py"), "--sizes", "1000",

@@ -20,7 +20,7 @@ import hvdx
 from hvdx.data import CountingSource, DataCache, DiskCache, NodeStore, Placement, decode_image, sample_key
 from hvdx.data import epoch_share, node_part, samples_per_rank
 from hvdx.data.store import Slab
-from tests import harness
+from tests import harness, suite
 
 RES = 24
 
@@ -294,16 +294,20 @@ def test_the_ranks_of_a_node_share_its_store_and_split_every_epoch(digits_root, 
         assert sizes == [4, 4] * 2 and caches[0].steps_per_epoch(4, drop_remainder=True) == 2
 
 
-@pytest.mark.multirank
-def test_two_by_two_ranks_one_store_per_node_each_with_its_part(tmp_path):
-    """Horovod's 2-node topology on one machine: both "nodes" share the level-1 directory
-    (file locks), each keeps its own store, named by its node."""
+def two_nodes_data(tmp_path):
+    """66 digits as JPEGs and 40 of them as 4 TFRecord shards, for the 2x2 check (its kwargs)."""
     root = write_digits(tmp_path / "data", 66)
     write_tfrecords(sorted(DataCache(root, cache_dir=str(tmp_path / "d0"), store_dir=str(tmp_path / "s0"),
                                      memory_bytes=2**24).catalog.paths)[:40], tmp_path / "records", shards=4)
-    job = harness.launch("check_datacache.py", root, str(tmp_path / "disk"), str(tmp_path / "shm"),
-                         str(tmp_path / "records" / "train-*.tfrecord"), np=4, hosts=harness.hosts(2, 2), timeout=240)
-    data = job.check()
+    return {"root": root, "cache_dir": str(tmp_path / "disk"), "store_dir": str(tmp_path / "shm"),
+            "tfrecords": str(tmp_path / "records" / "train-*.tfrecord")}
+
+
+@suite.runs(suite.check("datacache.one_store_per_node", "2x2", timeout=240, setup=two_nodes_data))
+def test_two_by_two_ranks_one_store_per_node_each_with_its_part(ranks):
+    """Horovod's 2-node topology on one machine: both "nodes" share the level-1 directory
+    (file locks), each keeps its own store, named by its node."""
+    data, tmp_path = ranks, ranks.workdir
     assert sorted(os.listdir(tmp_path / "shm")) == sorted(
         f"{name}{suffix}" for name in {r["store_path"].rsplit("/", 1)[1] for r in data.values()}
         for suffix in ("", ".lock"))
@@ -578,6 +582,7 @@ def test_bad_arguments_are_rejected_by_name(digits_root, tmp_path):
 
 # -- the benchmark (Figure 9) runs end to end (tiny sizes; timings are never asserted) --------
 
+@pytest.mark.slow
 def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--quick",

@@ -7,18 +7,17 @@ import of Horovod's API becomes hvdx's (`hvdx.keras` / `hvdx.tensorflow`), MNIST
 download) becomes scikit-learn's bundled digits, and the examples train for a few steps
 instead of thousands. Every listed change must apply exactly once.
 
-The scripts run with dense averaging (hvdx's default) on 2 nodes x 1 rank, and with HiTopK
+The tests run with dense averaging (hvdx's default) on 2 nodes x 1 rank, and with HiTopK
 ($HVDX_COMMUNICATION=hitopk) on 2 nodes x 2 ranks: at density 0.01 where a test asserts no
-exact numbers, at density 1.0 where it does (gradient sums checked to the last digit).
+exact numbers, at density 1.0 where it does (gradient sums checked to the last digit). The
+examples run on 2 nodes x 1 rank with each. All of them are checks of
+tests/multirank/check_upstream.py in the suite's launch of their topology.
 """
 import shutil
 from pathlib import Path
+from typing import Callable, Dict
 
-import pytest
-
-from tests import harness
-
-pytestmark = pytest.mark.multirank
+from tests import suite
 
 UPSTREAM = Path(__file__).resolve().parent / "upstream"
 HVDX_KERAS = ("import horovod.tensorflow.keras as hvd", "import hvdx.keras as hvd")
@@ -58,6 +57,11 @@ def adapt(name: str, into: Path) -> Path:
     return path
 
 
+def adapted(name: str) -> Callable[[Path], Dict[str, str]]:
+    """A suite check's setup: the adapted copy of `name` in the check's work directory."""
+    return lambda workdir: {"path": str(adapt(name, workdir))}
+
+
 def test_adaptations_change_only_imports_data_and_length(tmp_path):
     """Undoing the listed changes gives Horovod's files back, byte for byte."""
     for name in ADAPTATIONS:
@@ -67,33 +71,32 @@ def test_adaptations_change_only_imports_data_and_length(tmp_path):
         assert text == (UPSTREAM / "horovod" / name).read_text(), name
 
 
-@pytest.mark.parametrize("topology,env,phases", [
-    ((2, 1), DENSE, [f"not {TF_SKIP}", ""]),
-    ((2, 2), HITOPK, [f"not ({EXACT} or {TF_SKIP})", "0.01", EXACT, "1.0"]),
-], ids=["dense-2x1", "hitopk-2x2"])
-def test_horovods_keras_tests_pass_with_hvdx(tmp_path, topology, env, phases):
-    path = adapt("test_tensorflow2_keras.py", tmp_path)
-    nodes, per_node = topology
-    job = harness.launch("run_upstream.py", "pytest", str(path), *phases, np=nodes * per_node,
-                         hosts=harness.hosts(nodes, per_node), timeout=600, env=env)
-    data = job.check()
+# (topology, environment, phases: (pytest -k expression, $HVDX_DENSITY or "")) per strategy
+KERAS_TESTS = {"dense-2x1": ("2x1", DENSE, ((f"not {TF_SKIP}", ""),)),
+               "hitopk-2x2": ("2x2", HITOPK, ((f"not ({EXACT} or {TF_SKIP})", "0.01"), (EXACT, "1.0")))}
+EXAMPLES = {"tensorflow2_keras_mnist.py": (), "tensorflow2_mnist.py": (),
+            "tensorflow2_keras_synthetic_benchmark.py": (*SYNTHETIC_ARGS, "--fp16-allreduce"),
+            "tensorflow2_synthetic_benchmark.py": (*SYNTHETIC_ARGS, "--num-warmup-batches", "1")}
+
+
+@suite.runs(*[suite.check("upstream.pytest", topology, env=env, phases=phases, timeout=600,
+                          setup=adapted("test_tensorflow2_keras.py"))
+              for topology, env, phases in KERAS_TESTS.values()], ids=list(KERAS_TESTS))
+def test_horovods_keras_tests_pass_with_hvdx(ranks):
+    data = ranks
     for rank, phases_run in data.items():
         for phase, result in phases_run.items():
             failed = {t: o for t, o in result["outcomes"].items() if o != "passed"}
-            assert result["exit"] == 0 and not failed, (rank, phase, failed, job.rank_output(rank, 60))
+            assert result["exit"] == 0 and not failed, (rank, phase, failed, ranks.rank_output(rank, 60))
             assert result["outcomes"], (rank, phase, "no test ran")
     counted = sum(len(r["outcomes"]) for r in data[0].values())
     assert counted == 13, f"Horovod's file has 13 tests, {counted} ran"
 
 
-@pytest.mark.parametrize("name,args", [
-    ("tensorflow2_keras_mnist.py", []), ("tensorflow2_mnist.py", []),
-    ("tensorflow2_keras_synthetic_benchmark.py", SYNTHETIC_ARGS + ["--fp16-allreduce"]),
-    ("tensorflow2_synthetic_benchmark.py", SYNTHETIC_ARGS + ["--num-warmup-batches", "1"]),
-])
-@pytest.mark.parametrize("env", [DENSE, HITOPK], ids=["dense", "hitopk"])
-def test_horovods_examples_run_with_hvdx(tmp_path, name, args, env):
-    path = adapt(name, tmp_path)
-    job = harness.launch("run_upstream.py", "script", str(path), *args, np=2, hosts=harness.hosts(2, 1),
-                         timeout=300, env=env)
-    job.check()
+@suite.runs(*[suite.check("upstream.script", "2x1", env=env, args=args, setup=adapted(name))
+              for env in (DENSE, HITOPK) for name, args in EXAMPLES.items()],
+            ids=[f"{env}-{name}" for env in ("dense", "hitopk") for name in EXAMPLES])
+def test_horovods_examples_run_with_hvdx(ranks):
+    assert sorted(ranks) == [0, 1]
+    for data in ranks.values():  # the example ran to its end on every rank
+        assert Path(data["ran"]).parent == ranks.workdir and Path(data["ran"]).name in EXAMPLES

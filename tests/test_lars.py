@@ -12,7 +12,7 @@ import tensorflow as tf
 
 import hvdx
 from hvdx.optimizers import LAMB, LARS
-from tests import harness
+from tests import harness, suite
 
 NAMES = ["dense/kernel", "dense/bias", "batch_normalization/gamma", "dense_1/kernel"]
 SHAPES = [(5, 3), (3,), (3,), (3, 2)]
@@ -279,25 +279,18 @@ def test_single_process_modes_are_the_replicated_computation():
             np.testing.assert_array_equal(a, b)
 
 
-# -- 2 nodes x 2 ranks -----------------------------------------------------------------------
+# -- 2 nodes x 2 ranks (tests/multirank/check_lars.py) ------------------------------------
 
-@pytest.fixture(scope="module")
-def ranks():
-    job = harness.launch("check_lars.py", "--full", "--digits-epochs", "6", np=4, hosts=harness.hosts(2, 2),
-                         timeout=600)
-    return job.check()
-
-
-@pytest.mark.multirank
+@suite.runs(suite.check("lars.pto", "2x2"))
 def test_pto_is_bit_exact_on_2x2(ranks):
     for data in ranks.values():
         assert data["topology"] == [2, 2]
-        assert data["pto"]["counts"] == [1, 2, 3, 5, 8, 13, 161, 300]
+        assert data["counts"] == [1, 2, 3, 5, 8, 13, 161, 300]
 
 
-@pytest.mark.multirank
+@suite.runs(suite.check("lars.modes", "2x2", full=True, timeout=400))
 def test_every_parallel_mode_gives_the_same_weights_on_2x2(ranks):
-    modes = ranks[0]["modes"]
+    modes = ranks[0]
     print(json.dumps(modes, indent=1))
     for key in ("lars.hierarchical", "lamb.hierarchical"):
         assert modes[key]["modes"] == {"None": None, "pto": "pto", "slices": "slices"}, key
@@ -310,10 +303,10 @@ def test_every_parallel_mode_gives_the_same_weights_on_2x2(ranks):
     assert modes["horovod_pto_vs_hvdx_replicated"] < 1e-4
 
 
-@pytest.mark.multirank
+@suite.runs(suite.check("lars.digits", "2x2", epochs=6, timeout=400))
 def test_resnet_with_lars_and_hitopk_trains_like_momentum_sgd(ranks):
     for r in sorted(ranks):  # each rank evaluates with its own batch-norm statistics
-        accuracy = ranks[r]["digits"]
+        accuracy = ranks[r]
         print(f"rank {r}: digits test accuracy {accuracy}")
         assert accuracy["sgd"] > 0.85
         assert accuracy["lars"] >= accuracy["sgd"] - 0.05
@@ -321,6 +314,7 @@ def test_resnet_with_lars_and_hitopk_trains_like_momentum_sgd(ranks):
 
 # -- the benchmark, tiny -----------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.multirank
 def test_lars_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"

@@ -1,16 +1,11 @@
-"""hvdx.DistributedOptimizer trains like Horovod's, with every aggregation strategy."""
-import pytest
-
-from tests import harness
-
-pytestmark = pytest.mark.multirank
+"""hvdx.DistributedOptimizer trains like Horovod's, with every aggregation strategy
+(tests/multirank/check_optimizer.py)."""
+from tests import suite
 
 
-@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2)], ids=lambda v: str(v))
-def test_distributed_optimizer(nodes, per_node):
-    job = harness.launch("check_optimizer.py", np=nodes * per_node, hosts=harness.hosts(nodes, per_node),
-                         timeout=480)
-    data = job.check()
+@suite.runs(*[suite.check("optimizer.training", t, timeout=480) for t in ("2x2", "3x2")])
+def test_distributed_optimizer(ranks):
+    data = ranks
     accuracy = data[0]["accuracy"]
     print("test accuracy by strategy:", accuracy)
     assert all(data[r]["accuracy"] == accuracy for r in data)

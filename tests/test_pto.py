@@ -1,6 +1,6 @@
 """The parallel tensor operator (shi2021 sec. 4.2, eqs. 12-14): shares balanced by element
 count, deterministic; results equal to the replicated computation, in one process and on
-3 nodes x 2 ranks (one launch of tests/multirank/check_lars.py; 2 x 2 runs in test_lars.py)."""
+3 nodes x 2 ranks (tests/multirank/check_lars.py in the suite's 3x2 launch; 2 x 2 in test_lars.py)."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -12,7 +12,7 @@ import hvdx
 from hvdx import pto
 from hvdx.buckets import AggregationRecord, BucketRecord, Piece
 from hvdx.optimizers.layerwise import squared_norm
-from tests import harness
+from tests import suite
 
 
 def sizes_of(shapes):
@@ -105,13 +105,16 @@ def test_slice_ranges_map_a_padded_slice_back_to_variables():
     assert slice_ranges([(hvdx.comm.Aggregated(None), pieces)]) is None
 
 
-@pytest.mark.multirank
-def test_pto_and_parallel_modes_on_3x2():
-    job = harness.launch("check_lars.py", np=6, hosts=harness.hosts(3, 2), timeout=400)
-    data = job.check()
-    for rank in data.values():
+@suite.runs(suite.check("lars.pto", "3x2"))
+def test_pto_on_3x2(ranks):
+    for rank in ranks.values():
         assert rank["topology"] == [3, 2]
-        assert rank["pto"]["counts"] == [1, 2, 3, 5, 8, 13, 161, 300]  # bit-exact, fewer and more tensors than ranks
-        modes = rank["modes"]["lars.hierarchical"]
+        assert rank["counts"] == [1, 2, 3, 5, 8, 13, 161, 300]  # bit-exact, fewer and more tensors than ranks
+
+
+@suite.runs(suite.check("lars.modes", "3x2"))
+def test_parallel_modes_on_3x2(ranks):
+    for rank in ranks.values():
+        modes = rank["lars.hierarchical"]
         assert modes["modes"] == {"None": None, "pto": "pto", "slices": "slices"}
         assert modes["pto_error"] == 0.0 and modes["slices_error"] < 1e-4

@@ -1,6 +1,6 @@
 """Buckets and overlap (issue: "End-to-end training step"), on every rank of an m x n job.
 
-Run by tests/test_buckets.py under horovodrun (2 nodes x 2 ranks). Each check returns
+Run by tests/test_buckets.py through the suite (2 nodes x 2 ranks). Each check returns
 what the test asserts on.
 """
 import os
@@ -11,7 +11,6 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
-from tests.multirank.rank import run
 
 SPARSE = ("hitopk", "sparse_allgather")
 ALL = ("allreduce", "hierarchical") + SPARSE
@@ -154,14 +153,5 @@ def check_error_feedback_per_bucket(topo):
             "local_size": topo.local_size, "local_rank": topo.local_rank}
 
 
-def main():
-    topo = hvdx.init()
-    results = {}
-    for check in (check_plans, check_bucketed_equals_fused, check_overlap_structure, check_error_feedback_per_bucket):
-        results[check.__name__] = check(topo)
-        print(f"{check.__name__} ok", flush=True)
-    return results
-
-
-if __name__ == "__main__":
-    run(main)
+CHECKS = {"plans": check_plans, "bucketed_equals_fused": check_bucketed_equals_fused,
+          "overlap_structure": check_overlap_structure, "error_feedback_per_bucket": check_error_feedback_per_bucket}

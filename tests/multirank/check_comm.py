@@ -7,8 +7,6 @@
   exactly the reference's selection for that offset.
 Buffers hold multiples of 1/8 below 2^10, so every sum is exact in any order.
 """
-import argparse
-
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
@@ -16,7 +14,6 @@ import tensorflow as tf
 import hvdx
 from hvdx import comm
 from tests import mstopk_reference as ref
-from tests.multirank.rank import run
 
 
 def gather_rows(t: tf.Tensor, name: str) -> np.ndarray:
@@ -154,8 +151,7 @@ def check_bad_input() -> None:
     assert isinstance(comm.get("hitopk", density=0.5), comm.HiTopK)
 
 
-def main() -> dict:
-    topo = hvdx.init()
+def check_strategies(topo) -> dict:
     check_bad_input()
     for d in (13, 64 * topo.local_size, 1000 * topo.local_size + 1):  # padded, even slices, a shorter last slice
         for step in range(2):
@@ -166,6 +162,4 @@ def main() -> dict:
     return {"topology": str(topo)}
 
 
-if __name__ == "__main__":
-    argparse.ArgumentParser().parse_args()
-    run(main)
+CHECKS = {"strategies": check_strategies}

@@ -1,10 +1,9 @@
 """DASO on every rank of an m x n job, claim by claim (coquelin2021, sec. 3).
 
-Run by tests/test_daso.py under horovodrun: `check_daso.py CHECK [CHECK ...]`. Each check
-returns what the test asserts on.
+Run by tests/test_daso.py through the suite (tests/multirank/suite.py): `CHECKS` below, each
+returning what the test asserts on.
 """
 import os
-import sys
 import tempfile
 
 import horovod.tensorflow as hvd
@@ -15,7 +14,6 @@ from sklearn.model_selection import train_test_split
 
 import hvdx
 from hvdx.daso import DASO, DASOCallback
-from tests.multirank.rank import run
 
 
 def spread(values, tag):
@@ -326,14 +324,3 @@ CHECKS = {"blocking": check_blocking_equals_horovod, "merge": check_merge_formul
           "checkpoint": check_checkpoint_mid_cycle, "convergence": check_convergence,
           "mixed": check_mixed_precision_and_keras_format, "errors": check_errors}
 
-
-def main():
-    import faulthandler
-    faulthandler.dump_traceback_later(int(os.environ.get("DASO_DEBUG_TIMEOUT", "100000")), exit=True)
-    topo = hvdx.init()
-    names = sys.argv[1:] or list(CHECKS)
-    return {name: CHECKS[name](topo) for name in names}
-
-
-if __name__ == "__main__":
-    run(main)

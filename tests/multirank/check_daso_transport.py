@@ -12,7 +12,6 @@ import tensorflow as tf
 
 import hvdx
 from hvdx.daso.transport import GroupTransport, TransportError, listen_address
-from tests.multirank.rank import run
 
 SUM_SIZES = (1, 7, 1000, 3_000_001)  # uneven segments and chunks for groups of 2 and 3
 OVERLAP_SIZE = 4_000_000             # 16 MB float32: long enough to overlap a matmul loop
@@ -160,8 +159,7 @@ def check_peer_closes(transport: GroupTransport) -> str:
     raise AssertionError(f"rank {gone} closed, yet the exchange succeeded")
 
 
-def main() -> dict:
-    topo = hvdx.init()
+def check_rings(topo) -> dict:
     groups = [tuple(node[l] for node in topo.node_ranks) for l in range(topo.local_size)]
     transport = GroupTransport.create(groups, topo.rank, timeout=60)
     assert transport.members == topo.cross_ranks and transport.index == topo.node, (transport, topo)
@@ -179,5 +177,4 @@ def main() -> dict:
     return result
 
 
-if __name__ == "__main__":
-    run(main)
+CHECKS = {"rings": check_rings}

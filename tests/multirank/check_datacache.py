@@ -1,21 +1,16 @@
 """DataCache on an m x n job (shi2021 sec. 4.1): every rank reads two epochs of a JPEG folder
-tree through a counting source and reports what it read; tests/test_datacache.py asserts.
-
-    check_datacache.py ROOT CACHE_DIR STORE_DIR TFRECORD_GLOB
+tree through a counting source and reports what it read; tests/test_datacache.py writes
+the data (ROOT, TFRECORDS) and asserts.
 """
 import os
-import sys
 
 import numpy as np
 
 import hvdx
 from hvdx.data import CountingSource, DataCache
-from tests.multirank.rank import run
 
 
-def main() -> dict:
-    root, cache_dir, store_dir, tfrecords = sys.argv[1:5]
-    topo = hvdx.init()
+def check_one_store_per_node(topo, root: str, cache_dir: str, store_dir: str, tfrecords: str) -> dict:
     source = CountingSource()
     cache = DataCache(root, resolution=24, cache_dir=cache_dir, store_dir=store_dir, source=source, seed=7,
                       memory_bytes=2**26)
@@ -45,5 +40,4 @@ def main() -> dict:
             "steps_per_epoch": cache.steps_per_epoch(5), "per_rank": cache.samples_per_rank}
 
 
-if __name__ == "__main__":
-    run(main)
+CHECKS = {"one_store_per_node": check_one_store_per_node}

@@ -5,14 +5,11 @@
   ranks than tensors included); the elementwise form too;
 - LARS under hvdx.DistributedOptimizer (2DTAR): parallel=None, "pto" and "slices" give the
   same weights after 20 steps ("pto" bit-identical to replicated), every rank the same
-  weights; with --full also LAMB, HiTopK, a dense allreduce (where "slices" falls back to
+  weights; with full=True also LAMB, HiTopK, a dense allreduce (where "slices" falls back to
   "pto"), loss scaling, and Horovod's own DistributedOptimizer ("pto" there);
-- with --digits: a ResNet-style CNN trains on the digits with LARS + DistributedOptimizer
+- "digits": a ResNet-style CNN trains on the digits with LARS + DistributedOptimizer
   (HiTopK) to the accuracy band of momentum SGD.
 """
-import argparse
-import time
-
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import numpy as np
@@ -22,7 +19,6 @@ import hvdx
 from hvdx import pto
 from hvdx.optimizers import LAMB, LARS
 from hvdx.optimizers.layerwise import squared_norm
-from tests.multirank.rank import run
 
 PTO_COUNTS = [1, 2, 3, 5, 8, 13, 161, 300]
 STEPS = 20
@@ -41,6 +37,7 @@ def mixed_shapes(count: int, rng: np.random.Generator):
 
 
 def check_pto(topo) -> dict:
+    """PTO equals the replicated computation bit for bit; this rank's [nodes, ranks per node]."""
     rng = np.random.default_rng(2021)  # the same tensors on every rank
     op = lambda t: tf.stack([squared_norm(t), tf.reduce_max(t), tf.reduce_min(t)])  # noqa: E731
     checked = []
@@ -59,7 +56,7 @@ def check_pto(topo) -> dict:
     x = tf.constant(rng.standard_normal((1001, 3)).astype(np.float32))
     y = pto.parallel_elementwise(lambda t: tf.exp(t) * 2 + 1, x, name="check.pto.elementwise")
     assert np.array_equal(bits(y), bits(tf.exp(x) * 2 + 1)), "elementwise PTO != replicated"
-    return {"counts": checked}
+    return {"counts": checked, "topology": [topo.num_nodes, topo.local_size]}
 
 
 def make_model(seed: int = 0) -> tf.keras.Model:
@@ -152,7 +149,7 @@ def lamb(mode):
                 parallel=mode)
 
 
-def check_modes(topo, full: bool) -> dict:
+def check_modes(topo, full: bool = False) -> dict:
     out = {"lars.hierarchical": compare_modes(topo, lars, "hierarchical", "lars.2dtar")}
     replicated = out["lars.hierarchical"]["weights"]
     if full:
@@ -206,7 +203,7 @@ def resnet(seed: int = 0) -> tf.keras.Model:
     return tf.keras.Model(inputs, outputs)
 
 
-def check_digits(topo, epochs: int) -> dict:
+def check_digits(topo, epochs: int = 6) -> dict:
     x_train, x_test, y_train, y_test = digits()
     per_rank = len(x_train) // topo.size
     x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
@@ -228,26 +225,4 @@ def check_digits(topo, epochs: int) -> dict:
     return accuracy
 
 
-def main(digits_epochs: int, full: bool) -> dict:
-    topo = hvdx.init()
-    clock = time.perf_counter()
-    out = {"topology": [topo.num_nodes, topo.local_size], "pto": check_pto(topo), "seconds": {}}
-    out["seconds"]["pto"] = time.perf_counter() - clock
-    print("pto ok", flush=True)
-    out["modes"] = check_modes(topo, full)
-    out["seconds"]["modes"] = time.perf_counter() - clock - sum(out["seconds"].values())
-    print("modes ok", out["modes"], flush=True)
-    if digits_epochs:
-        out["digits"] = check_digits(topo, digits_epochs)
-        out["seconds"]["digits"] = time.perf_counter() - clock - sum(out["seconds"].values())
-        print("digits", out["digits"], flush=True)
-    print("seconds", out["seconds"], flush=True)
-    return out
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--digits-epochs", type=int, default=0)
-    parser.add_argument("--full", action="store_true", help="every strategy, loss scaling, Horovod's wrapper")
-    args = parser.parse_args()
-    run(lambda: main(args.digits_epochs, args.full))
+CHECKS = {"pto": check_pto, "modes": check_modes, "digits": check_digits}

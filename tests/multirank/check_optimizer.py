@@ -6,7 +6,6 @@
   the same weights, and a strategy switch by callback takes effect;
 - residuals survive a checkpoint round-trip; bad input fails clearly.
 """
-import argparse
 import os
 import tempfile
 
@@ -17,7 +16,6 @@ from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
 import hvdx
-from tests.multirank.rank import run
 
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
 
@@ -116,8 +114,7 @@ def check_bad_input() -> None:
             raise AssertionError(f"{kwargs} accepted")
 
 
-def main(epochs: int) -> dict:
-    topo = hvdx.init()
+def check_training(topo, epochs: int = 20) -> dict:
     check_bad_input()
     check_tape(topo)
     check_tape_keeps_residuals_across_steps(topo)
@@ -136,8 +133,4 @@ def main(epochs: int) -> dict:
     return {"accuracy": accuracy, "switched": switched}
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--epochs", type=int, default=20)
-    args = parser.parse_args()
-    run(lambda: main(args.epochs))
+CHECKS = {"training": check_training}

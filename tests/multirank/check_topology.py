@@ -1,18 +1,15 @@
-"""Each rank checks its own view of an m-node x n-rank job launched by tests/test_topology.py.
+"""Each rank checks its own view of an m-node x n-rank job (tests/test_topology.py).
 
 horovodrun places ranks host by host, so rank r runs on node r // n as local rank r % n.
-With --expect-heterogeneous, every rank must instead get hvdx's TopologyError.
+On nodes of different sizes, every rank must instead get hvdx's TopologyError ("heterogeneous").
 """
-import argparse
-
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 import hvdx
-from tests.multirank.rank import run
 
 
-def check(nodes: int, per_node: int) -> dict:
+def check(nodes: int = 1, per_node: int = 1) -> dict:
     topo = hvdx.init()
     rank = topo.rank
     node, local_rank = divmod(rank, per_node)
@@ -49,13 +46,4 @@ def expect_heterogeneous() -> dict:
     raise AssertionError("hvdx.init() accepted nodes of different sizes")
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nodes", type=int, default=1)
-    parser.add_argument("--ranks-per-node", type=int, default=1)
-    parser.add_argument("--expect-heterogeneous", action="store_true")
-    args = parser.parse_args()
-    if args.expect_heterogeneous:
-        run(expect_heterogeneous)
-    else:
-        run(lambda: check(args.nodes, args.ranks_per_node))
+CHECKS = {"check": check, "heterogeneous": expect_heterogeneous}

@@ -1,7 +1,7 @@
 """The training path a user runs, defect by defect (issue: "A training path users can
 trust"), on every rank of an m x n job. Each check returns what the test asserts on.
 
-Run by tests/test_training_path.py under horovodrun (2 nodes x 2 ranks).
+Run by tests/test_training_path.py through the suite (2 nodes x 2 ranks).
 """
 import os
 import shutil
@@ -13,7 +13,6 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
-from tests.multirank.rank import run
 
 SPARSE = ("hitopk", "sparse_allgather")
 ALL = ("allreduce", "hierarchical") + SPARSE
@@ -471,18 +470,7 @@ def check_small_things(topo):
     return out
 
 
-def main():
-    topo = hvdx.init()
-    results = {}
-    for check in (check_defaults_and_errors, check_small_things, check_non_finite, check_two_models,
-                  check_mismatches, check_loss_scaled_tape, check_mixed_precision, check_horovod_options,
-                  check_checkpoints):
-        started = time.time()
-        results[check.__name__] = check(topo)
-        print(f"{check.__name__} done in {time.time() - started:.1f} s", flush=True)
-        hvdx.barrier()
-    return results
-
-
-if __name__ == "__main__":
-    run(main)
+CHECKS = {check.__name__[len("check_"):]: check
+          for check in (check_defaults_and_errors, check_small_things, check_non_finite, check_two_models,
+                        check_mismatches, check_loss_scaled_tape, check_mixed_precision, check_horovod_options,
+                        check_checkpoints)}

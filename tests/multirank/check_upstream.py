@@ -1,17 +1,14 @@
 """Runs an adapted upstream file on this rank (tests/test_horovod_upstream.py adapts them):
 
-    run_upstream.py script <path> [args...]     # an example, as `python <path> args`
-    run_upstream.py pytest <path> <k-expression> [<density>]
-                                                # its tests under pytest, one or more phases
+- "script": an example, as `python <path> <args>` would (in its own directory);
+- "pytest": its tests under pytest, in phases: (k-expression, $HVDX_DENSITY or "") each.
 
-Each rank records what happened (the pytest outcome of every test, per phase), then meets
-the others at the final barrier.
+Each rank records what happened (the pytest outcome of every test, per phase).
 """
 import os
 import runpy
 import sys
-
-from tests.multirank.rank import run
+from typing import Sequence
 
 
 class Outcomes:
@@ -25,7 +22,7 @@ class Outcomes:
             self.outcomes[report.nodeid.split("::")[-1]] = report.outcome
 
 
-def run_script(path, args):
+def run_script(path: str, args: Sequence[str] = ()) -> dict:
     os.chdir(os.path.dirname(path))  # the examples write their checkpoints into the cwd
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(path))
@@ -33,7 +30,7 @@ def run_script(path, args):
     return {"ran": path}
 
 
-def run_pytest(path, phases):
+def run_pytest(path: str, phases: Sequence[Sequence[str]]) -> dict:
     import pytest
 
     os.chdir(os.path.dirname(path))
@@ -48,13 +45,4 @@ def run_pytest(path, phases):
     return results
 
 
-def main():
-    mode, path, *rest = sys.argv[1:]
-    if mode == "script":
-        return run_script(path, rest)
-    phases = [(rest[i], rest[i + 1] if i + 1 < len(rest) else "") for i in range(0, len(rest), 2)]
-    return run_pytest(path, phases)
-
-
-if __name__ == "__main__":
-    run(main)
+CHECKS = {"script": run_script, "pytest": run_pytest}

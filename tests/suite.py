@@ -1,0 +1,403 @@
+"""One launch per topology: the multi-rank checks the collected tests need, run in one job each.
+
+A test names the check it asserts on and where it runs, and gets every rank's data:
+
+    @suite.runs(suite.check("daso.merge", "2x2"), suite.check("daso.merge", "3x2"))
+    def test_merge(ranks):            # ranks: {rank: what CHECKS["merge"] of check_daso.py returned}
+        ...
+
+The first test that needs a topology launches it once (tests/multirank/suite.py under
+horovodrun, or on the emulated cluster) with the union of the checks that the session's
+selected tests need there, in collection order; every other test of that topology reads its
+check's result. A check that failed fails only its tests, with each rank's traceback. A check
+that hangs or crashes a rank ends at its timeout naming the rank and the check; the checks
+after it run in a fresh launch of their own.
+
+Topologies: "2x2" (2 nodes x 2 ranks, harness.hosts), "1+2" (nodes of different sizes,
+harness.host_list), "cluster:2x2" (the emulated cluster, 1 Gbit/s links; "cluster:2x2@100mbit").
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import resource
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import psutil
+import pytest
+
+from tests import harness
+
+STARTUP = 180  # seconds a launch may spend starting (horovodrun, TensorFlow's import) and ending
+GRACE = 120  # seconds past a check's timeout before the host stops a launch (the rank's own watchdog did not)
+_LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Where a launch runs: `nodes` x `per_node` ranks (or `sizes` ranks per node)."""
+
+    name: str
+    sizes: Tuple[int, ...]
+    cluster_rate: Optional[str] = None
+
+    @classmethod
+    def parse(cls, name: str) -> "Topology":
+        spec, rate = name, None
+        if spec.startswith("cluster:"):
+            spec, _, rate = spec[len("cluster:"):].partition("@")
+            rate = rate or "1gbit"
+        if re.fullmatch(r"\d+x\d+", spec):
+            nodes, per_node = map(int, spec.split("x"))
+            return cls(name, (per_node,) * nodes, rate)
+        if re.fullmatch(r"\d+(\+\d+)+", spec) and rate is None:
+            return cls(name, tuple(int(n) for n in spec.split("+")))
+        raise ValueError(f"bad topology {name!r}: give 'NODESxRANKS' (e.g. '2x2'), sizes per node ('1+2'), "
+                         "or 'cluster:NODESxRANKS[@RATE]'")
+
+    @property
+    def np(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def nodes(self) -> int:
+        return len(self.sizes)
+
+    @property
+    def per_node(self) -> int:
+        if len(set(self.sizes)) != 1:
+            raise ValueError(f"{self.name} has nodes of different sizes")
+        return self.sizes[0]
+
+    def launch(self, plan: Path, timeout: float) -> harness.Launch:
+        """Runs tests/multirank/suite.py on `plan` here, under `timeout`."""
+        if self.cluster_rate is not None:
+            return harness.launch_on_cluster("suite.py", str(plan), nodes=self.nodes, ranks_per_node=self.per_node,
+                                             rate=self.cluster_rate, timeout=timeout)
+        return harness.launch("suite.py", str(plan), np=self.np, hosts=harness.host_list(self.sizes),
+                              timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Check:
+    """A check of tests/multirank/check_<module>.py (`name` = "<module>.<key of its CHECKS>") on
+    `topology`, with keyword arguments and environment variables; `setup(workdir)`, run on the
+    host before the launch, returns more keyword arguments (paths of files it wrote there)."""
+
+    name: str
+    topology: str
+    kwargs: Tuple[Tuple[str, Any], ...] = ()
+    env: Tuple[Tuple[str, str], ...] = ()
+    setup: Optional[Callable[[Path], Dict[str, Any]]] = None
+    timeout: float = 300
+
+    def __str__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs + self.env)
+        return f"{self.name}({args}) on {self.topology}"
+
+
+def check(name: str, topology: str, *, timeout: float = 300, env: Optional[Dict[str, str]] = None,
+          setup: Optional[Callable[[Path], Dict[str, Any]]] = None, **kwargs: Any) -> Check:
+    """A `Check`; `timeout` bounds the check on each rank (the launch adds its start-up)."""
+    Topology.parse(topology)
+    frozen = {key: tuple(value) if isinstance(value, list) else value for key, value in kwargs.items()}
+    return Check(name, topology, tuple(sorted(frozen.items())), tuple(sorted((env or {}).items())), setup, timeout)
+
+
+def runs(*checks: Check, ids: Optional[Sequence[str]] = None):
+    """Parametrizes a test by `checks`: its `ranks` fixture is the check's `RankResults`;
+    marks it `multirank`. `ids` default to the topologies."""
+    if ids is None:
+        ids = [c.topology for c in checks]
+
+    def mark(test):
+        test = pytest.mark.parametrize("ranks", checks, indirect=True, ids=list(ids))(test)
+        return pytest.mark.multirank(test)
+
+    return mark
+
+
+class RankResults(dict):
+    """{rank: data} of one check on every rank, with the check's own part of the job's output."""
+
+    def __init__(self, planned: Check, data: Dict[int, Any], output: str, workdir: Path):
+        super().__init__(data)
+        self.check, self.output, self.workdir = planned, output, workdir
+        self.topology = Topology.parse(planned.topology)
+        self.nodes = self.topology.nodes
+
+    @property
+    def per_node(self) -> int:
+        return self.topology.per_node
+
+    def every(self) -> List[Any]:
+        """Every rank's data, in rank order."""
+        return [self[rank] for rank in sorted(self)]
+
+    def rank_output(self, rank: int, lines: int = 25) -> str:
+        """The check's last lines of output from `rank`."""
+        mine = [line for line in self.output.splitlines() if line.startswith(f"[{rank}]")]
+        return "\n".join(mine[-lines:])
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def needed(item: pytest.Item) -> Optional[Check]:
+    """The check a collected test asserts on, if it is a `runs` test."""
+    callspec = getattr(item, "callspec", None)
+    planned = callspec.params.get("ranks") if callspec is not None else None
+    return planned if isinstance(planned, Check) else None
+
+
+def budget(checks: Iterable[Check]) -> float:
+    """Seconds a launch of `checks` may take, its retries included."""
+    return STARTUP + sum(c.timeout for c in checks)
+
+
+def split_output(output: str) -> Dict[str, str]:
+    """Each check's lines of a launch's output (horovodrun's `[rank]<stream>:` lines between
+    the ranks' `hvdx-suite: begin/end <id>` markers), by check id."""
+    current: Dict[Tuple[str, str], Optional[str]] = {}
+    parts: Dict[str, List[str]] = {}
+    for line in output.splitlines():
+        match = _LINE.match(line)
+        if not match:
+            continue
+        rank, stream, text = match.groups()
+        if text.startswith("hvdx-suite: begin "):
+            current[rank, stream] = text.split()[2]
+        elif text.startswith("hvdx-suite: end "):
+            current[rank, stream] = None
+        elif current.get((rank, stream)):
+            parts.setdefault(current[rank, stream], []).append(line)
+    return {check_id: "\n".join(lines) for check_id, lines in parts.items()}
+
+
+@dataclass
+class _Planned:
+    check: Check
+    id: str
+    workdir: Path
+    kwargs: Dict[str, Any] = field(default_factory=dict)
+    outcome: Any = None  # RankResults, or the message that fails its tests
+
+
+@dataclass
+class LaunchRecord:
+    """One launch made, for the session's summary."""
+
+    topology: str
+    checks: int
+    seconds: float
+    failed: List[str]
+    cpu_seconds: float = 0.0  # of every process of the launch
+    check_seconds: Dict[str, float] = field(default_factory=dict)  # the slowest rank's, by check id
+
+    def __str__(self) -> str:
+        slowest = sorted(self.check_seconds.items(), key=lambda kv: -kv[1])[:5]
+        text = f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s ({self.cpu_seconds:.0f} CPU s)"
+        if slowest:
+            text += " (slowest: " + ", ".join(f"{cid} {sec:.0f} s" for cid, sec in slowest) + ")"
+        return text + (f"; failed: {', '.join(self.failed)}" if self.failed else "")
+
+
+def _stop_processes(marker: str) -> None:
+    """SIGTERM to every process whose command line holds `marker` (the launcher cleans up),
+    SIGKILL to those left 30 s later."""
+    procs = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or ())]
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=30)
+    for proc in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+
+
+class _StallWatch(threading.Thread):
+    """Stops a launch whose ranks stopped reporting: some never began their checks within
+    STARTUP seconds, or one has been in a check (or the barrier after it) past the check's
+    timeout and its own watchdog's grace. `reason` says which."""
+
+    def __init__(self, out: Path, plan: Path, timeouts: Dict[str, float], np: int):
+        super().__init__(daemon=True)
+        self.out, self.plan, self.timeouts, self.np = out, plan, timeouts, np
+        self.reason: Optional[str] = None
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        start = time.time()
+        while not self._done.wait(5):
+            self.reason = self._why(time.time() - start)
+            if self.reason:
+                _stop_processes(str(self.plan))
+                return
+
+    def _why(self, elapsed: float) -> Optional[str]:
+        states = {}
+        for rank in range(self.np):
+            with contextlib.suppress(OSError, ValueError):
+                states[rank] = json.loads((self.out / f"progress-{rank}.json").read_text())
+        missing = sorted(set(range(self.np)) - set(states))
+        if missing and elapsed > STARTUP:
+            return f"rank(s) {missing} did not begin their checks within {STARTUP} s of the launch"
+        for rank, state in states.items():
+            limit = self.timeouts.get(state.get("check"), 0) + GRACE
+            if state.get("check") and time.time() - state["since"] > limit:
+                return f"rank {rank} was in {state['check']} ({state['phase']}) for more than {limit:.0f} s"
+        return None
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join()
+
+
+class Suite:
+    """Launches each topology once, when a test first needs it, and keeps every check's outcome."""
+
+    def __init__(self, base: Callable[[], Path]):
+        self._base = base
+        self._outcomes: Dict[Check, Any] = {}
+        self._count = 0
+        self.launches: List[LaunchRecord] = []
+
+    def result(self, wanted: Check, items: Sequence[pytest.Item]) -> RankResults:
+        """`wanted`'s result; launches its topology first (with every check `items` need there)."""
+        if wanted not in self._outcomes:
+            same = [c for c in dict.fromkeys(needed(i) for i in items) if c is not None and c.topology == wanted.topology
+                    and c not in self._outcomes]
+            self.launch(wanted.topology, same if wanted in same else [wanted] + same)
+        return self.outcome(wanted)
+
+    def outcome(self, planned: Check) -> RankResults:
+        """The result of a check launched before; AssertionError saying why when it failed."""
+        outcome = self._outcomes[planned]
+        if isinstance(outcome, str):
+            raise AssertionError(outcome)
+        return outcome
+
+    def launch(self, topology_name: str, checks: List[Check]) -> None:
+        """Runs `checks` (all on `topology_name`) in one launch, or more when one dies early."""
+        assert all(c.topology == topology_name for c in checks), checks
+        topology = Topology.parse(topology_name)
+        self._count += 1
+        root = self._base() / (f"{self._count}-" + re.sub(r"[^\w.+-]", "_", topology_name))
+        planned = []
+        for index, c in enumerate(checks):
+            p = _Planned(c, f"{index:02d}-{c.name}", root / "work" / f"{index:02d}-{c.name}", dict(c.kwargs))
+            p.workdir.mkdir(parents=True)
+            if c.setup is not None:
+                try:
+                    p.kwargs.update(c.setup(p.workdir))
+                except Exception as exc:  # noqa: BLE001 - fails this check's tests only
+                    p.outcome = f"{c}: its setup on the host failed: {exc!r}"
+            planned.append(p)
+        deadline = time.monotonic() + budget(checks)
+        todo = [p for p in planned if p.outcome is None]
+        attempt = 0
+        while todo:
+            attempt += 1
+            todo = self._attempt(topology, todo, root / f"launch-{attempt}", deadline)
+        for p in planned:
+            self._outcomes[p.check] = p.outcome
+
+    def _attempt(self, topology: Topology, todo: List[_Planned], out: Path, deadline: float) -> List[_Planned]:
+        """Launches `todo` once; settles each check that ran; returns those that never started
+        when the launch died early (they get a launch of their own), else []."""
+        out.mkdir(parents=True)
+        plan = out / "plan.json"
+        plan.write_text(json.dumps({"checks": [{"id": p.id, "name": p.check.name, "kwargs": p.kwargs,
+                                                "env": dict(p.check.env), "timeout": p.check.timeout}
+                                               for p in todo]}, indent=1))
+        start, cpu = time.monotonic(), _children_cpu()
+        watch = _StallWatch(out, plan, {p.id: p.check.timeout for p in todo}, topology.np)
+        watch.start()
+        try:
+            job = topology.launch(plan, timeout=max(deadline - start, 60))
+        finally:
+            watch.stop()
+        ended = (f"was stopped ({watch.reason})" if watch.reason else "timed out" if job.timed_out else
+                 f"ended with exit status {job.returncode}")
+        outputs = split_output(job.output)
+        reached = self._reached(out, [p.id for p in todo], topology.np)
+        never_started = [p for i, p in enumerate(todo) if all(r < i for r in reached.values())]
+        for p in todo:
+            if p not in never_started:
+                p.outcome = self._settle(p, out, job, ended, outputs.get(p.id, ""), reached, [q.id for q in todo])
+        self.launches.append(LaunchRecord(topology.name, len(todo), time.monotonic() - start,
+                                          [p.id for p in todo if isinstance(p.outcome, str)],
+                                          _children_cpu() - cpu, self._seconds(out, [p.id for p in todo])))
+        if not never_started:
+            return []
+        problems = "\n\n".join(job.failures()) or "(no rank reported a problem)"
+        if len(never_started) == len(todo) or time.monotonic() > deadline - STARTUP:
+            for p in never_started:  # no progress, or no time left: say why, do not try again
+                p.outcome = (f"{p.check} did not run: its launch ({' '.join(job.command)}) {ended} before it:"
+                             f"\n\n{problems}")
+            return []
+        return never_started
+
+    @staticmethod
+    def _seconds(out: Path, ids: List[str]) -> Dict[str, float]:
+        """How long each check ran (its slowest rank), for the checks that ended."""
+        seconds = {}
+        for check_id in ids:
+            times = [json.loads(path.read_text()).get("seconds", 0.0) for path in (out / check_id).glob("rank-*.json")]
+            if times:
+                seconds[check_id] = max(times)
+        return seconds
+
+    @staticmethod
+    def _reached(out: Path, ids: List[str], np: int) -> Dict[int, int]:
+        """The index of the check each rank got to (len(ids) when done, -1 before the first)."""
+        reached = {}
+        for rank in range(np):
+            path = out / f"progress-{rank}.json"
+            state = json.loads(path.read_text()) if path.exists() else {"check": None, "phase": "none"}
+            reached[rank] = len(ids) if state["phase"] == "done" else (
+                ids.index(state["check"]) if state["check"] in ids else -1)
+        return reached
+
+    @staticmethod
+    def _settle(p: _Planned, out: Path, job: harness.Launch, ended: str, output: str, reached: Dict[int, int],
+                ids: List[str]) -> Any:
+        """`p`'s RankResults, or the message that fails its tests (each rank's failure, or
+        where it was when the launch ended)."""
+        results = {}
+        for path in (out / p.id).glob("rank-*.json"):
+            result = json.loads(path.read_text())
+            results[result["rank"]] = result
+        index = ids.index(p.id)
+        problems = []
+        for rank in range(job.np):
+            result = results.get(rank)
+            if result is not None and result["ok"]:
+                continue
+            if result is not None:
+                problems.append(f"rank {rank} failed:\n{result['error']}")
+                continue
+            progress_path = out / f"progress-{rank}.json"
+            state = json.loads(progress_path.read_text()) if progress_path.exists() else {}
+            if reached[rank] == index and state.get("timed_out"):
+                why = f"timed out after {state['timed_out']:.0f} s in it ({state.get('phase')})"
+            elif reached[rank] == index:
+                why = f"did not finish it ({state.get('phase')}): the launch {ended}"
+            elif reached[rank] < index:
+                stuck = ids[reached[rank]] if reached[rank] >= 0 else "its start-up"
+                why = f"never reached it: it stopped in {stuck}"
+            else:
+                why = "wrote no result for it"
+            tail = "\n".join([line for line in output.splitlines() if line.startswith(f"[{rank}]")][-25:])
+            problems.append(f"rank {rank} {why}; its last output in this check:\n{tail}")
+        if problems:
+            return (f"{p.check} failed on {len(problems)} of {job.np} ranks (launch: {' '.join(job.command)}):\n\n"
+                    + "\n\n".join(problems))
+        return RankResults(p.check, {rank: results[rank]["data"] for rank in sorted(results)}, output, p.workdir)
