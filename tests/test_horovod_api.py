@@ -4,7 +4,7 @@ tf.compat.v1.train optimizer can be wrapped, and Horovod's LR callbacks (momentu
 included) drive an hvdx-wrapped new-style SGD.
 
 Single-rank checks run in this process (after hvdx.init()); the averaging on 2 nodes x 1 rank
-runs in one launch of tests/multirank/check_horovod_api.py.
+runs in the 2x1 launch (tests/multirank/check_horovod_api.py).
 """
 import json
 import types
@@ -22,7 +22,7 @@ import hvdx.keras.callbacks
 import hvdx.tensorflow
 import hvdx.tensorflow.keras
 from hvdx.optimizer_v1 import DistributedOptimizerV1
-from tests import harness
+from tests import suite
 from tests.multirank.check_horovod_api import BATCH, V1_STEPS, linear_data
 
 
@@ -330,13 +330,10 @@ def test_warmup_callback_runs_with_hvdx_callbacks_and_lars():
 
 # -- 2 nodes x 1 rank ---------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def ranks():
-    job = harness.launch("check_horovod_api.py", np=2, hosts=harness.hosts(2, 1), timeout=420)
-    return job.check()
+HABITS = suite.check("horovod_api.habits", "2x1", timeout=420)
 
 
-@pytest.mark.multirank
+@suite.runs(HABITS)
 @pytest.mark.parametrize("kind", ["v1_graph", "v1_eager"])
 def test_v1_optimizer_averages_over_two_ranks(ranks, kind):
     assert sorted(ranks) == [0, 1] and ranks[0]["size"] == 2
@@ -346,7 +343,7 @@ def test_v1_optimizer_averages_over_two_ranks(ranks, kind):
     np.testing.assert_allclose(np.array(ranks[0][kind]), expected, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.multirank
+@suite.runs(HABITS)
 def test_lr_warmup_callback_averages_and_warms_up_over_two_ranks(ranks):
     seen = ranks[0]["lr_warmup"]
     assert seen == ranks[1]["lr_warmup"]

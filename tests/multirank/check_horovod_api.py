@@ -1,5 +1,5 @@
-"""Horovod habits through hvdx on several ranks (tests/test_horovod_api.py launches this on
-2 nodes x 1 rank), each rank with its own data (`linear_data(rank)`):
+"""Horovod habits through hvdx on several ranks (tests/test_horovod_api.py runs it in the
+2 nodes x 1 rank launch), each rank with its own data (`linear_data(rank)`):
 
 - a tf.compat.v1.train optimizer wrapped by hvdx.tensorflow.DistributedOptimizer, trained in
   a tf.compat.v1 graph + session and eagerly: the weights after each step;
@@ -94,15 +94,9 @@ def lr_warmup(rank: int) -> Dict[str, list]:
     return seen
 
 
-def main():
-    import hvdx
-
-    topo = hvdx.init()
+def check_habits(topo) -> dict:
     return {"size": topo.size, "v1_graph": v1_graph(topo.rank), "v1_eager": v1_eager(topo.rank),
             "lr_warmup": lr_warmup(topo.rank)}
 
 
-if __name__ == "__main__":
-    from tests.multirank.rank import run
-
-    run(main)
+CHECKS = {"habits": check_habits}
