@@ -155,7 +155,7 @@ class GradientAggregator(tf.Module):
                  bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, op=hvd.Average,
                  gradient_predivide_factor: float = 1.0, compression=None,
                  sparse_as_dense: bool = False, process_set: hvd.ProcessSet = hvd.global_process_set,
-                 groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None,
+                 groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None, num_groups: int = 0,
                  scale_local_gradients: bool = True, device_dense: str = "", device_sparse: str = "",
                  loss_scale: Union[None, Callable[[], tf.Tensor], Any] = None,
                  name: str = "hvdx_aggregator") -> None:
@@ -163,6 +163,9 @@ class GradientAggregator(tf.Module):
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
                                          or bucket_bytes <= 0):
             raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+        if num_groups and groups is not None:
+            raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
+        groups = groups if groups is not None else (num_groups or None)
         if groups is not None and not isinstance(groups, int) and not all(
                 isinstance(g, (list, tuple)) for g in groups):
             raise ValueError("groups must be an int (that many buckets) or a list of lists of variables")

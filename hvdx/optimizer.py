@@ -109,8 +109,6 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                              f"{type(optimizer).__name__}{hint}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
-        if num_groups and groups is not None:
-            raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         self._ready = False
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
@@ -119,7 +117,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
             compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
-            groups=groups if groups is not None else (num_groups or None),
+            groups=groups, num_groups=num_groups,
             scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse)
         self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step != 1 else None)

@@ -54,15 +54,13 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise ValueError("DistributedOptimizerV1 wraps a tf.compat.v1.train optimizer, got "
                              f"{type(optimizer).__name__} (hvdx.DistributedOptimizer wraps Keras optimizers)")
-        if num_groups and groups is not None:
-            raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         super().__init__(use_locking=use_locking, name=name or f"Distributed{type(optimizer).__name__}")
         self._optimizer = optimizer
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
             compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
-            groups=groups if groups is not None else (num_groups or None),
+            groups=groups, num_groups=num_groups,
             scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse)
         self._accumulator = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                              if backward_passes_per_step != 1 else None)

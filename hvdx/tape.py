@@ -63,8 +63,6 @@ class DistributedGradientTape:
             raise ValueError("the first argument of hvdx.DistributedGradientTape is the tf.GradientTape to wrap "
                              f"(Horovod's form), got {gradtape!r}; for a tape of its own pass persistent= and "
                              "watch_accessed_variables= by keyword")
-        if num_groups and groups is not None:
-            raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         self._tape = gradtape if gradtape is not None else tf.GradientTape(
             persistent=persistent, watch_accessed_variables=watch_accessed_variables)
         self._local_sources = []
@@ -75,7 +73,7 @@ class DistributedGradientTape:
                 communication=communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
                 bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
                 compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
-                groups=groups if groups is not None else (num_groups or None),
+                groups=groups, num_groups=num_groups,
                 scale_local_gradients=scale_local_gradients, device_dense=device_dense,
                 device_sparse=device_sparse, loss_scale=loss_scale)
 
