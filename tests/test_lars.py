@@ -1,5 +1,5 @@
 """LARS and LAMB (shi2021 sec. 4.2, eq. 11): their update rules, options and persistence in
-one process; on 2 nodes x 2 ranks (one launch of tests/multirank/check_lars.py) the parallel
+one process; on 2 nodes x 2 ranks (tests/multirank/check_lars.py in the suite's 2x2 launch) the parallel
 modes, the compositions with hvdx's and Horovod's DistributedOptimizer, and training."""
 import json
 import re

@@ -57,10 +57,10 @@ def test_a_launch_whose_ranks_stop_reporting_is_stopped_saying_where(tmp_path):
 
 @pytest.mark.multirank
 def test_one_launch_runs_every_check_and_failures_stay_with_their_check(tmp_path):
-    """On 1x2: a check fails on rank 1, the next hangs on rank 0 (15 s timeout): each fails
+    """On 1x2: a check fails on rank 1, the next hangs on rank 0 (5 s timeout): each fails
     with its rank and why; the checks before run in the first launch, the one after in a second."""
     before, failing = suite.check("suite.echo", "1x2", value="before"), suite.check("suite.fail_on", "1x2", rank=1)
-    hanging = suite.check("suite.hang_on", "1x2", rank=0, timeout=15)
+    hanging = suite.check("suite.hang_on", "1x2", rank=0, timeout=5)
     after = suite.check("suite.echo", "1x2", value="after")
     runs = suite.Suite(lambda: tmp_path)
     runs.launch("1x2", [before, failing, hanging, after])
@@ -74,5 +74,5 @@ def test_one_launch_runs_every_check_and_failures_stay_with_their_check(tmp_path
     assert "ValueError: deliberate failure on rank 1" in str(failed.value)
     with pytest.raises(AssertionError) as hung:
         runs.outcome(hanging)
-    assert "rank 0 timed out after 15 s in it (check)" in str(hung.value), str(hung.value)
+    assert "rank 0 timed out after 5 s in it (check)" in str(hung.value), str(hung.value)
     assert "in hang_on" in str(hung.value)  # the stack of the hanging rank
