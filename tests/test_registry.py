@@ -10,7 +10,6 @@ import tensorflow as tf
 
 import hvdx
 from hvdx import comm
-from hvdx.comm import registry
 
 
 @comm.register("test_scaled", aliases=("test_scaled_alias",))
