@@ -5,12 +5,14 @@ Given one step's gradients (and the variables they belong to), the aggregator
 1. leaves out the gradients of registered local variables (averaged nowhere; divided by
    the number of ranks when `scale_local_gradients`, as Horovod does) and sends sparse
    gradients (tf.IndexedSlices) through Horovod's sparse allreduce unless `sparse_as_dense`;
-2. fuses the rest into buckets (`hvdx.buckets.plan`: in backpropagation's order, per dtype,
-   by `bucket_bytes` or Horovod's `groups`/`num_groups`, never more than 2**31 - 2**20
-   elements). In a tf.function each bucket's collectives start as soon as its gradients
+2. leaves gradients of no elements as they are (their average is themselves, as in
+   Horovod) and fuses the rest into buckets (`hvdx.buckets.plan`: in backpropagation's
+   order, per dtype, by `bucket_bytes` or Horovod's `groups`/`num_groups`, never more
+   than 2**31 - 2**20 elements). In a tf.function each bucket's collectives start as soon as its gradients
    exist, while backpropagation continues (shi2021 Fig. 1);
 3. checks, the first time it sees a layout, that every rank aggregates the same one
-   (`hvdx.layout`);
+   (`hvdx.layout`), bucket layouts included: one collective, and the strategy, which
+   checks every layout it is called on for the first time, is told not to check again;
 4. aggregates each bucket with the strategy (`hvdx.comm`), its residuals keyed by the
    variables that fill the bucket, so two models never share one;
 5. commits the sparse strategies' residual updates only if every averaged gradient of the
@@ -269,7 +271,7 @@ class GradientAggregator(tf.Module):
             return
         variables = [v for v in variables if not self._is_local(v)]
         shapes = [tf.TensorShape(v.shape) for v in variables]
-        fused = [i for i, shape in enumerate(shapes) if shape.is_fully_defined()]
+        fused = [i for i, shape in enumerate(shapes) if shape.is_fully_defined() and shape.num_elements()]
         grads = [tf.TensorSpec(shape, v.dtype) for v, shape in zip(variables, shapes)]  # what the plan reads
         set_key = self._set_key(grads, variables, fused)
         for b, bucket in enumerate(self._bucket_plan(grads, variables, fused)):
@@ -298,7 +300,11 @@ class GradientAggregator(tf.Module):
             else:
                 g = tf.convert_to_tensor(g)
                 grads[i] = g
-                (fused if g.shape.is_fully_defined() else dynamic).append(i)
+                if not g.shape.is_fully_defined():
+                    dynamic.append(i)
+                elif g.shape.num_elements():
+                    fused.append(i)
+                # else: no elements, so its average is itself (as Horovod returns it)
         self._check_layout(grads, variables, fused, sparse, dynamic)
         # Already sparse (Horovod's all-gather of values and indices), or of no static shape
         # (no fusion): Horovod's allreduce of the tensor itself.
@@ -344,9 +350,21 @@ class GradientAggregator(tf.Module):
             self._book.var_sets[key] = f"v{len(self._book.var_sets)}"
         return self._book.var_sets[key]
 
+    def _bucket_layouts(self, grads: List[Any], variables: List[Any], fused: List[int]
+                        ) -> List[Tuple[str, Tuple[int, ...], tf.DType]]:
+        """Each bucket's (buffer name, piece lengths, dtype the strategy receives), in order."""
+        set_key = self._set_key(grads, variables, fused)
+        return [(f"{set_key}_b{b}", tuple(p.stop - p.start for p in bucket),
+                 tf.float32 if self._strategy.lossy else grads[bucket[0].index].dtype)
+                for b, bucket in enumerate(self._bucket_plan(grads, variables, fused))]
+
     def _check_layout(self, grads, variables, fused, sparse, dynamic) -> None:
+        """The step's one agreement check, the first time its layout is seen (`hvdx.layout`).
+        It covers the buckets the strategy will be called on, so the strategy does not check
+        them again (`Strategy.agreed`)."""
         shapes = [tuple(g.shape.as_list()) if g is not None and hasattr(g, "shape") and g.shape.rank is not None
                   else None for g in grads]
+        buckets = self._bucket_layouts(grads, variables, fused)
         description = {
             "strategy": repr(self._strategy),
             "op": OP_NAMES[self.op],
@@ -356,14 +374,16 @@ class GradientAggregator(tf.Module):
             "fused": str(fused), "sparse": str(sparse), "dynamic": str(dynamic),
             "buckets": str(self.bucket_bytes), "groups": str(self._book.groups if isinstance(self._book.groups, int) else
                                                              [len(g) for g in (self._book.groups or [])]),
+            "bucket layouts": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
         }
         signature = tuple(sorted(description.items()))
         if signature in self._book.verified:
             return
         self._book.checks += 1
-        check_agreement(description, "the gradients to aggregate", f"hvdx.layout.{self.name}.{self._book.checks}",
-                        self.process_set)
+        check_agreement(description, "the gradients to aggregate", process_set=self.process_set)
         self._book.verified.add(signature)
+        for name, sizes, dtype in buckets:
+            self._strategy.agreed(name, sizes, dtype)
 
     def _aggregate_fused(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int],
                          out: List[Any]) -> Tuple[List[Any], List[tf.Tensor]]:

@@ -56,3 +56,18 @@ def test_error_feedback_checkpoints_and_switch_work_per_bucket(ranks):
         assert result["lengths"] == want  # one residual per bucket, of its longest node slice on every rank
         assert all(result["written"].values()), result["written"]
         assert result["restored"] and result["resumed"] and result["identical_weights"], result
+
+
+@on_2x2("zero_size")
+def test_a_variable_of_no_elements_beside_a_normal_one_aggregates_on_every_strategy(ranks):
+    """Issue 27, item 10, Horovod's behaviour: the zero-size gradient comes back zero-size,
+    the other is averaged (mean of rank + 1 over 4 ranks = 2.5); model.fit trains and keeps
+    the replicas identical."""
+    for result in ranks.every():
+        assert sorted(result) == sorted(STRATEGIES)
+        for strategy, found in result.items():
+            assert found["tape"] == [[2.5, 2.5], []], strategy
+            assert found["direct"] == [0] and found["empty"] == [0], strategy
+            assert found["losses"][1] < found["losses"][0], strategy
+    for strategy in STRATEGIES:
+        assert len({tuple(result[strategy]["kernel"]) for result in ranks.every()}) == 1, strategy

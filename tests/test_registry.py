@@ -25,7 +25,7 @@ class Scaled(comm.Strategy):
         self.factor = float(factor)
         self.wire_dtype = None if wire_dtype is None else comm.wire.check_dtype(wire_dtype)
 
-    def aggregate(self, buffer, name, residual_scale=None):
+    def _aggregate(self, buffer, name, residual_scale=None):
         return comm.Aggregated(buffer * self.factor)
 
     def __repr__(self) -> str:
@@ -125,7 +125,7 @@ def test_environment_default_takes_density_only_where_it_applies(monkeypatch):
 
 def test_an_unregistered_strategy_cannot_be_saved():
     class Anonymous(comm.Strategy):
-        def aggregate(self, buffer, name, residual_scale=None):
+        def _aggregate(self, buffer, name, residual_scale=None):
             return comm.Aggregated(buffer)
 
     opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(), communication=Anonymous())

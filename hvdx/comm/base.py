@@ -3,17 +3,21 @@
 A strategy is called on one fused 1-D gradient buffer of d elements (the same d on every
 rank) and returns the average of all ranks' buffers, as seen through the strategy's
 compression. Collective: every rank calls the same strategy on the same buffers, in the
-same order. Sparse strategies keep error-feedback residuals (`hvdx.comm.memory`).
+same order. The first call on each layout (buffer name, length, pieces, dtype) checks that
+every rank makes the same call (`hvdx.layout`), whoever calls: the aggregator, or a user on
+a buffer of their own. Sparse strategies keep error-feedback residuals (`hvdx.comm.memory`).
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
 
+import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.comm import registry
+from hvdx.layout import check_agreement
 from hvdx.topology import Topology, topology
 
 __all__ = ["Aggregated", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
@@ -74,8 +78,6 @@ def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> L
     Gloo reducescatter is slower (docs/comm.md). Elsewhere (MPI, NCCL): the native
     reducescatter where its even split is `node_slices`' (one tensor), else the all-to-all.
     """
-    import horovod.tensorflow as hvd
-
     n = topo.local_size
     d = int(buffer.shape[0])
     slices = node_slices(d, n)
@@ -121,13 +123,30 @@ class Aggregated:
     finite: Optional[tf.Tensor] = None
 
 
+#: The methods a strategy inherits as they are: they check rank agreement before any
+#: collective. A strategy implements `_aggregate` (and may implement `_aggregate_pieces`).
+_ENTRY_POINTS = ("__call__", "aggregate", "aggregate_pieces")
+
+#: A layout: (buffer name, piece lengths, dtype name).
+Layout = Tuple[str, Tuple[int, ...], str]
+
+
 class Strategy:
     """Base of the aggregation strategies: `strategy(buffer, name) -> averaged buffer`.
 
-    `aggregate(buffer, name, residual_scale)` is the two-phase form the aggregator uses:
-    it returns an `Aggregated` whose residual updates the caller commits once it knows the
-    whole step is finite. Calling the strategy directly commits them at once when the
-    output is finite (a non-finite step leaves every residual as it was).
+    `aggregate(buffer, name, residual_scale)` is the two-phase form: it returns an
+    `Aggregated` whose residual updates the caller commits once it knows the whole step is
+    finite; `aggregate_pieces` the same for a bucket given as pieces. Calling the strategy
+    directly commits them at once when the output is finite (a non-finite step leaves
+    every residual as it was).
+
+    Every entry point first makes sure that all ranks agree on the call (`agree`): once per
+    layout (buffer name, length, pieces, dtype) and strategy instance, a collective that
+    raises `hvdx.RankMismatchError` on every rank naming what differs (strategy, density,
+    wire dtype, buffer name, length, pieces, dtype, number of ranks), instead of a hang or a
+    silently wrong average. Later calls on a layout make no check (a collective costs
+    milliseconds). A subclass implements `_aggregate` (and `_aggregate_pieces` where it can
+    average pieces without fusing them); it does not override the entry points.
     """
 
     #: The name the registry knows the strategy by (set by `hvdx.comm.register`).
@@ -137,9 +156,21 @@ class Strategy:
     #: The options of hvdx's optimizer and tape that the strategy takes: keywords of its
     #: constructor, each validated there (the one place).
     options: ClassVar[Tuple[str, ...]] = ()
+    #: The ranks that take part in the strategy's collectives (`Allreduce` takes another).
+    process_set: Any = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        overridden = [method for method in _ENTRY_POINTS if method in vars(cls)]
+        if overridden:
+            raise TypeError(f"{cls.__qualname__} overrides {', '.join(overridden)}: a strategy implements "
+                            "_aggregate(buffer, name, residual_scale) (and optionally _aggregate_pieces); the "
+                            "entry points of hvdx.comm.Strategy check that every rank makes the same call "
+                            "before any collective")
 
     def __init__(self, topo: Optional[Topology] = None) -> None:
         self._topo = topo
+        self._agreed: Set[Layout] = set()
 
     @classmethod
     def from_options(cls, *, strict: bool = True, **options: Any) -> "Strategy":
@@ -179,6 +210,7 @@ class Strategy:
     def topology(self) -> Topology:
         return self._topo or topology()
 
+    # -- the entry points: agreement first, then the strategy's own work ------------------
     def __call__(self, buffer: tf.Tensor, name: str = "grads") -> tf.Tensor:
         from hvdx.comm.memory import commit
 
@@ -197,20 +229,90 @@ class Strategy:
         return buffer
 
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
-        """Averages `buffer` over all ranks. `residual_scale` multiplies stored residuals
-        before use (the loss scale changed since they were stored)."""
-        raise NotImplementedError
+        """Averages `buffer` (1-D, of static length d) over all ranks. Collective.
+
+        Args:
+          buffer: this rank's buffer.
+          name: the buffer's name: its residual's key, and part of the collectives' names.
+          residual_scale: multiplies stored residuals before use (the loss scale changed
+            since they were stored); None: 1.
+        Returns:
+          The `Aggregated` (output of length d; residual updates not yet made). A buffer of
+          no elements comes back as it is, with no collective after the agreement check.
+        Raises:
+          hvdx.RankMismatchError: on every rank, when the ranks make different calls (first
+            call on a layout only).
+        """
+        buffer = self._check(buffer)
+        self.agree(name, (int(buffer.shape[0]),), buffer.dtype)
+        if buffer.shape[0] == 0:
+            return Aggregated(buffer)
+        return self._aggregate(buffer, name, residual_scale)
 
     def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None
                          ) -> Tuple[List[tf.Tensor], Aggregated]:
-        """Averages a bucket given as 1-D pieces (its gradients, flattened, in order): the
-        averaged pieces and the `Aggregated`. Fuses them into one buffer (one copy), calls
-        `aggregate`, and splits the result (another); a strategy that can average the pieces
-        as they are overrides this (`Allreduce`: Horovod fuses them in its own buffer)."""
-        pieces = list(pieces)
+        """Averages a bucket given as 1-D pieces (its gradients, flattened, in order; one
+        dtype). Collective, checked like `aggregate`.
+
+        Returns:
+          (the averaged pieces, of the pieces' lengths, and the `Aggregated`). Pieces of no
+          elements at all come back as they are, with no collective after the check.
+        Raises:
+          hvdx.RankMismatchError: as `aggregate`; ValueError: no pieces, or pieces of
+            several dtypes.
+        """
+        pieces = [self._check(piece) for piece in pieces]
+        if not pieces or len({piece.dtype for piece in pieces}) != 1:
+            raise ValueError(f"aggregate_pieces takes one or more 1-D pieces of one dtype, got {pieces!r}")
+        sizes = tuple(int(piece.shape[0]) for piece in pieces)
+        self.agree(name, sizes, pieces[0].dtype)
+        if sum(sizes) == 0:
+            return pieces, Aggregated(tf.zeros([0], pieces[0].dtype))
+        return self._aggregate_pieces(pieces, name, residual_scale)
+
+    # -- rank agreement -----------------------------------------------------------------
+    def describe(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> Dict[str, str]:
+        """What every rank must agree on for a call on a buffer `name` made of pieces of
+        `sizes` elements of `dtype`: the strategy with its options (`signature`), the
+        buffer and the number of ranks taking part."""
+        process_set = self.process_set
+        ranks = hvd.size() if process_set is None or process_set is hvd.global_process_set else process_set.size()
+        return {**self.signature(), "buffer name": name, "buffer elements": str(sum(sizes)),
+                "buffer pieces": str(list(sizes)), "buffer dtype": tf.as_dtype(dtype).name, "ranks": str(ranks)}
+
+    def agree(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> None:
+        """Collective on a layout's first call only: checks that every rank of the
+        strategy's process set makes the same call (`describe`).
+
+        Raises:
+          hvdx.RankMismatchError: on every rank, naming the ranks and what differs.
+        """
+        layout: Layout = (name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name)
+        if layout in self._agreed:
+            return
+        check_agreement(self.describe(name, sizes, dtype), f"a call of a strategy on buffer {name!r}",
+                        process_set=self.process_set or hvd.global_process_set)
+        self._agreed.add(layout)
+
+    def agreed(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> None:
+        """Records a layout that the caller has checked itself (the aggregator checks a
+        whole step's layout in one collective, bucket layouts included): no second check."""
+        self._agreed.add((name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name))
+
+    # -- what a strategy implements -----------------------------------------------------
+    def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
+        """The strategy's work on a buffer the ranks agree on (d >= 1): see `aggregate`."""
+        raise NotImplementedError
+
+    def _aggregate_pieces(self, pieces: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None
+                          ) -> Tuple[List[tf.Tensor], Aggregated]:
+        """The strategy's work on pieces the ranks agree on: fuses them into one buffer
+        (one copy), calls `_aggregate`, and splits the result (another); a strategy that
+        can average the pieces as they are overrides this (`Allreduce`: Horovod fuses them
+        in its own buffer)."""
         with tf.name_scope("fuse"):
             buffer = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
-        result = self.aggregate(buffer, name, residual_scale)
+        result = self._aggregate(buffer, name, residual_scale)
         if len(pieces) == 1:
             return [result.output], result
         with tf.name_scope("split"):
@@ -221,7 +323,8 @@ class Strategy:
         so that a checkpoint or a saved model restores into it at once."""
 
     def signature(self) -> Dict[str, str]:
-        """What every rank must agree on (checked once per layout by the aggregator)."""
+        """The strategy's part of what every rank must agree on (`describe`): its class and
+        options, as `repr` shows them."""
         return {"strategy": repr(self)}
 
     @property

@@ -45,7 +45,7 @@ class Allreduce(Strategy):
         self.compression = compression
         self.wire_dtype = None if wire_dtype is None else wire.check_dtype(wire_dtype)
 
-    def aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
+    def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
         sent, ctx = buffer, None
         if self.compression is not None:
             sent, ctx = self.compression.compress(buffer)
@@ -58,14 +58,14 @@ class Allreduce(Strategy):
             total = self.compression.decompress(total, ctx)
         return Aggregated(tf.cast(total, buffer.dtype))
 
-    def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None
+    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None
                          ) -> Tuple[List[tf.Tensor], Aggregated]:
         """One grouped Horovod allreduce of the pieces as they are: Horovod copies them into
         its fusion buffer in its own thread (what `hvd.DistributedOptimizer` does), so the
         step makes no fused copy and no split of its own."""
         pieces = list(pieces)
         if len(pieces) == 1 or self.op == hvd.Adasum:  # Adasum combines whole buffers
-            return super().aggregate_pieces(pieces, name, residual_scale)
+            return super()._aggregate_pieces(pieces, name, residual_scale)
         sent, contexts = pieces, [None] * len(pieces)
         if self.compression is not None:
             sent, contexts = zip(*(self.compression.compress(p) for p in pieces))
@@ -107,7 +107,7 @@ class Hierarchical(Strategy):
         super().__init__(topo)
         self.wire_dtype = None if wire_dtype is None else wire.check_dtype(wire_dtype)
 
-    def aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
+    def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])
         offset, length = node_slices(d, topo.local_size)[topo.local_set.rank()]

@@ -153,5 +153,39 @@ def check_error_feedback_per_bucket(topo):
             "local_size": topo.local_size, "local_rank": topo.local_rank}
 
 
-CHECKS = {"plans": check_plans, "bucketed_equals_fused": check_bucketed_equals_fused,
+class WithEmptyWeight(tf.keras.layers.Layer):
+    """Adds the sum of a weight of no elements (0) to its input."""
+
+    def build(self, input_shape):
+        self.empty = self.add_weight(name="empty", shape=[0], initializer="zeros")
+
+    def call(self, x):
+        return x + tf.reduce_sum(self.empty)
+
+
+def check_zero_size(topo):
+    """Issue 27, item 10: a variable of no elements beside a normal one, on every strategy
+    (density 1: the sparse ones average exactly): the tape's gradients (rank r's loss is
+    (r + 1) * sum(w), so the average is mean(r + 1)), a direct call, and model.fit."""
+    out = {}
+    for strategy in ALL:
+        density = {"density": 1.0} if strategy in SPARSE else {}
+        kept, empty = tf.Variable([1.0, 2.0]), tf.Variable(tf.zeros([0]))
+        with tf.GradientTape() as tape:
+            loss = float(topo.rank + 1) * tf.reduce_sum(kept) + tf.reduce_sum(empty)
+        grads = hvdx.DistributedGradientTape(tape, communication=strategy, **density).gradient(loss, [kept, empty])
+        direct = hvdx.comm.get(strategy, **density)(tf.zeros([0]), "empty")
+        tf.keras.utils.set_random_seed(0)
+        net = tf.keras.Sequential([tf.keras.Input((4,)), tf.keras.layers.Dense(2), WithEmptyWeight()])
+        net.compile(optimizer=hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.05), communication=strategy,
+                                                        **density), loss="mse")
+        x = np.full((8, 4), (topo.rank + 1) / 4, np.float32)
+        history = net.fit(x, np.zeros((8, 2), np.float32), epochs=2, batch_size=4, verbose=0)
+        out[strategy] = {"tape": [g.numpy().tolist() for g in grads], "direct": list(direct.shape),
+                         "losses": history.history["loss"], "empty": list(net.layers[1].empty.shape),
+                         "kernel": net.layers[0].kernel.numpy().ravel().tolist()}
+    return out
+
+
+CHECKS = {"zero_size": check_zero_size, "plans": check_plans, "bucketed_equals_fused": check_bucketed_equals_fused,
           "overlap_structure": check_overlap_structure, "error_feedback_per_bucket": check_error_feedback_per_bucket}

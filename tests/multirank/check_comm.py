@@ -162,4 +162,62 @@ def check_strategies(topo) -> dict:
     return {"topology": str(topo)}
 
 
-CHECKS = {"strategies": check_strategies}
+def mismatch(call) -> str:
+    """The RankMismatchError message `call` raises (on every rank alike); AssertionError if none."""
+    try:
+        call()
+    except hvdx.RankMismatchError as exc:
+        return str(exc)
+    raise AssertionError("the ranks disagreed, but no RankMismatchError was raised")
+
+
+def check_disagreement(topo) -> dict:
+    """Strategies called directly on buffers (issue 27, item 11), rank 0 unlike the others:
+    every case must end in RankMismatchError on every rank, not a hang or a wrong average.
+    Returns the message of each case, and the number of agreement collectives made by
+    calls on which the ranks agree."""
+    odd = topo.rank == 0
+    ones = lambda d, dtype=tf.float32: tf.ones([d], dtype)  # noqa: E731
+    sparse = lambda density=0.05: comm.SparseAllgather(density=density)  # noqa: E731
+    found = {
+        "strategy": mismatch(lambda: (comm.HiTopK(density=0.05) if odd else sparse())(ones(1000), "a")),
+        "elements": mismatch(lambda: sparse()(ones(1000 if odd else 1200), "b")),
+        "density": mismatch(lambda: sparse(0.1 if odd else 0.05)(ones(1000), "c")),
+        "dtype": mismatch(lambda: comm.Allreduce()(ones(100, tf.float64 if odd else tf.float32), "d")),
+        "wire_dtype": mismatch(lambda: comm.HiTopK(wire_dtype=tf.float16 if odd else tf.float32).aggregate(
+            ones(1000), "e")),
+        "pieces": mismatch(lambda: comm.Hierarchical().aggregate_pieces(
+            [ones(400), ones(600)] if odd else [ones(500), ones(500)], "f")),
+        "name": mismatch(lambda: sparse()(ones(1000), "g" if odd else "h")),
+    }
+    # A rank in a tape step meets the others' direct call at the same check (one name).
+    variable = tf.Variable(tf.ones([1000]))
+
+    def tape_or_direct():
+        if odd:
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(variable * variable)
+            return hvdx.DistributedGradientTape(tape, communication="sparse_allgather").gradient(loss, [variable])
+        return sparse()(ones(1000), "v0_b0")
+
+    found["tape_vs_direct"] = mismatch(tape_or_direct)
+    # Agreeing ranks: one check per layout, whoever calls, never one per step.
+    before = hvdx.layout.checks_made()
+    agreed = comm.HiTopK(density=0.05)
+    outputs = [agreed(ones(1000) * float(topo.rank + 1), "ok").numpy() for _ in range(3)]
+    direct_checks = hvdx.layout.checks_made() - before
+    net = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(600), tf.keras.layers.Dense(4)])
+    aggregator = hvdx.GradientAggregator("hitopk", density=0.05, bucket_bytes=4096)
+    x = tf.ones([2, 8]) * float(topo.rank + 1)
+    before = hvdx.layout.checks_made()
+    for _ in range(3):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(net(x) ** 2)
+        aggregator(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
+    tape_checks = hvdx.layout.checks_made() - before
+    buckets = len(aggregator.last_aggregation.buckets)
+    return {"messages": found, "direct_checks": direct_checks, "tape_checks": tape_checks, "buckets": buckets,
+            "finite": bool(all(np.isfinite(o).all() for o in outputs))}
+
+
+CHECKS = {"strategies": check_strategies, "disagreement": check_disagreement}
