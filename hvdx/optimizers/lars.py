@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
-from hvdx.optimizers.layerwise import LayerwiseOptimizer, number
+from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
 
 __all__ = ["LARS"]
 
@@ -57,8 +57,8 @@ class LARS(LayerwiseOptimizer):
         self.momentum = number(momentum, "momentum", 0.0, 1.0, high_open=True)
         self.eeta = number(eeta, "eeta", low_open=True)
         self.epsilon = number(epsilon, "epsilon")
-        self.nesterov = bool(nesterov)
-        self.classic_momentum = bool(classic_momentum)
+        self.nesterov = flag(nesterov, "nesterov")
+        self.classic_momentum = flag(classic_momentum, "classic_momentum")
 
     def build(self, var_list):
         super().build(var_list)
