@@ -240,7 +240,7 @@ def daso_gradient(rank: int, step: int, layer: int) -> np.ndarray:
     return (rng.standard_normal(DASO_SHAPES[layer]) * (1 + 7 * (rank % 3 == 1) * (layer % 2))).astype(np.float32)
 
 
-def lars_eq11_reference(initial, node_gradients, lr, momentum, weight_decay, eeta, epsilon):
+def lars_eq11_reference(initial, node_gradients, learning_rate, momentum, weight_decay, eeta, epsilon):
     """Classic-momentum LARS in float64 from eq. 11: trust = eeta ||w|| / (||g|| + wd ||w|| + eps),
     v <- momentum v + lr trust (g + wd w), w <- w - v; `node_gradients[k][i]` the node's average."""
     w = [x.astype(np.float64) for x in initial]
@@ -249,7 +249,7 @@ def lars_eq11_reference(initial, node_gradients, lr, momentum, weight_decay, eet
         for i, g in enumerate(step):
             w_norm, g_norm = np.linalg.norm(w[i]), np.linalg.norm(g)
             trust = eeta * w_norm / (g_norm + weight_decay * w_norm + epsilon) if w_norm > 0 and g_norm > 0 else 1.0
-            v[i] = momentum * v[i] + lr * trust * (g + weight_decay * w[i])
+            v[i] = momentum * v[i] + learning_rate * trust * (g + weight_decay * w[i])
             w[i] = w[i] - v[i]
     return w
 
