@@ -1,6 +1,7 @@
 """LARS and LAMB (shi2021 sec. 4.2, eq. 11): their update rules, options and persistence in
 one process; on 2 nodes x 2 ranks (tests/multirank/check_lars.py in the suite's 2x2 launch) the parallel
-modes, the compositions with hvdx's and Horovod's DistributedOptimizer, and training."""
+modes, the compositions with hvdx's and Horovod's DistributedOptimizer and with hvdx.DASO
+(node-local aggregation, also on 2x1), and training."""
 import json
 import re
 import subprocess

@@ -32,7 +32,7 @@ class LARS(LayerwiseOptimizer):
       weight_decay: L2 weight decay (>= 0), added to the gradient and to eq. 11's denominator.
       eeta: the trust coefficient gamma of eq. 11 (> 0).
       epsilon: added to the denominator (>= 0).
-      nesterov: Nesterov momentum.
+      nesterov: Nesterov momentum (True or False).
       classic_momentum: trust ratio from the gradient (True, eq. 11) or from the momentum
         step (False).
       exclude_from_weight_decay: regex patterns (a string is one pattern) of variable names
