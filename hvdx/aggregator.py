@@ -390,7 +390,7 @@ class GradientAggregator(tf.Module):
         """Aggregates the fused gradients into `out`, bucket by bucket; returns the residual
         updates to commit and the finiteness of every bucket (scalars, from the strategy
         where it has a cheap one, else a check of the bucket's output)."""
-        self._book.last_aggregation = AggregationRecord(tuple(variables), ())
+        self._book.last_aggregation = AggregationRecord(tuple(variables), (), self.process_set)
         if not fused:
             return [], []
         strategy = self._strategy
@@ -421,7 +421,7 @@ class GradientAggregator(tf.Module):
                 pieces = [piece * tf.cast(self._world_size(), work) for piece in pieces]
             for p, piece in zip(bucket, pieces):
                 outputs[p.index].append(tf.cast(piece, dtype))
-        self._book.last_aggregation = AggregationRecord(tuple(variables), tuple(records))
+        self._book.last_aggregation = AggregationRecord(tuple(variables), tuple(records), self.process_set)
         with tf.name_scope("split"):
             for i in fused:
                 whole = outputs[i][0] if len(outputs[i]) == 1 else tf.concat(outputs[i], axis=0)

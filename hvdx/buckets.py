@@ -120,10 +120,13 @@ class AggregationRecord:
     variables: the variables of the gradients that were aggregated, by gradient index
       (None where the caller gave none); `Piece.index` indexes it.
     buckets: each bucket's `BucketRecord`, in aggregation order.
+    process_set: the Horovod process set the gradients were averaged over (None: all
+      ranks); e.g. DASO's node-local set, where other nodes hold other gradients.
     """
 
     variables: Tuple[Any, ...]
     buckets: Tuple[BucketRecord, ...]
+    process_set: Any = None
 
     @property
     def results(self) -> List[Aggregated]:

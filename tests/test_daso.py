@@ -133,9 +133,9 @@ def test_schedule_start_epoch_resumes_a_later_epoch():
 
 
 # -- the method on ranks (tests/multirank/check_daso.py) ----------------------------------
-TOPOLOGIES = {"2x2": ("blocking", "merge", "checkpoint", "convergence", "mixed"),
+TOPOLOGIES = {"2x2": ("blocking", "merge", "checkpoint", "convergence", "mixed", "restore_other_topology"),
               "3x2": ("blocking", "merge", "checkpoint"),
-              "2x1": ("blocking", "merge", "errors"),
+              "2x1": ("blocking", "merge", "errors", "restore_other_topology"),
               "1x2": ("blocking", "merge")}
 TIMEOUTS = {"convergence": 400}
 
@@ -235,3 +235,32 @@ def test_bad_arguments_and_disagreeing_ranks_fail_clearly(ranks):
         assert "compiled with hvdx.DASO" in result["callback_without_daso"]
         assert "steps_per_execution=1" in result["steps_per_execution"]
         assert result["disagree"].startswith("RankMismatchError") and "max_global_skips" in result["disagree"]
+
+
+@running("errors")
+def test_model_fit_without_the_callback_fails_instead_of_training_each_node_alone(ranks):
+    for result in ranks.every():
+        message = result["fit_without_callback"]
+        assert message.startswith("InvalidArgumentError") and "callbacks=[hvdx.daso.DASOCallback()]" in message
+
+
+@running("errors")
+def test_an_optimizer_already_wrapped_for_data_parallelism_is_refused(ranks):
+    for result in ranks.every():
+        # Horovod's would average every step over all ranks: synchronous training plus DASO's traffic
+        for key in ("horovod_keras", "horovod_tf"):
+            assert result[key].startswith("ValueError: hvdx.DASO wraps a plain tf.keras optimizer"), result[key]
+            assert "Horovod's DistributedOptimizer" in result[key]
+        assert result["hvdx"] == "ValueError: the optimizer is already an hvdx.DistributedOptimizer"
+
+
+@running("restore_other_topology")
+def test_a_checkpoint_restores_onto_another_number_of_ranks_per_node(ranks):
+    for result in ranks.every():
+        # 2x2 -> 2x1 (2 groups saved, 1 now) and 2x1 -> 2x2: the groups are planned for this job's ranks per node
+        assert result["groups_after"] == result["from_config_groups"] == ranks.per_node != result["saved_groups"]
+        assert result["groups_used"] == list(range(ranks.per_node))  # the rotation covers every group, no other
+        assert result["starts"] > 0 and result["merges"] > 0
+        assert result["spread"] == 0.0  # trained through merges and blocking averages, drained: identical
+        assert result["in_flight_refused"].startswith("ValueError: this DASO checkpoint was saved with a global "
+                                                      "exchange in flight") and "drain()" in result["in_flight_refused"]

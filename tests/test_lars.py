@@ -1,6 +1,7 @@
 """LARS and LAMB (shi2021 sec. 4.2, eq. 11): their update rules, options and persistence in
 one process; on 2 nodes x 2 ranks (tests/multirank/check_lars.py in the suite's 2x2 launch) the parallel
-modes, the compositions with hvdx's and Horovod's DistributedOptimizer, and training."""
+modes, the compositions with hvdx's and Horovod's DistributedOptimizer and with hvdx.DASO
+(node-local aggregation, also on 2x1), and training."""
 import json
 import re
 import subprocess
@@ -346,3 +347,28 @@ def test_benchmark_verdict_says_whether_and_by_how_much_the_goal_is_missed():
                                                     "goal 2x: met.**")
     missed = bench.verdict(result(1.2, 1.5))
     assert "(slices) is 1.50x" in missed and "missed by 25%" in missed and "10.0 ms" in missed
+
+
+@suite.runs(suite.check("lars.under_daso", "2x2"), suite.check("lars.under_daso", "2x1"))
+def test_under_daso_every_mode_follows_eq11_on_its_nodes_averaged_gradients(ranks):
+    """hvdx.DASO averages gradients inside each node only: LARS' norms must come from this
+    node's gradients in every mode (shared inside the node), never from another node's."""
+    for data in ranks.every():
+        for mode in ("None", "pto"):
+            lars = data["lars"][mode]
+            assert lars["eq11_error"] < 1e-5, (mode, lars)  # relative to the largest update
+            assert lars["node_spread"] == 0.0, (mode, lars)  # a node's ranks agree bit for bit
+            assert lars["between_nodes"] > 0.0, (mode, lars)  # each node followed its own gradients
+        # the norms are shared inside the node where it has several ranks, computed locally otherwise
+        assert data["modes"] == {"None": None, "pto": "pto" if ranks.per_node > 1 else None}
+        assert data["lamb_pto_equal_replicated"] and data["lamb_between_nodes"] > 0.0
+        # "slices" has no reduce-scattered slices under DASO: refused when DASO is built, not run as "pto"
+        assert data["slices"].startswith("ValueError: LARS(parallel='slices')") and "parallel='pto'" in data["slices"]
+
+
+@pytest.mark.parametrize("cls, argument", [(LARS, "classic_momentum"), (LARS, "nesterov"), (LAMB, "bias_correction")])
+@pytest.mark.parametrize("value", ["no", "False", 0, 1, None])
+def test_boolean_options_must_be_booleans(cls, argument, value):
+    with pytest.raises(ValueError, match=f"{argument} must be True or False"):
+        cls(**{argument: value})
+    assert getattr(cls(**{argument: np.bool_(False)}), argument) is False

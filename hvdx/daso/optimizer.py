@@ -22,8 +22,11 @@ start to be (non-blocking) or a stale average is merged (eq. 1), and
 hvdx.daso.sync does it over hvdx's own transport (hvdx.daso.transport). Internals and
 guarantees: docs/daso.md.
 
-Raises RuntimeError without hvdx.init(), ValueError for bad arguments (naming them) and
-when a later apply_gradients passes other variables than the first.
+Raises RuntimeError without hvdx.init(), ValueError for bad arguments (naming them), for
+an optimizer already wrapped for data parallelism (hvdx's or Horovod's DistributedOptimizer)
+and when a later apply_gradients passes other variables than the first; a second step
+without after_step() in between (Model.fit without DASOCallback) fails with
+InvalidArgumentError saying so.
 """
 from __future__ import annotations
 
@@ -36,6 +39,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdx.buckets import AggregationObserver, AggregationRecord
 from hvdx.comm import wire
 from hvdx.topology import initialized as _initialized, topology as _get_topology
 from hvdx.daso.plateau import PlateauDetector
@@ -69,7 +73,8 @@ class DASO(DistributedOptimizer):
     Model.fit needs hvdx.daso.DASOCallback (steps_per_execution=1); a custom loop calls
     after_step() and end_epoch(loss). Call drain() on every rank before saving a
     checkpoint mid-epoch (epochs end drained); the schedule's state is saved with the
-    optimizer in every checkpoint format and restored from it.
+    optimizer in every checkpoint format and restored from it, also onto another topology
+    (the groups are planned again for its ranks per node).
     """
 
     def __init__(self, optimizer, total_epochs: int, warmup_epochs: int = 1, cooldown_epochs: int = 1,
@@ -79,6 +84,7 @@ class DASO(DistributedOptimizer):
         if not _initialized():
             raise RuntimeError("hvdx.DASO needs hvdx.init() first (it averages inside nodes and across them)")
         topo = _get_topology()
+        _check_wrapped(optimizer)
         blocking_wire_dtype = wire.check_dtype(blocking_wire_dtype, "blocking_wire_dtype").name
         if not (isinstance(timeout, (int, float)) and timeout > 0):
             raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
@@ -94,7 +100,7 @@ class DASO(DistributedOptimizer):
             max_global_skips=max_global_skips, plateau_patience=plateau_patience,
             plateau_threshold=plateau_threshold, blocking_wire_dtype=blocking_wire_dtype, timeout=float(timeout)))
         self._topo = topo
-        self.schedule = schedule
+        self.schedule = self._for_topology(schedule)
         self._params: Optional[List[tf.Variable]] = None  # set once: a plain list, not tracked
         self._sync: Optional[ParameterSync] = None
         self._reference0: Optional[np.ndarray] = None
@@ -104,13 +110,18 @@ class DASO(DistributedOptimizer):
         self.history: Deque[Action] = self._no_dependency(collections.deque(maxlen=HISTORY))
         self.events: Deque[str] = self._no_dependency(collections.deque(maxlen=HISTORY))
         with tf.init_scope():
-            self._daso_state = tf.Variable(schedule.to_json(), dtype=tf.string, trainable=False,
+            self._daso_state = tf.Variable(self.schedule.to_json(), dtype=tf.string, trainable=False,
                                            name="daso_state")
-        self._state_written = schedule.to_json()
+            # steps applied since the last after_step(): a step finding one fails (no DASOCallback)
+            self._unsynced = self._no_dependency(tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                             name="daso_unsynced_steps"))
+        self._state_written = self.schedule.to_json()
 
     # -- the step (inside the step function) -------------------------------------------
     def _aggregate(self, grads, variables):
         if self._topo.local_size == 1:  # a node of one rank: nothing to average locally
+            if isinstance(self._optimizer, AggregationObserver):  # LARS / LAMB: norms of this rank only
+                self._optimizer.observe_aggregation(AggregationRecord(tuple(variables), (), self._topo.local_set))
             return list(grads)
         return super()._aggregate(grads, variables)
 
@@ -122,7 +133,16 @@ class DASO(DistributedOptimizer):
         elif [id(v) for _, v in grads_and_vars] != [id(v) for v in self._params]:
             raise ValueError("hvdx.DASO averages the variables of its first apply_gradients; a later call "
                              "passed other variables (use one DASO optimizer per model)")
-        return super().apply_gradients(grads_and_vars, name, skip_gradients_aggregation, **kwargs)
+        synced = tf.debugging.assert_equal(
+            self._unsynced, tf.constant(0, tf.int64), message=(
+                "hvdx.DASO: a step ran without after_step() after the previous one, so no global "
+                "synchronisation ran and each node trains its own model. Model.fit needs "
+                "callbacks=[hvdx.daso.DASOCallback()] (and steps_per_execution=1); a custom loop calls "
+                "opt.after_step() after each step and opt.end_epoch(loss) after each epoch"))
+        with tf.control_dependencies([synced]):  # before the step's collectives: every rank fails alike
+            applied = super().apply_gradients(grads_and_vars, name, skip_gradients_aggregation, **kwargs)
+        self._unsynced.assign_add(1)
+        return applied
 
     def _start_identical(self) -> None:
         """Collective, when the step is first traced (before its first run): every rank
@@ -162,9 +182,30 @@ class DASO(DistributedOptimizer):
         """A checkpoint restored into this optimizer brings its schedule with it."""
         text = self._daso_state.numpy().decode()
         if text != self._state_written:
-            self.schedule = Schedule.from_json(text)
-            self._state_written = text
+            self.schedule = self._for_topology(Schedule.from_json(text))
+            self._write_state()
             self._identical = False
+
+    def _for_topology(self, schedule: Schedule) -> Schedule:
+        """`schedule` (restored, perhaps saved on another topology) with its groups planned for
+        this job: one group per local rank. A checkpoint is drained (no exchange in flight),
+        so only the rotation changes: the next group is `syncs` modulo the new count.
+
+        Raises:
+          ValueError: the saved schedule has an exchange in flight and another group count
+            (a checkpoint saved without drain(), restored on another topology).
+        """
+        groups = self._topo.local_size
+        if schedule.num_groups == groups:
+            return schedule
+        if schedule.in_flight:
+            raise ValueError(
+                f"this DASO checkpoint was saved with a global exchange in flight on {schedule.num_groups} ranks "
+                f"per node and is restored on {groups}: save it after opt.drain() on every rank (Model.fit's "
+                "epochs end drained) to restore it onto another topology")
+        log.info("DASO restored onto %d ranks per node (saved with %d): %d groups now", groups,
+                 schedule.num_groups, groups)
+        return Schedule.from_state({**schedule.state(), "num_groups": groups})
 
     def _write_state(self) -> None:
         text = self.schedule.to_json()
@@ -176,6 +217,7 @@ class DASO(DistributedOptimizer):
         if self._sync is None:
             self._setup()
         self._load_state_if_restored()
+        self._unsynced.assign(0)
         action = self.schedule.after_step()
         if self._topo.num_nodes > 1:
             if action.merge_group is not None:
@@ -240,7 +282,7 @@ class DASO(DistributedOptimizer):
         rest = {k: store[k] for k in store.keys() if k != "daso.state"}
         super().load_own_variables(rest)
         if state is not None:
-            self.schedule = Schedule.from_json(np.asarray(state, np.uint8).tobytes().decode())
+            self.schedule = self._for_topology(Schedule.from_json(np.asarray(state, np.uint8).tobytes().decode()))
             self._write_state()
 
     def get_config(self):
@@ -253,3 +295,23 @@ class DASO(DistributedOptimizer):
         config = dict(config)
         optimizer = tf.keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(optimizer, **config)
+
+
+def _check_wrapped(optimizer) -> None:
+    """ValueError for Horovod's DistributedOptimizer: it would average every step's gradients
+    over all ranks inside DASO's node-local average (synchronous training plus DASO's traffic).
+    (hvdx.DistributedOptimizer refuses hvdx's own wrapper itself.)"""
+    for cls in type(optimizer).__mro__:
+        function = cls.__dict__.get("_allreduce")
+        if getattr(function, "__module__", "").startswith("horovod.") and \
+                "_DistributedOptimizer" in getattr(function, "__qualname__", ""):
+            raise ValueError(
+                "hvdx.DASO wraps a plain tf.keras optimizer and averages its gradients inside each node itself; "
+                "got Horovod's DistributedOptimizer, which would average them over all ranks every step "
+                "(synchronous training plus DASO's traffic): pass the optimizer it wraps, "
+                "hvdx.DASO(tf.keras.optimizers.SGD(...), ...)")
+    if isinstance(optimizer, AggregationObserver) and getattr(optimizer, "parallel", None) == "slices":
+        raise ValueError(
+            f"{type(optimizer).__name__}(parallel='slices') needs the slices of a reduce-scattering aggregation "
+            "('hierarchical', 'hitopk'); hvdx.DASO averages gradients inside each node with an allreduce, which "
+            "leaves none: use parallel='pto' (the norms shared inside the node) or parallel=None")

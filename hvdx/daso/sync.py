@@ -17,6 +17,11 @@ the other ranks of its node, which replace theirs (Figure 4). Three kinds:
   start and is not worth it here) on hvdx's own transport, whose thread moves the bytes
   while training goes on; `merge` later applies eq. 1,
   x = (2S x_local + sum_i x_i) / (2S + P), S the staleness in steps, P the group size.
+  x_local is the state after the S-th local step since the exchange started, x^l_{t+S}
+  where eq. 1 writes x^l_{t+S-1}: the paper's own expansion of the merge into gradients
+  (supplement, eq. 6) counts S local steps, sum_{k=0}^{S-1} G_l(x_{l:t+k}), which is
+  x^l_{t+S} by eq. 3; read literally, eq. 1 would drop the last local update (with S = 1,
+  every local update made while the exchange was in flight).
 - full average (drain): a float32 average over all nodes; afterwards every rank holds
   the same parameters, and they become the x_ref of the next blocking phase.
 
@@ -123,6 +128,11 @@ class ParameterSync:
 
     # -- helpers ---------------------------------------------------------------------
     def is_member(self, group: int) -> bool:
+        """Whether this rank belongs to `group` (its local rank); ValueError for a group this
+        topology does not have (a schedule planned for more ranks per node)."""
+        if not 0 <= group < self.topology.local_size:
+            raise ValueError(f"DASO group {group} does not exist with {self.topology.local_size} ranks per node "
+                             "(the schedule was planned for another topology)")
         return self.topology.local_rank == group
 
     def _node_update(self, group: int, flat: Optional[np.ndarray]) -> np.ndarray:

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
-from hvdx.optimizers.layerwise import LayerwiseOptimizer, number
+from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
 
 __all__ = ["LAMB"]
 
@@ -46,7 +46,7 @@ class LAMB(LayerwiseOptimizer):
         self.beta_1 = number(beta_1, "beta_1", 0.0, 1.0, high_open=True)
         self.beta_2 = number(beta_2, "beta_2", 0.0, 1.0, high_open=True)
         self.epsilon = number(epsilon, "epsilon", low_open=True)
-        self.bias_correction = bool(bias_correction)
+        self.bias_correction = flag(bias_correction, "bias_correction")
 
     def build(self, var_list):
         super().build(var_list)

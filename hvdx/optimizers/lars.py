@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
-from hvdx.optimizers.layerwise import LayerwiseOptimizer, number
+from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
 
 __all__ = ["LARS"]
 
@@ -32,7 +32,7 @@ class LARS(LayerwiseOptimizer):
       weight_decay: L2 weight decay (>= 0), added to the gradient and to eq. 11's denominator.
       eeta: the trust coefficient gamma of eq. 11 (> 0).
       epsilon: added to the denominator (>= 0).
-      nesterov: Nesterov momentum.
+      nesterov: Nesterov momentum (True or False).
       classic_momentum: trust ratio from the gradient (True, eq. 11) or from the momentum
         step (False).
       exclude_from_weight_decay: regex patterns (a string is one pattern) of variable names
@@ -57,8 +57,8 @@ class LARS(LayerwiseOptimizer):
         self.momentum = number(momentum, "momentum", 0.0, 1.0, high_open=True)
         self.eeta = number(eeta, "eeta", low_open=True)
         self.epsilon = number(epsilon, "epsilon")
-        self.nesterov = bool(nesterov)
-        self.classic_momentum = bool(classic_momentum)
+        self.nesterov = flag(nesterov, "nesterov")
+        self.classic_momentum = flag(classic_momentum, "classic_momentum")
 
     def build(self, var_list):
         super().build(var_list)

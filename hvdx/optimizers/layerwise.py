@@ -14,11 +14,16 @@ same w and d after aggregation, so the norms can be computed in three ways (`par
   element ranges of its own slice, and one all-gather of 2L partial sums inside the node
   (the fast links) gives every rank all the norms, folded in rank order (apex's
   DistributedFusedLAMB works this way). Float-tolerance equal to the replicated norms.
-  Where no slices exist (dense allreduce, Horovod's DistributedOptimizer, a tape) it falls
-  back to "pto".
+  Where no slices exist over all ranks (dense allreduce, Horovod's DistributedOptimizer, a
+  tape) it runs as "pto"; where the aggregation averaged over a process set and left no
+  slices (hvdx.DASO's node-local allreduce) it raises ValueError rather than run as
+  something else.
 
 "pto" and "slices" assume what aggregation guarantees: the gradients and weights are the
-same on every rank. Variables that stay local (hvdx's / Horovod's register_local_var) are
+same on every rank of the set the gradients were averaged over. That set comes from the
+aggregation's record (`AggregationRecord.process_set`): all ranks by default, the ranks of
+one node under hvdx.DASO, where each node holds its own gradients, so the norms are shared
+inside the node only. Variables that stay local (hvdx's / Horovod's register_local_var) are
 reduced locally in every mode.
 """
 from __future__ import annotations
@@ -29,12 +34,13 @@ import zlib
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
 from hvdx import pto
 from hvdx.buckets import AggregationObserver, AggregationRecord, Ranges
 
-__all__ = ["LayerwiseOptimizer", "MODES", "squared_norm"]
+__all__ = ["LayerwiseOptimizer", "MODES", "flag", "squared_norm"]
 
 MODES = (None, "pto", "slices")
 
@@ -85,6 +91,14 @@ def patterns(value: Union[None, str, Iterable[str]], argument: str) -> Optional[
 def variable_name(variable) -> str:
     """The name patterns are matched against: Keras' variable name without ':0'."""
     return re.sub(r":\d+$", "", getattr(variable, "path", None) or variable.name)
+
+
+def flag(value: Any, argument: str) -> bool:
+    """A boolean argument as a bool: True, False (or NumPy's); ValueError naming `argument` for
+    anything else (bool("no") would be True)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{argument} must be True or False, got {value!r}")
 
 
 def number(value: Any, argument: str, low: float = 0.0, high: Optional[float] = None, *,
@@ -182,9 +196,11 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
     # -- the hook of hvdx.DistributedOptimizer -------------------------------------------
     def observe_aggregation(self, record: AggregationRecord) -> None:
         """Called by hvdx.DistributedOptimizer after each aggregation: records which
-        variables' gradients are averaged over all ranks and, where the strategy left
-        reduce-scattered slices, this rank's element ranges of each."""
+        variables' gradients were averaged, over which process set (the norms of "pto" and
+        "slices" are shared inside it) and, where the strategy left reduce-scattered slices,
+        this rank's element ranges of each."""
         self._book.aggregated = record.aggregated_variables()
+        self._book.process_set = record.process_set
 
     # -- the step ------------------------------------------------------------------------
     def _prepare(self, gradients: List[tf.Tensor], variables: List[Any]) -> List[tf.Tensor]:
@@ -241,10 +257,20 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
 
     def squared_norms(self, variables: Sequence[Any], directions: Sequence[tf.Tensor],
                       mode: Optional[str]) -> tf.Tensor:
-        """[L, 2]: sum(w**2) and sum(d**2) of every layer, computed as `mode` says; the mode
-        actually used is left in `last_mode` ("slices" falls back to "pto", and a single
-        rank computes locally)."""
-        _, size = pto.set_rank_and_size()
+        """[L, 2]: sum(w**2) and sum(d**2) of every layer, computed as `mode` says, inside the
+        process set the gradients were averaged over (all ranks unless the aggregation's
+        record names a set); the mode actually used is left in `last_mode` ("slices" runs as
+        "pto" where an aggregation over all ranks left no slices; a set of one rank computes
+        locally).
+
+        Raises:
+          ValueError: mode "slices" after an aggregation over a process set (hvdx.DASO's
+            node-local average) that left no slices.
+        """
+        process_set = self._book.process_set
+        if process_set is hvd.global_process_set:
+            process_set = None
+        _, size = pto.set_rank_and_size(process_set)
         if mode is None or size == 1:
             self._book.last_mode = None
             return _replicated(variables, directions)
@@ -255,6 +281,13 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
             if any(r is not None for r in ranges):
                 self._book.last_mode = "slices"
                 return self._slice_norms(variables, directions, ranges)
+            if process_set is not None:
+                raise ValueError(
+                    f"{type(self).__name__}(parallel='slices') computes the norms on the slices that a "
+                    "reduce-scattering aggregation leaves (hvdx.DistributedOptimizer with "
+                    f"communication='hierarchical' or 'hitopk'); these gradients were averaged over a process "
+                    f"set of {size} ranks without slices (hvdx.DASO averages inside each node): use "
+                    "parallel='pto' (the norms shared inside that set) or parallel=None")
         self._book.last_mode = "pto"
         squares = _replicated(variables, directions, [not s for s in shared])  # local variables
         together = [i for i, s in enumerate(shared) if s]
@@ -262,7 +295,7 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
             return squares
         gathered = pto.parallel_map(lambda w, d: tf.stack([squared_norm(w), squared_norm(d)]),
                                     [(variables[i], directions[i]) for i in together], output_shape=[2],
-                                    name=self._collective_name("pto", [variables[i] for i in together]))
+                                    process_set=process_set, name=self._collective_name("pto", [variables[i] for i in together]))
         return tf.tensor_scatter_nd_update(squares, [[i] for i in together], gathered)
 
     def _shared(self, variables: Sequence[Any]) -> List[bool]:
@@ -301,6 +334,7 @@ class _Book:
         self.decay_patterns: Tuple[str, ...] = ()
         self.adaptation_patterns: Optional[Tuple[str, ...]] = None
         self.aggregated: Optional[Dict[Any, Optional[Ranges]]] = None  # variable ref -> this rank's ranges
+        self.process_set: Optional[hvd.ProcessSet] = None  # what they were averaged over (None: all ranks)
         self.pending: Dict[Any, Tuple[tf.Tensor, tf.Tensor]] = {}  # var key -> (direction, ratio), one step
         self.last_mode: Optional[str] = None
 

@@ -280,6 +280,8 @@ def check_mixed_precision_and_keras_format(topo, steps=10):
 # -- 6. bad arguments and ranks that disagree ---------------------------------------------------
 def check_errors(topo):
     """The message of each misuse (ValueError / RuntimeError naming what to fix)."""
+    import horovod.tensorflow.keras as hvd_keras
+
     from hvdx.layout import RankMismatchError
 
     def message(fn, *exceptions):
@@ -297,6 +299,9 @@ def check_errors(topo):
         "wire": message(lambda: DASO(sgd(0.1), total_epochs=3, blocking_wire_dtype="int8"), ValueError),
         "optimizer": message(lambda: DASO("sgd", total_epochs=3), ValueError),
         "timeout": message(lambda: DASO(sgd(0.1), total_epochs=3, timeout=0), ValueError),
+        "horovod_keras": message(lambda: DASO(hvd_keras.DistributedOptimizer(sgd(0.1)), total_epochs=3), ValueError),
+        "horovod_tf": message(lambda: DASO(hvd.DistributedOptimizer(sgd(0.1)), total_epochs=3), ValueError),
+        "hvdx": message(lambda: DASO(hvdx.DistributedOptimizer(sgd(0.1)), total_epochs=3), ValueError),
     }
     opt = DASO(sgd(0.1), total_epochs=2)
     out["after_step_first"] = message(opt.after_step, RuntimeError)
@@ -310,6 +315,12 @@ def check_errors(topo):
     out["steps_per_execution"] = message(
         lambda: model.fit(np.zeros((4, 64), np.float32), np.zeros(4), epochs=1, verbose=0,
                           callbacks=[DASOCallback()]), ValueError)
+    # Model.fit without DASOCallback: no global synchronisation would ever run; the second step fails
+    model = make_model()
+    model.compile(optimizer=DASO(sgd(0.1), total_epochs=2), loss=LOSS)
+    out["fit_without_callback"] = message(
+        lambda: model.fit(np.zeros((48, 64), np.float32), np.zeros(48), batch_size=16, epochs=1, verbose=0),
+        tf.errors.InvalidArgumentError)
     # ranks that disagree on the schedule fail on every rank, before any global average
     model = make_model()
     opt = DASO(sgd(0.1), total_epochs=4, max_global_skips=4 + (topo.rank == topo.size - 1))
@@ -320,7 +331,69 @@ def check_errors(topo):
     return out
 
 
+# -- 7. a checkpoint restored onto another topology ------------------------------------------
+def check_restore_other_topology(topo, steps=4):
+    """A drained checkpoint whose schedule was planned for another number of ranks per node (as a
+    2x2 run saves it when restored on 2x1, a 2x1 run's on 2x2: the state of this run with the other
+    group count) restores here, re-plans its groups, and trains through starts, merges and
+    blocking averages; the Keras config path (from_config) re-plans too, and a state saved with
+    an exchange in flight is refused when it is restored onto another topology."""
+    import shutil
+
+    from hvdx.daso.schedule import Schedule
+
+    saved_groups = 2 if topo.local_size == 1 else 1
+    data = batches(topo, 2 + steps, seed=11)
+    directory = os.path.join(tempfile.gettempdir(), f"hvdx-daso-topology-{os.getppid()}-{topo.rank}")
+
+    def new_run(seed):
+        model = make_model(seed)
+        opt = DASO(tf.keras.optimizers.SGD(0.05, momentum=0.9), total_epochs=3, warmup_epochs=0, cooldown_epochs=1,
+                   max_global_skips=2)  # epochs 0 and 1 cycle: B = 2, W = 1
+        return model, opt, daso_step(model, opt)
+
+    model, opt, step = new_run(0)
+    for x, y in data[:2]:  # the first epoch: one exchange, drained at its end
+        step(x, y)
+        opt.after_step()
+    opt.end_epoch(1.0)
+    # the schedule exactly as the other topology saves it: the same state, its group count
+    opt.schedule = Schedule.from_state({**opt.schedule.state(), "num_groups": saved_groups})
+    opt._write_state()
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(os.path.join(directory, "ckpt"))
+
+    model2, opt2, step2 = new_run(5)
+    model2(data[0][0])  # build, so that the checkpoint restores the weights right away
+    tf.train.Checkpoint(model=model2, optimizer=opt2).restore(path).assert_existing_objects_matched()
+    for x, y in data[2:]:  # the second cycling epoch: starts and merges
+        step2(x, y)
+        opt2.after_step()
+    opt2.end_epoch(0.9)
+    x, y = data[0]  # the cool-down epoch: a blocking average
+    step2(x, y)
+    opt2.after_step()
+    opt2.end_epoch(0.8)
+    shutil.rmtree(directory, ignore_errors=True)  # the optimizer's slots were restored at its first step
+    groups = sorted({g for a in opt2.history for g in (a.merge_group, a.start_group, a.blocking_group)
+                     if g is not None})
+
+    config = opt.get_config()  # the .keras format's path: the schedule comes with the config
+    from_config = DASO.from_config(config)
+    in_flight = dict(config, schedule_state={**config["schedule_state"], "pending_group": 0, "pending_step": 3})
+    try:
+        DASO.from_config(in_flight)
+        refused = "no error"
+    except ValueError as exc:
+        refused = f"ValueError: {exc}"
+    return {"saved_groups": saved_groups, "groups_after": opt2.schedule.num_groups, "groups_used": groups,
+            "syncs": opt2.schedule.syncs, "starts": sum(a.start_group is not None for a in opt2.history),
+            "merges": sum(a.merge_group is not None for a in opt2.history),
+            "spread": spread([v.numpy() for v in model2.trainable_variables], "topology.spread"),
+            "from_config_groups": from_config.schedule.num_groups, "in_flight_refused": refused}
+
+
 CHECKS = {"blocking": check_blocking_equals_horovod, "merge": check_merge_formula,
           "checkpoint": check_checkpoint_mid_cycle, "convergence": check_convergence,
-          "mixed": check_mixed_precision_and_keras_format, "errors": check_errors}
+          "mixed": check_mixed_precision_and_keras_format, "errors": check_errors,
+          "restore_other_topology": check_restore_other_topology}
 

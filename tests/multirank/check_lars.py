@@ -7,6 +7,9 @@
   same weights after 20 steps ("pto" bit-identical to replicated), every rank the same
   weights; with full=True also LAMB, HiTopK, a dense allreduce (where "slices" falls back to
   "pto"), loss scaling, and Horovod's own DistributedOptimizer ("pto" there);
+- "under_daso": LARS and LAMB inside hvdx.DASO, whose gradients are averaged inside each
+  node only: every node's weights follow eq. 11 on its own node's averaged gradients in
+  every mode (the norms shared inside the node, not over all ranks); "slices" refused;
 - "digits": a ResNet-style CNN trains on the digits with LARS + DistributedOptimizer
   (HiTopK) to the accuracy band of momentum SGD.
 """
@@ -225,4 +228,95 @@ def check_digits(topo, epochs: int = 6) -> dict:
     return accuracy
 
 
-CHECKS = {"pto": check_pto, "modes": check_modes, "digits": check_digits}
+# -- under hvdx.DASO: node-local aggregation ------------------------------------------------
+DASO_SHAPES = [(6, 5), (5,), (5, 4), (4,), (4, 3), (3,), (7,), (3, 2)]  # more layers than ranks: pto spans nodes
+DASO_LARS = dict(learning_rate=0.5, momentum=0.9, weight_decay=1e-3, eeta=0.01, epsilon=0.0)
+
+
+def daso_gradient(rank: int, step: int, layer: int) -> np.ndarray:
+    """Rank `rank`'s gradient of `layer` at `step`, the same on every rank that computes it;
+    the scale differs between nodes' ranks by up to 8x, so that norms of another node show."""
+    rng = np.random.default_rng(1000 * rank + 10 * step + layer)
+    return (rng.standard_normal(DASO_SHAPES[layer]) * (1 + 7 * (rank % 3 == 1) * (layer % 2))).astype(np.float32)
+
+
+def lars_eq11_reference(initial, node_gradients, learning_rate, momentum, weight_decay, eeta, epsilon):
+    """Classic-momentum LARS in float64 from eq. 11: trust = eeta ||w|| / (||g|| + wd ||w|| + eps),
+    v <- momentum v + lr trust (g + wd w), w <- w - v; `node_gradients[k][i]` the node's average."""
+    w = [x.astype(np.float64) for x in initial]
+    v = [np.zeros_like(x) for x in w]
+    for step in node_gradients:
+        for i, g in enumerate(step):
+            w_norm, g_norm = np.linalg.norm(w[i]), np.linalg.norm(g)
+            trust = eeta * w_norm / (g_norm + weight_decay * w_norm + epsilon) if w_norm > 0 and g_norm > 0 else 1.0
+            v[i] = momentum * v[i] + learning_rate * trust * (g + weight_decay * w[i])
+            w[i] = w[i] - v[i]
+    return w
+
+
+def check_under_daso(topo, steps: int = 2) -> dict:
+    """LARS / LAMB as DASO's inner optimizer (no global synchronisation in these steps: B is
+    larger): the weights of each mode, the error against eq. 11 on this node's averaged
+    gradients, and what "slices" says."""
+    from hvdx.daso import DASO
+
+    initial = [np.random.default_rng(7 + i).standard_normal(s).astype(np.float32) for i, s in enumerate(DASO_SHAPES)]
+    node = topo.local_ranks
+    node_gradients = [[np.mean([daso_gradient(r, k, i) for r in node], axis=0, dtype=np.float64)
+                       for i in range(len(DASO_SHAPES))] for k in range(steps)]
+    reference = lars_eq11_reference(initial, node_gradients, **DASO_LARS)
+    scale = max(float(np.max(np.abs(r - w))) for r, w in zip(reference, initial))  # the largest update
+
+    def run(inner, tag, steps):
+        variables = [tf.Variable(w, name=f"{tag}{i}/kernel") for i, w in enumerate(initial)]
+        opt = DASO(inner, total_epochs=1, warmup_epochs=0, cooldown_epochs=0, max_global_skips=100)
+
+        @tf.function
+        def step(grads):
+            opt.apply_gradients(zip(grads, variables))
+
+        for k in range(steps):
+            step([tf.constant(daso_gradient(topo.rank, k, i)) for i in range(len(DASO_SHAPES))])
+            if k + 1 < steps:
+                opt.after_step()  # B = 100: no global average in these steps
+        return [v.numpy() for v in variables], inner.last_mode
+
+    out = {"lars": {}, "lamb": {}, "modes": {}}
+    for mode in (None, "pto"):
+        weights, used = run(LARS(parallel=mode, exclude_from_weight_decay=[], **DASO_LARS), f"lars_{mode}_", steps)
+        out["modes"][str(mode)] = used
+        out["lars"][str(mode)] = {
+            "eq11_error": max(float(np.max(np.abs(w - r))) for w, r in zip(weights, reference)) / scale,
+            "node_spread": node_spread(topo, weights, f"daso.lars.{mode}"),
+            "between_nodes": between_nodes(topo, weights, f"daso.lars.{mode}")}
+        lamb, _ = run(LAMB(0.01, weight_decay=0.01, parallel=mode), f"lamb_{mode}_", 1)
+        out["lamb"][str(mode)] = lamb
+    out["lamb_pto_equal_replicated"] = all(np.array_equal(bits(a), bits(b))
+                                           for a, b in zip(out["lamb"]["None"], out["lamb"]["pto"]))
+    out["lamb_between_nodes"] = between_nodes(topo, out["lamb"]["pto"], "daso.lamb")
+    del out["lamb"]
+    try:
+        DASO(LARS(parallel="slices"), total_epochs=1)
+        out["slices"] = "no error"
+    except ValueError as exc:
+        out["slices"] = f"ValueError: {exc}"
+    return out
+
+
+def node_spread(topo, weights, tag: str) -> float:
+    """Largest difference between the ranks of this node."""
+    flat = tf.constant(np.concatenate([np.ravel(w) for w in weights]))
+    low = hvd.allreduce(flat, op=hvd.Min, process_set=topo.local_set, name=f"{tag}.min").numpy()
+    high = hvd.allreduce(flat, op=hvd.Max, process_set=topo.local_set, name=f"{tag}.max").numpy()
+    return float(np.max(high - low))
+
+
+def between_nodes(topo, weights, tag: str) -> float:
+    """Largest difference between the nodes' weights (each node trains on its own gradients)."""
+    flat = tf.constant(np.concatenate([np.ravel(w) for w in weights]))
+    low = hvd.allreduce(flat, op=hvd.Min, name=f"{tag}.nodes.min").numpy()
+    high = hvd.allreduce(flat, op=hvd.Max, name=f"{tag}.nodes.max").numpy()
+    return float(np.max(high - low))
+
+
+CHECKS = {"pto": check_pto, "modes": check_modes, "digits": check_digits, "under_daso": check_under_daso}
