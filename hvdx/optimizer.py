@@ -24,7 +24,7 @@ from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
 from hvdx.buckets import AggregationObserver
 from hvdx.comm.base import HOROVOD_OPTIONS
 from hvdx.comm.dense import OP_NAMES
-from hvdx.wrapped import Momentum, subclass_for
+from hvdx.wrapped import Momentum, check_not_horovods, subclass_for
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
@@ -109,6 +109,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                              f"{type(optimizer).__name__}{hint}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
+        check_not_horovods(optimizer, "hvdx.DistributedOptimizer")
         self._ready = False
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)

@@ -21,6 +21,7 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.accumulation import LocalAccumulator, aggregate_passes
 from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
+from hvdx.wrapped import check_not_horovods
 
 __all__ = ["DistributedOptimizerV1"]
 
@@ -54,6 +55,8 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise ValueError("DistributedOptimizerV1 wraps a tf.compat.v1.train optimizer, got "
                              f"{type(optimizer).__name__} (hvdx.DistributedOptimizer wraps Keras optimizers)")
+        check_not_horovods(optimizer, "hvdx.tensorflow.DistributedOptimizer", kind="tf.compat.v1",
+                           example="tf.compat.v1.train.GradientDescentOptimizer(...)")
         super().__init__(use_locking=use_locking, name=name or f"Distributed{type(optimizer).__name__}")
         self._optimizer = optimizer
         self._aggregator = GradientAggregator(

@@ -16,6 +16,8 @@
   (`tf.keras.backend.set_value(opt.momentum, m)`: "'float' object has no attribute
   'dtype'", with Horovod's wrapper too). `Momentum` keeps it in a variable that the wrapped
   optimizer's step reads while the wrapper traces it (`Momentum.read_by_step`).
+- What it must not wrap: `check_not_horovods(optimizer, wrapper)` refuses Horovod's own
+  DistributedOptimizer (its gradients would be averaged twice, once per wrapper).
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ import tensorflow as tf
 
 from hvdx.optimizers.lars import LARS
 
-__all__ = ["Momentum", "subclass_for"]
+__all__ = ["Momentum", "check_not_horovods", "is_horovods", "subclass_for"]
 
 # Class attributes that make up the class itself, never copied into a subclass.
 _STRUCTURAL = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__",
@@ -38,6 +40,37 @@ _TENSOR_MOMENTUM = (tf.keras.optimizers.SGD, LARS)
 
 _MADE: Dict[Tuple[type, type], type] = {}
 _LOCK = threading.Lock()
+
+
+def is_horovods(optimizer) -> bool:
+    """Whether `optimizer` is Horovod's DistributedOptimizer: tf.compat.v1's (a class of
+    horovod.tensorflow), or Keras' (a class named like the wrapped optimizer's that holds
+    the methods of Horovod's `_DistributedOptimizer`)."""
+    for cls in type(optimizer).__mro__:
+        if (cls.__module__ or "").startswith("horovod.") and "DistributedOptimizer" in cls.__name__:
+            return True
+        if any((getattr(value, "__module__", None) or "").startswith("horovod.")
+               and "_DistributedOptimizer" in (getattr(value, "__qualname__", None) or "")
+               for value in vars(cls).values()):
+            return True
+    return False
+
+
+def check_not_horovods(optimizer, wrapper: str, why: str = "its gradients would be averaged twice, by Horovod's "
+                       "wrapper and by hvdx's", kind: str = "tf.keras",
+                       example: str = "tf.keras.optimizers.SGD(...)") -> None:
+    """Raises ValueError when `optimizer` is Horovod's DistributedOptimizer (`is_horovods`).
+
+    Args:
+      optimizer: what the user passed to `wrapper`.
+      wrapper: the wrapper's name in the message ("hvdx.DistributedOptimizer").
+      why: what wrapping Horovod's would do.
+      kind, example: the kind of optimizer `wrapper` takes, and one, for the message.
+    """
+    if is_horovods(optimizer):
+        raise ValueError(f"{wrapper} wraps a plain {kind} optimizer and aggregates its gradients itself; got "
+                         f"Horovod's DistributedOptimizer ({why}): pass the optimizer it wraps, "
+                         f"{wrapper}({example}, ...)")
 
 
 class _FromWrapped:

@@ -266,6 +266,27 @@ def test_v1_options_and_errors():
     assert len(adasum.variables()) == 0 and isinstance(hvdx.tensorflow.DistributedOptimizer(sgd).variables(), list)
 
 
+@pytest.mark.parametrize("make", [
+    lambda: horovod_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
+    lambda: horovod_keras.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1)),
+    lambda: horovod_tf.DistributedOptimizer(tf.keras.optimizers.Adam()),
+], ids=["keras", "keras.legacy", "tensorflow.keras"])
+def test_horovods_keras_wrapper_is_refused_not_averaged_twice(make):
+    with pytest.raises(ValueError, match="got Horovod's DistributedOptimizer .*averaged twice.*"
+                                         r"pass the optimizer it wraps, hvdx.DistributedOptimizer\(tf.keras"):
+        hvdx.DistributedOptimizer(make())
+    assert hvdx.wrapped.is_horovods(make()) and not hvdx.wrapped.is_horovods(tf.keras.optimizers.SGD(0.1))
+    assert not hvdx.wrapped.is_horovods(hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)))
+
+
+def test_horovods_v1_wrapper_is_refused_not_averaged_twice():
+    horovods = horovod_tf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1))
+    with pytest.raises(ValueError, match="hvdx.tensorflow.DistributedOptimizer wraps a plain tf.compat.v1 optimizer"):
+        hvdx.tensorflow.DistributedOptimizer(horovods)
+    assert not hvdx.wrapped.is_horovods(hvdx.tensorflow.DistributedOptimizer(
+        tf.compat.v1.train.GradientDescentOptimizer(0.1)))
+
+
 # -- Horovod's LR callbacks ------------------------------------------------------------------------
 
 class Record(tf.keras.callbacks.Callback):

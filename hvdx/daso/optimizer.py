@@ -47,6 +47,7 @@ from hvdx.daso.schedule import Action, Schedule
 from hvdx.daso.sync import FlatParameters, ParameterSync
 from hvdx.layout import check_agreement
 from hvdx.optimizer import DistributedOptimizer
+from hvdx.wrapped import check_not_horovods
 
 __all__ = ["DASO"]
 
@@ -301,15 +302,8 @@ def _check_wrapped(optimizer) -> None:
     """ValueError for Horovod's DistributedOptimizer: it would average every step's gradients
     over all ranks inside DASO's node-local average (synchronous training plus DASO's traffic).
     (hvdx.DistributedOptimizer refuses hvdx's own wrapper itself.)"""
-    for cls in type(optimizer).__mro__:
-        function = cls.__dict__.get("_allreduce")
-        if getattr(function, "__module__", "").startswith("horovod.") and \
-                "_DistributedOptimizer" in getattr(function, "__qualname__", ""):
-            raise ValueError(
-                "hvdx.DASO wraps a plain tf.keras optimizer and averages its gradients inside each node itself; "
-                "got Horovod's DistributedOptimizer, which would average them over all ranks every step "
-                "(synchronous training plus DASO's traffic): pass the optimizer it wraps, "
-                "hvdx.DASO(tf.keras.optimizers.SGD(...), ...)")
+    check_not_horovods(optimizer, "hvdx.DASO", "it would average the gradients over all ranks every step inside "
+                       "DASO's node-local average: synchronous training plus DASO's traffic")
     if isinstance(optimizer, AggregationObserver) and getattr(optimizer, "parallel", None) == "slices":
         raise ValueError(
             f"{type(optimizer).__name__}(parallel='slices') needs the slices of a reduce-scattering aggregation "
