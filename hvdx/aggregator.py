@@ -374,7 +374,8 @@ class GradientAggregator(tf.Module):
             "fused": str(fused), "sparse": str(sparse), "dynamic": str(dynamic),
             "buckets": str(self.bucket_bytes), "groups": str(self._book.groups if isinstance(self._book.groups, int) else
                                                              [len(g) for g in (self._book.groups or [])]),
-            "bucket layouts": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
+            # named to sort after the fields it follows from: a difference names its cause first
+            "layouts of the buckets": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
         }
         signature = tuple(sorted(description.items()))
         if signature in self._book.verified:
