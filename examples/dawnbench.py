@@ -633,7 +633,7 @@ def print_summary(config: Config, s: dict) -> None:
     print(f"after {s['epochs']} epochs: {final}", flush=True)
     (metric, goal), = s["target"].items()
     if s["reached"]:
-        print(f"target {metric} >= {goal} reached at epoch {s['reached']['epoch']} after "
+        print(f"target {metric} >= {goal} reached in epoch {s['reached']['epoch'] + 1} after "
               f"{s['reached']['elapsed_s']:.1f} s of training", flush=True)
     else:
         print(f"target {metric} >= {goal} NOT reached", flush=True)
@@ -664,6 +664,7 @@ def plot_curves(history: List[dict], config: Config, path: str) -> None:
         ax.set_xlabel("epoch")
         ax.legend()
     ax_loss.set_ylabel("loss")
+    ax_loss.set_yscale("log")
     ax_acc.set_ylabel("accuracy")
     fig.suptitle(f"DAWNBench recipe: {', '.join(map(str, config.phases))}")
     fig.tight_layout()
