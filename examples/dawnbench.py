@@ -567,7 +567,10 @@ def train(config: Config) -> dict:
         print_summary(config, summary)
         if config.plot:
             plot_curves(history, config, os.path.join(config.out, "curves.png"))
-    summary["weights"] = [w for w in model.get_weights()]
+    # (returned, not written: the tests compare runs; batch-norm's moving statistics are each
+    # rank's own, the trainable weights the same on every rank)
+    summary["weights"] = model.get_weights()
+    summary["trainable_weights"] = [v.numpy() for v in model.trainable_variables]
     for cache in (train_cache, val_cache):
         if cache is not None:
             cache.close()

@@ -141,4 +141,5 @@ def test_recipe_switches_resizes_and_resumes_exactly_on_2x2(ranks):
         assert data["residuals_at_checkpoint"] and all(v > 0 for v in data["residuals_at_checkpoint"].values())
         # ... and the resumed run ends with the uninterrupted run's weights, bit for bit
         assert data["weights_equal"], f"rank {rank}: {data['unequal_weights']} weight tensors differ"
-    assert len({d["final_weights_norm"] for d in ranks.values()}) == 1  # every rank the same model
+    # every rank the same trainable weights (batch-norm's moving statistics are each rank's own)
+    assert len({d["trainable_norm"] for d in ranks.values()}) == 1

@@ -66,7 +66,7 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
         return {"full": epochs_of(full), "stopped": epochs_of(stopped), "resumed": epochs_of(resumed),
                 "weights_equal": all(same) and len(full["weights"]) == len(resumed["weights"]),
                 "unequal_weights": same.count(False), "residuals_at_checkpoint": residuals,
-                "final_weights_norm": float(sum(np.sum(np.square(w)) for w in full["weights"]))}
+                "trainable_norm": float(sum(np.sum(np.square(w)) for w in full["trainable_weights"]))}
     finally:
         hvdx.barrier()
         if topo.rank == 0:
