@@ -126,8 +126,8 @@ class Config:
 
 PRESETS: Dict[str, dict] = {
     # shi2021 sec. 5.6 / Table 4: 28 epochs, HiTopK for the 13 epochs at 96 px, then 2DTAR. The
-    # paper gives neither the learning rate nor the warm-up: these are the TPU LARS reference's
-    # (peak 29 for a 32K batch, i.e. 128 ranks x 256, with eeta 0.001, polynomial decay of power 2).
+    # paper gives neither the learning rate nor the warm-up: these are in the range published LARS
+    # recipes use for a 32K batch (128 ranks x 256), neither tuned nor run at that scale here.
     "imagenet": dict(phases="13x96@256,11x128@256,3x224@256,1x288@128", switch_epoch=13, lr=29.0,
                      warmup_epochs=2.0, weight_decay=5e-5, model="resnet50", num_classes=1000,
                      target=("val_top5", 0.93), augment="flip", density=0.01),
