@@ -16,7 +16,7 @@ bootstrap:
 build: bootstrap
 
 demo: bootstrap
-	$(VENV)/bin/horovodrun -np $(NP) -H $(HOSTS) --gloo $(PY) examples/train_digits.py
+	$(VENV)/bin/horovodrun -np $(NP) -H $(HOSTS) --gloo $(PY) examples/dawnbench.py --preset demo
 
 test: bootstrap
 	$(PY) -m pytest $(PYTEST_ARGS)
