@@ -81,7 +81,7 @@ _kill_tree = kill_tree  # SIGKILL to a process and all its descendants (hvdx/run
 
 #: Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1) and, under Gloo,
 #: negotiates with the other ranks even when no tensor is pending: 4 idle ranks on this 2-core
-#: machine burn about one core between them (0.3 CPU s per rank per second, against 0.02 at
+#: machine burn about one core between them (0.3 CPU s per rank per second, against 0.03 at
 #: 5 ms), the cores the working ranks need. Tests run many ranks on few cores; a user's job
 #: may set its own (the environment wins).
 TEST_CYCLE_TIME_MS = "5"
