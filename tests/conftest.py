@@ -2,9 +2,12 @@
 
 - No test may write into the checkout.
 - Tests made with `tests.suite.runs` get their check's result as the `ranks` fixture: each
-  topology is launched once, for the union of the checks that the selected tests need.
+  topology is launched once, for the union of the checks that the selected tests need. The
+  launches start with the session, in the background, and those tests run after the others
+  (HVDX_LAUNCH_AHEAD=0: in collection order, each launch when its first test needs it).
 - Tests that launch are marked `multirank`; benchmark smoke tests `slow` (pyproject.toml).
 """
+import os
 import subprocess
 
 import pytest
@@ -38,9 +41,16 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def _launch_ahead() -> bool:
+    return os.environ.get("HVDX_LAUNCH_AHEAD", "1") != "0"
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """A test that may launch its topology may take that launch's time beyond its own timeout."""
+    """The suite's tests after the others (their launches run while the others do); a test
+    that may launch its topology may take that launch's time beyond its own timeout."""
+    if _launch_ahead():
+        items.sort(key=lambda item: suite.needed(item) is not None)  # stable: collection order otherwise
     if not config.pluginmanager.hasplugin("timeout"):
         return
     import pytest_timeout
@@ -56,13 +66,30 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.timeout(default + launch))
 
 
+def _suite(config, tmp_path_factory) -> suite.Suite:
+    if SUITE not in config.stash:
+        base = tmp_path_factory.mktemp("multirank")
+        config.stash[SUITE] = suite.Suite(lambda: base)
+    return config.stash[SUITE]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session):
+    """Starts the launches the selected tests need before the first test runs; stops any
+    still running when the tests end (an early stop, -x, Ctrl-C)."""
+    if _launch_ahead() and not session.config.option.collectonly and any(map(suite.needed, session.items)):
+        _suite(session.config, session.config._tmp_path_factory).start_ahead(session.items)
+    try:
+        yield
+    finally:
+        if SUITE in session.config.stash:
+            session.config.stash[SUITE].stop()
+
+
 @pytest.fixture(scope="session")
 def multirank_suite(request, tmp_path_factory) -> suite.Suite:
     """The session's launches (tests.suite.Suite), their files under pytest's tmp directory."""
-    if SUITE not in request.config.stash:
-        base = tmp_path_factory.mktemp("multirank")
-        request.config.stash[SUITE] = suite.Suite(lambda: base)
-    return request.config.stash[SUITE]
+    return _suite(request.config, tmp_path_factory)
 
 
 @pytest.fixture

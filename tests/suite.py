@@ -13,6 +13,11 @@ check's result. A check that failed fails only its tests, with each rank's trace
 that hangs or crashes a rank ends at its timeout naming the rank and the check; the checks
 after it run in a fresh launch of their own.
 
+In a whole session (`Suite.start_ahead`), the launches start at once in a background thread,
+one after another in the order the tests need them, while the tests that launch nothing run;
+those tests run first, the multi-rank tests after them, each waiting for its launch only if it
+has not ended yet (HVDX_LAUNCH_AHEAD=0: each launch when its first test needs it).
+
 Topologies: "2x2" (2 nodes x 2 ranks, harness.hosts), "1+2" (nodes of different sizes,
 harness.host_list), "cluster:2x2" (the emulated cluster, 1 Gbit/s links; "cluster:2x2@100mbit").
 """
@@ -198,7 +203,7 @@ class LaunchRecord:
     checks: int
     seconds: float
     failed: List[str]
-    cpu_seconds: float = 0.0  # of every process of the launch
+    cpu_seconds: float = 0.0  # of this process's children that ended meanwhile (other tests' too, launching ahead)
     check_seconds: Dict[str, float] = field(default_factory=dict)  # the slowest rank's, by check id
 
     def __str__(self) -> str:
@@ -209,10 +214,13 @@ class LaunchRecord:
         return text + (f"; failed: {', '.join(self.failed)}" if self.failed else "")
 
 
-def _stop_processes(marker: str) -> None:
-    """SIGTERM to every process whose command line holds `marker` (the launcher cleans up),
-    SIGKILL to those left 30 s later."""
-    procs = [p for p in psutil.process_iter(["cmdline"]) if marker in (p.info["cmdline"] or ())]
+def _stop_processes(marker: str, prefix: bool = False) -> None:
+    """SIGTERM to every process with `marker` as an argument (with `prefix`: an argument that
+    starts with it), the launcher cleans up; SIGKILL to those left 30 s later."""
+    def matches(cmdline: Sequence[str]) -> bool:
+        return any(arg.startswith(marker) for arg in cmdline) if prefix else marker in cmdline
+
+    procs = [p for p in psutil.process_iter(["cmdline"]) if matches(p.info["cmdline"] or ())]
     for proc in procs:
         with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
@@ -261,16 +269,56 @@ class _StallWatch(threading.Thread):
 
 
 class Suite:
-    """Launches each topology once, when a test first needs it, and keeps every check's outcome."""
+    """Launches each topology once, when a test first needs it (or ahead of the tests:
+    `start_ahead`), and keeps every check's outcome."""
 
     def __init__(self, base: Callable[[], Path]):
         self._base = base
         self._outcomes: Dict[Check, Any] = {}
         self._count = 0
         self.launches: List[LaunchRecord] = []
+        self._ahead: Dict[str, threading.Event] = {}  # topology -> set when its launch ahead has ended
+        self._ahead_thread: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+
+    def start_ahead(self, items: Sequence[pytest.Item]) -> List[str]:
+        """Starts, in a background thread, one launch per topology that `items` need (all its
+        checks), one after another in the order of first need; returns those topologies.
+        `result` then waits for a topology's launch instead of making it."""
+        plan: Dict[str, List[Check]] = {}
+        for c in dict.fromkeys(needed(i) for i in items):
+            if c is not None:
+                plan.setdefault(c.topology, []).append(c)
+        self._ahead = {name: threading.Event() for name in plan}
+
+        def run() -> None:
+            for name, checks in plan.items():
+                try:
+                    if not self._stopping.is_set():
+                        self.launch(name, checks)
+                except Exception as exc:  # noqa: BLE001 - its tests fail with the reason
+                    for c in checks:
+                        self._outcomes.setdefault(c, f"{c}: the launch ahead of the tests failed: {exc!r}")
+                finally:
+                    self._ahead[name].set()
+
+        self._ahead_thread = threading.Thread(target=run, name="hvdx-launch-ahead", daemon=True)
+        self._ahead_thread.start()
+        return list(plan)
+
+    def stop(self) -> None:
+        """Ends the launches ahead: no new one starts, the running one is stopped."""
+        self._stopping.set()
+        if self._ahead_thread is not None and self._ahead_thread.is_alive():
+            _stop_processes(str(self._base()), prefix=True)
+            self._ahead_thread.join(timeout=60)
 
     def result(self, wanted: Check, items: Sequence[pytest.Item]) -> RankResults:
-        """`wanted`'s result; launches its topology first (with every check `items` need there)."""
+        """`wanted`'s result; launches its topology first (with every check `items` need there),
+        or waits for its launch ahead."""
+        ahead = self._ahead.get(wanted.topology)
+        if ahead is not None:
+            ahead.wait()
         if wanted not in self._outcomes:
             same = [c for c in dict.fromkeys(needed(i) for i in items) if c is not None and c.topology == wanted.topology
                     and c not in self._outcomes]
