@@ -47,17 +47,27 @@ import numpy as np
 import tensorflow as tf
 
 from hvdx.data.catalog import ImageFolder, TFRecordShards
-from hvdx.data.decode import decode_image_eager, normalize_resolution
+from hvdx.data.decode import DECODER, decode_image_eager, normalize_resolution
 from hvdx.data.disk import DiskCache
 from hvdx.data.source import GFileSource, Source
-from hvdx.data.store import NodeStore, Slab, sample_key
+from hvdx.data.store import NodeStore, Slab, list_stores, remove_store, sample_key
 
-__all__ = ["DataCache", "Placement", "epoch_share", "node_part", "samples_per_rank"]
+__all__ = ["DataCache", "Placement", "default_cache_dir", "epoch_share", "node_part", "samples_per_rank"]
 
 log = logging.getLogger(__name__)
 DEFAULT_STORE_DIR = "/dev/shm/hvdx-datacache"
 REMAINDERS = ("drop", "pad")
 ON_ERROR = ("raise", "skip")
+
+
+def default_cache_dir() -> str:
+    """Level 1's default base directory: `$HVDX_DATACACHE_DIR`, else node-local scratch,
+    `$TMPDIR/hvdx-datacache-<uid>` (/tmp when TMPDIR is unset). Not ~/.cache: home
+    directories of clusters are often on NFS, the storage level 1 is there to avoid."""
+    explicit = os.environ.get("HVDX_DATACACHE_DIR")
+    if explicit:
+        return explicit
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"hvdx-datacache-{os.getuid()}")
 
 
 @dataclass(frozen=True)
@@ -126,10 +136,15 @@ class DataCache:
 
     - `resolution`: (height, width) or an int; samples are decoded and resized to it (None:
       as decoded; then every image must have the same size to be batched).
-    - `cache_dir`: level-1 directory (default `$HVDX_DATACACHE_DIR` or
-      ~/.cache/hvdx/datacache, plus the data set's fingerprint); `disk_bytes` bounds it.
+    - `cache_dir`: level-1 directory (default `default_cache_dir()`: `$HVDX_DATACACHE_DIR`,
+      else node-local `$TMPDIR/hvdx-datacache-<uid>` or /tmp/..., plus a hash of the data
+      set's location; logged at INFO and in `repr`); `disk_bytes` bounds it.
     - `store_dir`: where the node's store goes (default /dev/shm/hvdx-datacache); its name
-      holds the data set's fingerprint and the node; `memory_bytes` bounds it (default:
+      holds a hash of the data set's location and the node, so a later run over the same
+      data set replaces it (another split, node count, file list, decoder or hvdx version
+      rebuilds it; the stores of nodes the job no longer has are removed). A warning names
+      stale stores of other data sets that no process uses (`python -m hvdx.data list`,
+      `clear`). `memory_bytes` bounds it (default:
       half of the free space of `store_dir`'s file system): a resolution's slab (the whole
       part, allocated at once) is made only if it fits beside what the store holds, else
       the samples go into LMDB values, which fill up to the bound and then read through.
@@ -182,10 +197,11 @@ class DataCache:
             self.catalog = TFRecordShards(tfrecords, self.source, image_key, label_key)
         self.fingerprint = self.catalog.fingerprint
         if cache_dir is None:
-            base = os.environ.get("HVDX_DATACACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hvdx",
-                                                                       "datacache")
-            cache_dir = os.path.join(base, self.fingerprint[:16])
-        self.disk = DiskCache(cache_dir, self.fingerprint, self.source, max_bytes=disk_bytes)
+            cache_dir = os.path.join(default_cache_dir(), self.catalog.location[:16])
+        # level 1 is named by the data set's location: a file changed in place misses its own
+        # copy (copies are named by path and stamp) instead of emptying the directory
+        self.disk = DiskCache(cache_dir, self.catalog.location, self.source, max_bytes=disk_bytes)
+        log.info("hvdx.data: level-1 (local disk) cache of %s in %s", root or tfrecords, self.disk.directory)
 
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hvdx-datacache")
         self._read_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hvdx-datacache-read")
@@ -209,19 +225,43 @@ class DataCache:
             os.makedirs(store_dir, exist_ok=True)
             st = os.statvfs(store_dir)
             memory_bytes = max(2**24, st.f_bavail * st.f_frsize // 2)
-        name = f"{self.fingerprint[:16]}-node{p.node}of{p.num_nodes}-split{self.split_seed}"
+        name = f"{self.catalog.location[:16]}-node{p.node}"
         self.store = NodeStore(os.path.join(store_dir, name), meta={
-            "fingerprint": self.fingerprint, "node": p.node, "num_nodes": p.num_nodes,
-            "split_seed": self.split_seed}, memory_bytes=memory_bytes)
+            "location": self.catalog.location, "fingerprint": self.fingerprint, "decoder": DECODER,
+            "node": p.node, "num_nodes": p.num_nodes, "split_seed": self.split_seed}, memory_bytes=memory_bytes)
+        if p.local_rank == 0:
+            self._tidy(store_dir)
 
         self._lock = threading.Lock()
         self._inflight: Dict[Tuple[int, object], Tuple[Future, Callable[[], None]]] = {}
         self._taken: set = set()  # samples the reader has asked for (the prefetcher skips them)
+        self._leftovers: Dict[Tuple[int, object], Future] = {}  # leftovers being put by the prefetcher
         self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
         self._feeder_stop: Optional[threading.Event] = None
         self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
         self.skipped: Dict[str, str] = {}
         self._bad: set = set()
+
+    def _tidy(self, store_dir: str) -> None:
+        """Removes the stores this job replaces (this data set's stores of nodes it no longer
+        has) and warns once about the other stores in `store_dir` that no process uses."""
+        stale = []
+        for info in list_stores(store_dir):
+            if info.path == self.store.path or info.in_use:
+                continue
+            meta = info.meta or {}
+            if meta.get("location") == self.catalog.location:
+                if int(meta.get("node", 0)) >= self.placement.num_nodes and remove_store(info.path):
+                    log.info("hvdx.data: removed %s (node %s of an earlier job)", info.path, meta.get("node"))
+                continue  # a node of this job that has not opened its store yet
+            stale.append(info)
+        if stale:
+            warnings.warn(
+                f"hvdx.data: {store_dir} holds {len(stale)} stale node store(s) of other data sets that no process "
+                f"uses ({sum(i.bytes for i in stale) / 2**20:.1f} MiB of memory, which also shrinks the default "
+                f"memory_bytes): {', '.join(i.name for i in stale)}; list them with `python -m hvdx.data list "
+                f"--store-dir {store_dir}` and remove them with `python -m hvdx.data clear --store-dir {store_dir}`",
+                RuntimeWarning, stacklevel=3)
 
     # -- sizes -------------------------------------------------------------------------------
 
@@ -273,7 +313,7 @@ class DataCache:
     def _decode_and_put(self, sample: int, resolution) -> None:
         decoded = self._decode(sample, resolution)
         if decoded is not None:
-            self.store.put_many([(sample_key(sample, resolution), *decoded)])
+            self.store.put_many([(sample_key(sample, resolution, self.channels), *decoded)])
 
     def _slab(self, resolution) -> Optional[Slab]:
         """The node's slab at `resolution` (None: no fixed resolution, or no room for it)."""
@@ -284,9 +324,10 @@ class DataCache:
                 self._slabs[resolution] = self.store.slab(resolution, self.channels, self.part)
             return self._slabs[resolution]
 
-    def _start_epoch(self, epoch: int, resolution) -> Tuple[np.ndarray, bool]:
-        """(this rank's order of `epoch`, whether all of it is in the resolution's slab);
-        starts preparing its missing samples in that order."""
+    def _start_epoch(self, epoch: int, resolution) -> Tuple[np.ndarray, bool, List[int]]:
+        """(this rank's order of `epoch`, whether all of it is in the resolution's slab, the
+        leftovers (remainder="drop") this rank decodes into the store this epoch); starts
+        preparing the missing samples in that order."""
         p = self.placement
         share, leftover = epoch_share(self.part, epoch, self.seed, p.local_rank, p.local_size, self.per_rank)
         slab = self._slab(resolution)
@@ -297,7 +338,7 @@ class DataCache:
         share_list = list(dict.fromkeys(int(s) for s in share))  # pad may repeat a sample
         leftover_list = [int(s) for s in leftover] if not self.store.full else []
         wanted = share_list + leftover_list
-        where = self.store.locate(sample_key(s, resolution) for s in wanted)
+        where = self.store.locate(sample_key(s, resolution, self.channels) for s in wanted)
         missing = [(s, j >= len(share_list)) for j, (s, w) in enumerate(zip(wanted, where))
                    if not w and s not in self._bad]
         if missing:
@@ -306,30 +347,49 @@ class DataCache:
             threading.Thread(target=self._feed, args=(missing, resolution, stop), daemon=True,
                              name="hvdx-datacache-feeder").start()
         in_slab = slab is not None and bool(np.all(where[:len(share_list)] == 2))
-        return share.astype(np.int64), in_slab
+        return share.astype(np.int64), in_slab, [s for s, left in missing if left]
 
     def _feed(self, missing: List[Tuple[int, bool]], resolution, stop: threading.Event) -> None:
         """Clairvoyant prefetch (beyond the paper): read and decode the epoch's missing samples
         in the order the reader will want them, at most `lookahead` ahead of it. Leftovers
-        (remainder="drop") are put into the store by the worker; the others are handed to
-        the reader, which puts a whole batch in one transaction."""
+        (remainder="drop") are put into the store by the worker (the reader collects them,
+        and their errors, at the epoch's last batch); the others are handed to the reader,
+        which puts a whole batch in one transaction."""
         slots = threading.BoundedSemaphore(self.lookahead)
         for sample, leftover in missing:
             while not slots.acquire(timeout=0.1):  # a reader that stopped mid-epoch frees no slot
                 if stop.is_set():
                     return
-            if stop.is_set():
-                return
             key = (sample, resolution)
             with self._lock:
-                if key in self._inflight or key in self._taken:
+                if stop.is_set():
+                    return
+                if key in self._inflight or key in self._taken or key in self._leftovers:
                     slots.release()
                     continue
                 if leftover:
                     future = self._pool.submit(self._decode_and_put, sample, resolution)
                     future.add_done_callback(lambda _: slots.release())
+                    self._leftovers[key] = future
                     continue
                 self._inflight[key] = (self._pool.submit(self._decode, sample, resolution), slots.release)
+
+    def _finish_leftovers(self, leftovers: Sequence[int], resolution) -> None:
+        """Waits until the epoch's leftovers are in the store (decoding those the prefetcher
+        has not started), so that their errors surface in the epoch that decodes them:
+        ValueError naming the file with on_error="raise", a warning with "skip"."""
+        if self._feeder_stop is not None:
+            self._feeder_stop.set()  # the epoch's last batch: the reader has asked for its whole share
+        futures = []
+        with self._lock:
+            for sample in leftovers:
+                future = self._leftovers.pop((sample, resolution), None)
+                if future is None and not self.store.locate([sample_key(sample, resolution, self.channels)])[0]:
+                    future = self._read_pool.submit(self._decode_and_put, sample, resolution)
+                if future is not None:
+                    futures.append(future)
+        for future in futures:
+            future.result()  # raises the decode's error, with the file's path
 
     def _take(self, sample: int, resolution) -> Optional[Future]:
         """The prefetched future of `sample`, removed from the prefetcher's books."""
@@ -355,7 +415,7 @@ class DataCache:
         for j, future in futures.items():
             got[j] = future.result()  # raises its error, with the file's path
             if got[j] is not None:
-                new.append((sample_key(samples[j], resolution), *got[j]))
+                new.append((sample_key(samples[j], resolution, self.channels), *got[j]))
         return new
 
     def _replace_skipped(self, samples: List[int], ok: Sequence[bool]) -> List[int]:
@@ -370,7 +430,7 @@ class DataCache:
         """Makes sure the samples of one batch are in the slab (decoding what the store lacks);
         returns the ids to gather (a skipped sample replaced by another of its batch)."""
         samples = [int(s) for s in samples]
-        keys = [sample_key(s, resolution) for s in samples]
+        keys = [sample_key(s, resolution, self.channels) for s in samples]
         where = self.store.locate(keys)
         got: List[Optional[Tuple[np.ndarray, int]]] = [None] * len(samples)
         in_values = [j for j, w in enumerate(where) if w == 1]  # stored without the slab: copy them in
@@ -389,7 +449,7 @@ class DataCache:
         """The samples of one batch without a slab: from the store's values, else prefetched,
         else read and decoded now."""
         samples = [int(s) for s in samples]
-        keys = [sample_key(s, resolution) for s in samples]
+        keys = [sample_key(s, resolution, self.channels) for s in samples]
         if resolution is not None:  # the common case, all hits: one copy into the batch
             batch = self.store.get_batch(keys, (*resolution, self.channels))
             if batch is not None:
@@ -434,7 +494,7 @@ class DataCache:
         steps = self.steps_per_epoch(batch_size, drop_remainder)
         usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
         slab = self._slab(res)
-        plans: Dict[int, Tuple[np.ndarray, bool, np.ndarray]] = {}
+        plans: Dict[int, Tuple[np.ndarray, bool, np.ndarray, List[int]]] = {}
 
         def batch_of(state: np.ndarray, step: np.ndarray) -> Tuple[int, np.ndarray, bool, np.ndarray]:
             """(epoch, the batch's samples, whether the epoch is all in the slab, their slots).
@@ -443,18 +503,20 @@ class DataCache:
             if k == 0:
                 with counter_lock:
                     epoch = next(counter)
-                samples, in_slab = self._start_epoch(epoch, res)
+                samples, in_slab, leftovers = self._start_epoch(epoch, res)
                 samples = samples[:usable]
                 slots = slab.slots(samples) if in_slab else samples
                 with counter_lock:
-                    plans[epoch] = (samples, in_slab, slots)
+                    plans[epoch] = (samples, in_slab, slots, leftovers)
                     for old in [e for e in plans if e < epoch - 64]:  # iterations abandoned mid-epoch
                         del plans[old]
                 if in_slab:
                     self.store.count_hits(len(samples))
             else:
                 epoch = int(state)
-            samples, in_slab, slots = plans[epoch]
+            samples, in_slab, slots, leftovers = plans[epoch]
+            if k == steps - 1 and leftovers:  # their decode errors belong to this epoch
+                self._finish_leftovers(leftovers, res)
             part = slice(k * batch_size, (k + 1) * batch_size)
             return epoch, samples[part], in_slab, slots[part]
 

@@ -8,18 +8,31 @@ NFS, FUSE-free: it sleeps, so it costs no CPU and overlaps like real I/O).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 __all__ = ["CountingSource", "GFileSource", "SlowSource", "Source"]
 
 
 class Source:
-    """Reads files by path. Subclasses implement `read` and may override `listdir`/`isdir`."""
+    """Reads files by path. Subclasses implement `read` and may override `listdir`/`isdir`/
+    `glob`/`stat`."""
 
     def read(self, path: str) -> bytes:
         raise NotImplementedError
+
+    def stat(self, path: str) -> Tuple[int, int]:
+        """(size in bytes, modification time in ns) of `path`: a file replaced in place
+        changes them, and with them the data set's fingerprint (DataCache decodes it again)."""
+        if "://" not in path:
+            st = os.stat(path)
+            return st.st_size, st.st_mtime_ns
+        import tensorflow as tf
+
+        st = tf.io.gfile.stat(path)
+        return int(st.length), int(st.mtime_nsec)
 
     def listdir(self, path: str) -> List[str]:
         import tensorflow as tf
@@ -63,6 +76,9 @@ class _Wrapper(Source):
 
     def glob(self, pattern: str) -> List[str]:
         return self.inner.glob(pattern)
+
+    def stat(self, path: str) -> Tuple[int, int]:
+        return self.inner.stat(path)
 
 
 class CountingSource(_Wrapper):
