@@ -206,7 +206,8 @@ class NodeStore:
         self.stats = {"hits": 0, "misses": 0, "puts": 0}
         self._stats_lock = threading.Lock()
         self._slabs: Dict[Tuple[int, int, int], Slab] = {}  # by (height, width, channels)
-        self._users = _hold_shared(self.path + ".users")  # in use: `remove_store` leaves it alone
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._users: Optional[int] = _hold_shared(self.path + ".users")  # in use: `remove_store` leaves it alone
         os.makedirs(self.path, exist_ok=True)
         with open(self.path + ".lock", "a+") as lock:  # the node's ranks open it one at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
