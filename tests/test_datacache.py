@@ -374,8 +374,8 @@ env = lmdb.open({path!r}, readonly=True, lock=False)
 with env.begin() as txn:
     out = {{}}
     for k, v in txn.cursor():
-        if len(k) != 16: continue  # the metadata
-        i = struct.unpack(">QII", k)[0]
+        if len(k) != 20: continue  # the metadata (keys: index, height, width, channels)
+        i = struct.unpack(">QIII", k)[0]
         label, h, w, c = struct.unpack_from("<qIII", v)
         px = np.frombuffer(v, np.uint8, offset=20)
         out[i] = bool(label == i and (h, w, c) == (16, 16, 3) and px.size == 768 and (px == i % 251).all())
