@@ -310,7 +310,7 @@ def test_two_by_two_ranks_one_store_per_node_each_with_its_part(ranks):
     data, tmp_path = ranks, ranks.workdir
     assert sorted(os.listdir(tmp_path / "shm")) == sorted(
         f"{name}{suffix}" for name in {r["store_path"].rsplit("/", 1)[1] for r in data.values()}
-        for suffix in ("", ".lock"))
+        for suffix in ("", ".lock", ".users"))  # .users: held (shared) while a process has it open
     stores = {r["node"]: r["store_path"] for r in data.values()}
     assert len(stores) == 2 and all(data[r]["store_path"] == stores[data[r]["node"]] for r in data)
     parts = {r["node"]: r["part"] for r in data.values()}
