@@ -647,14 +647,32 @@ def test_the_local_disk_copy_defaults_to_node_local_scratch(digits_root, tmp_pat
     """Issue 27 (9): $TMPDIR (not ~/.cache, often NFS on clusters), unless HVDX_DATACACHE_DIR."""
     monkeypatch.delenv("HVDX_DATACACHE_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "scratch"))
-    cache = DataCache(digits_root, resolution=RES, store_dir=str(tmp_path / "shm"), memory_bytes=2**26)
+    remote = CountingSource()  # a source that does not say its files are local
+    cache = DataCache(digits_root, resolution=RES, store_dir=str(tmp_path / "shm"), memory_bytes=2**26, source=remote)
     assert cache.disk.directory.startswith(str(tmp_path / "scratch" / f"hvdx-datacache-{os.getuid()}"))
     assert cache.disk.directory in repr(cache)
     cache.close()
     monkeypatch.setenv("HVDX_DATACACHE_DIR", str(tmp_path / "chosen"))
-    cache = DataCache(digits_root, resolution=RES, store_dir=str(tmp_path / "shm"), memory_bytes=2**26)
+    cache = DataCache(digits_root, resolution=RES, store_dir=str(tmp_path / "shm"), memory_bytes=2**26, source=remote)
     assert cache.disk.directory.startswith(str(tmp_path / "chosen"))
     cache.close()
+
+
+def test_files_on_a_local_disk_get_no_level_1_copy(digits_root, tmp_path):
+    """Issue 27 (8b): a copy of a file on a local disk costs a file write per sample in epoch 1
+    and saves nothing; `disk_copy=True` keeps one anyway."""
+    cache = DataCache(digits_root, resolution=RES, cache_dir=str(tmp_path / "disk"), store_dir=str(tmp_path / "shm"),
+                      memory_bytes=2**26)  # the default source, GFileSource, on a local file system
+    images, _, ids = epoch(cache.dataset(16, with_index=True))
+    assert not os.path.exists(tmp_path / "disk") and cache.disk.stats["read_through"] == 48
+    assert all(np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids))
+    assert "disk=None" in repr(cache)
+    cache.close()
+    kept = DataCache(digits_root, resolution=RES, cache_dir=str(tmp_path / "disk"), store_dir=str(tmp_path / "shm2"),
+                     memory_bytes=2**26, disk_copy=True)
+    epoch(kept.dataset(16, with_index=True))
+    assert kept.disk.stats["misses"] == 48 and kept.disk.size_bytes() > 0
+    kept.close()
 
 
 def test_a_decode_error_in_a_dropped_leftover_fails_the_epoch_that_decodes_it(bad_root, tmp_path):

@@ -142,7 +142,7 @@ class TFRecordShards:
             offsets = record_offsets(blob, self.shards[s])
             with self._lock:
                 self._index[s] = offsets
-                if not os.path.exists(disk.path_of(self.shards[s], self.stamps[s])):
+                if disk.keep and not os.path.exists(disk.path_of(self.shards[s], self.stamps[s])):
                     self._blobs[s] = blob
             ids.extend(s * RECORD_STRIDE + r for r in range(len(offsets)))
         return np.asarray(ids, np.int64)
@@ -161,7 +161,8 @@ class TFRecordShards:
         if blob is not None:
             payload = blob[offset:offset + length]
         else:
-            local = disk.path_of(self.shards[shard], self.stamps[shard])
+            # the level-1 copy, or the file itself when it is on a local disk (no copies kept)
+            local = disk.path_of(self.shards[shard], self.stamps[shard]) if disk.keep else self.shards[shard]
             try:
                 with open(local, "rb") as f:
                     f.seek(offset)

@@ -164,7 +164,7 @@ class DataCache:
 
     def __init__(self, root: Optional[str] = None, *, tfrecords: Union[None, str, Sequence[str]] = None,
                  resolution: Union[None, int, Tuple[int, int]] = None, channels: int = 3,
-                 cache_dir: Optional[str] = None, disk_bytes: Optional[int] = None,
+                 cache_dir: Optional[str] = None, disk_bytes: Optional[int] = None, disk_copy: Optional[bool] = None,
                  store_dir: str = DEFAULT_STORE_DIR, memory_bytes: Optional[int] = None,
                  source: Optional[Source] = None, seed: int = 0, split_seed: int = 0,
                  remainder: str = "drop", on_error: str = "raise", io_threads: int = 16, lookahead: int = 512,
@@ -200,8 +200,14 @@ class DataCache:
             cache_dir = os.path.join(default_cache_dir(), self.catalog.location[:16])
         # level 1 is named by the data set's location: a file changed in place misses its own
         # copy (copies are named by path and stamp) instead of emptying the directory
-        self.disk = DiskCache(cache_dir, self.catalog.location, self.source, max_bytes=disk_bytes)
-        log.info("hvdx.data: level-1 (local disk) cache of %s in %s", root or tfrecords, self.disk.directory)
+        if disk_copy is None:
+            first = self.catalog.paths[0] if isinstance(self.catalog, ImageFolder) else self.catalog.shards[0]
+            disk_copy = not self.source.is_local(first)
+        self.disk = DiskCache(cache_dir, self.catalog.location, self.source, max_bytes=disk_bytes, keep=disk_copy)
+        if disk_copy:
+            log.info("hvdx.data: level-1 (local disk) cache of %s in %s", root or tfrecords, self.disk.directory)
+        else:
+            log.info("hvdx.data: %s is on a local disk: level 1 keeps no copies", root or tfrecords)
 
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hvdx-datacache")
         self._read_pool = ThreadPoolExecutor(io_threads, thread_name_prefix="hvdx-datacache-read")
@@ -582,7 +588,8 @@ class DataCache:
     def __repr__(self) -> str:
         p = self.placement
         return (f"DataCache({len(self.part)} samples on node {p.node}/{p.num_nodes}, {self.per_rank} per rank, "
-                f"resolution={self.resolution}, disk={self.disk.directory!r}, store={self.store.path!r})")
+                f"resolution={self.resolution}, disk={self.disk.directory if self.disk.keep else None!r}, "
+                f"store={self.store.path!r})")
 
 
 def _check_batch_size(batch_size: int) -> None:

@@ -52,12 +52,14 @@ def _version() -> str:
 class DiskCache:
     """Local-disk copies of the files of one data set, under `directory`.
 
-    `fingerprint` names the data set (DataCache passes a hash of its file list); `source`
-    is where misses are read from; `max_bytes` bounds the directory (None: unbounded).
+    `fingerprint` names the data set (DataCache passes a hash of its location); `source`
+    is where misses are read from; `max_bytes` bounds the directory (None: unbounded);
+    `keep=False` makes no copies (every read goes to the source, counted as read_through:
+    DataCache's choice for a source already on a local disk) and creates nothing.
     """
 
     def __init__(self, directory: str, fingerprint: str, source: Optional[Source] = None,
-                 max_bytes: Optional[int] = None) -> None:
+                 max_bytes: Optional[int] = None, keep: bool = True) -> None:
         if not directory:
             raise ValueError("directory must be a non-empty path")
         if max_bytes is not None and max_bytes <= 0:
@@ -73,6 +75,10 @@ class DiskCache:
         self._files = os.path.join(self.directory, "files")
         self._locks = os.path.join(self.directory, "locks")
         self._bytes: Optional[int] = None  # this process' estimate of the directory's size
+        self.keep = keep
+        if not keep:
+            self._writable, self._warned = False, True  # read through, silently
+            return
         try:
             self._open()
         except OSError as exc:
