@@ -565,6 +565,7 @@ class DataCache:
 
         def _batch(epoch: tf.Tensor, images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
             epoch.set_shape([])
+            images.set_shape([None, h, w, c])  # (a gather by slots of unknown shape has none)
             labels.set_shape([None])
             ids.set_shape([None])
             return epoch, ((images, labels, ids) if with_index or augment is not None else (images, labels))
