@@ -245,7 +245,7 @@ class DataCache:
         self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
         self._feeder_stop: Optional[threading.Event] = None
         self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
-        self._complete: set = set()  # resolutions whose slab holds the whole part
+        self._full_slabs: set = set()  # resolutions whose slab holds the whole part
         self.skipped: Dict[str, str] = {}
         self._bad: set = set()
 
@@ -345,13 +345,13 @@ class DataCache:
         share_list = list(dict.fromkeys(int(s) for s in share))  # pad may repeat a sample
         leftover_list = [int(s) for s in leftover] if not self.store.full else []
         wanted = share_list + leftover_list
-        if resolution in self._complete:  # the whole part is in the slab: no index look-ups per epoch
+        if resolution in self._full_slabs:  # the whole part is in the slab: no index look-ups per epoch
             where = np.full(len(wanted), 2, np.int8)
         else:
             where = self.store.locate(sample_key(s, resolution, self.channels) for s in wanted)
             if slab is not None and np.all(where == 2) and np.all(
                     self.store.locate(sample_key(int(s), resolution, self.channels) for s in self.part) == 2):
-                self._complete.add(resolution)  # slab slots are never taken back
+                self._full_slabs.add(resolution)  # slab slots are never taken back
         missing = [(s, j >= len(share_list)) for j, (s, w) in enumerate(zip(wanted, where))
                    if not w and s not in self._bad]
         if missing:
