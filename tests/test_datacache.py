@@ -768,6 +768,25 @@ def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
     assert readme.read_text() == "# benchmarks\n\n" + block
 
 
+@pytest.mark.slow
+def test_datacache_benchmark_like_for_like_rows(tmp_path):
+    """Issue 27 (8): files on a local disk, no augmentation and uncompiled Keras augmentation,
+    DataCache against `.cache()` (epochs 2+) and plain tf.data (epoch 1); 1 rank here (the
+    2x2 row launches horovodrun: `--like-topologies 2x2`, the default)."""
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--like-for-like",
+                           "--quick", "--like-topologies", "", "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "datacache_like.json").read_text())
+    rounds = result["topologies"]["1"]["rounds_seconds"]
+    assert sorted(rounds) == sorted(["plain_epoch1", "tf_cache_epoch1", "datacache_epoch1", "tf_cache_none",
+                                     "datacache_none", "tf_cache_keras", "datacache_keras"])
+    assert all(len(v) == 1 for v in rounds.values()) and len(rounds["datacache_none"][0]) == 1  # epochs 2+
+    text = readme.read_text()
+    assert "<!-- datacache-like:begin -->" in text and "| 1 | **" in text and "uncompiled Keras augmentation" in text
+
+
 def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():
     from benchmarks import datacache
 
