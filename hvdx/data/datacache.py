@@ -6,9 +6,10 @@ the second epoch on. Internals and guarantees: docs/datacache.md.
     model.fit(cache.dataset(batch_size=256, augment=flip_and_crop), epochs=90)
 
 Levels: `DiskCache` (level 1, local disk: every file read from its source is kept, for
-this run and later ones) and `NodeStore` (level 2, node memory: decoded samples keyed by
-(sample index, resolution), one store on /dev/shm per node, shared by its ranks; at a fixed
-resolution a slab of the node's part, read by `tf.gather` from a zero-copy view).
+this run and later ones; none for a source already on a local disk) and `NodeStore` (level
+2, node memory: decoded samples keyed by (sample index, resolution, channels), one store on
+/dev/shm per node, shared by its ranks; at a fixed resolution a slab of the node's part,
+read by `tf.gather` from a zero-copy view).
 
 The split, for N samples on m nodes of n ranks: a seeded permutation (`split_seed`) deals
 the samples to the nodes (TFRecord shards are dealt whole); node j keeps only its part.
