@@ -48,7 +48,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdx.data.catalog import ImageFolder, TFRecordShards
-from hvdx.data.decode import DECODER, decode_image_eager, normalize_resolution
+from hvdx.data.decode import DECODER, decode_image, decode_image_eager, normalize_resolution
 from hvdx.data.disk import DiskCache
 from hvdx.data.source import GFileSource, Source
 from hvdx.data.store import NodeStore, Slab, list_stores, remove_store, sample_key
@@ -188,6 +188,7 @@ class DataCache:
         self.seed, self.split_seed = int(seed), int(split_seed)
         self.remainder, self.on_error = remainder, on_error
         self.lookahead = lookahead
+        self._io_threads = io_threads
         self.placement = placement or Placement.current()
         self.source = source or GFileSource()
         p = self.placement
@@ -245,6 +246,8 @@ class DataCache:
         self._leftovers: Dict[Tuple[int, object], Future] = {}  # leftovers being put by the prefetcher
         self._decode_slots = threading.BoundedSemaphore(os.cpu_count() or 1)
         self._feeder_stop: Optional[threading.Event] = None
+        self._feeder_drain: Optional[threading.Event] = None  # set: the reader has its share, no gate
+        self._feeder_thread: Optional[threading.Thread] = None
         self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
         self._full_slabs: set = set()  # resolutions whose slab holds the whole part
         self.skipped: Dict[str, str] = {}
@@ -356,22 +359,22 @@ class DataCache:
         missing = [(s, j >= len(share_list)) for j, (s, w) in enumerate(zip(wanted, where))
                    if not w and s not in self._bad]
         if missing:
-            stop = threading.Event()
-            self._feeder_stop = stop
-            threading.Thread(target=self._feed, args=(missing, resolution, stop), daemon=True,
-                             name="hvdx-datacache-feeder").start()
+            stop, drain = threading.Event(), threading.Event()
+            self._feeder_stop, self._feeder_drain = stop, drain
+            feed = self._feed if resolution is not None else self._feed_threads
+            self._feeder_thread = threading.Thread(target=feed, args=(missing, resolution, stop, drain), daemon=True,
+                                                   name="hvdx-datacache-feeder")
+            self._feeder_thread.start()
         in_slab = slab is not None and bool(np.all(where[:len(share_list)] == 2))
         return share.astype(np.int64), in_slab, [s for s, left in missing if left]
 
-    def _feed(self, missing: List[Tuple[int, bool]], resolution, stop: threading.Event) -> None:
-        """Clairvoyant prefetch (beyond the paper): read and decode the epoch's missing samples
-        in the order the reader will want them, at most `lookahead` ahead of it. Leftovers
-        (remainder="drop") are put into the store by the worker (the reader collects them,
-        and their errors, at the epoch's last batch); the others are handed to the reader,
-        which puts a whole batch in one transaction."""
-        slots = threading.BoundedSemaphore(self.lookahead)
+    def _feed_threads(self, missing: List[Tuple[int, bool]], resolution, stop: threading.Event,
+                      drain: threading.Event) -> None:
+        """`_feed` for samples of no fixed resolution (they cannot be batched): every sample
+        read and decoded by a Python worker (`io_threads` of them, at most one decode per core)."""
+        slots = threading.Semaphore(self.lookahead)
         for sample, leftover in missing:
-            while not slots.acquire(timeout=0.1):  # a reader that stopped mid-epoch frees no slot
+            while not drain.is_set() and not slots.acquire(timeout=0.1):  # a reader that stopped frees none
                 if stop.is_set():
                     return
             key = (sample, resolution)
@@ -379,7 +382,6 @@ class DataCache:
                 if stop.is_set():
                     return
                 if key in self._inflight or key in self._taken or key in self._leftovers:
-                    slots.release()
                     continue
                 if leftover:
                     future = self._pool.submit(self._decode_and_put, sample, resolution)
@@ -388,12 +390,126 @@ class DataCache:
                     continue
                 self._inflight[key] = (self._pool.submit(self._decode, sample, resolution), slots.release)
 
+    def _feed(self, missing: List[Tuple[int, bool]], resolution, stop: threading.Event,
+              drain: threading.Event) -> None:
+        """Clairvoyant prefetch (beyond the paper): read and decode the epoch's missing samples
+        in the order the reader will want them, at most `lookahead` ahead of it. Leftovers
+        (remainder="drop") are put into the store here (the reader waits for them, and their
+        errors, after the epoch's last batch); the others are handed to the reader, which puts
+        a whole batch in one transaction.
+
+        Reading and decoding run in a tf.data pipeline of their own (`_decoded`: TensorFlow's
+        threads, no Python per sample where the files are on a local disk, the same decode
+        graph as a plain tf.data pipeline), on a private thread pool so that the reader
+        waiting in its own pipeline never holds threads this one needs. A sample whose read
+        or decode fails goes through `_decode` (its file named, or skipped) and the pipeline
+        resumes after it."""
+        order = []
+        with self._lock:  # every sample gets its future now: the reader waits on it, never decodes twice
+            for sample, leftover in missing:
+                key = (sample, resolution)
+                if key in self._inflight or key in self._taken or key in self._leftovers:
+                    continue
+                future: Future = Future()
+                if leftover:
+                    self._leftovers[key] = future
+                else:
+                    self._inflight[key] = (future, lambda: self._feed_gate_release(gate))
+                order.append((sample, leftover, future))
+        gate = threading.Condition()
+        gate.ahead = 0  # samples decoded or being decoded that the reader has not taken
+        start = 0
+        while start < len(order):
+            done = start
+            try:
+                for sample, image, label in self._decoded([s for s, _, _ in order[start:]], resolution):
+                    s, leftover, future = order[done]
+                    if not leftover:
+                        with gate:
+                            while gate.ahead >= self.lookahead and not drain.is_set() and not stop.is_set():
+                                gate.wait(0.1)
+                            gate.ahead += 1
+                    if stop.is_set():
+                        break
+                    if leftover:
+                        self.store.put_many([(sample_key(s, resolution, self.channels), image, label)])
+                        future.set_result(None)
+                    else:
+                        future.set_result((image, label))
+                    done += 1
+                else:
+                    done = len(order)
+            except (tf.errors.OpError, ValueError):
+                s, leftover, future = order[done]  # the failed one: through Python, named or skipped
+                _chain(future, self._pool.submit(self._decode_and_put if leftover else self._decode, s, resolution))
+                done += 1
+            if stop.is_set():
+                break
+            start = done
+        if done < len(order):  # stopped: the reader of this epoch is gone, or the next epoch began
+            with self._lock:
+                for s, leftover, future in order[done:]:
+                    if not future.done():
+                        books = self._leftovers if leftover else self._inflight
+                        if books.pop((s, resolution), None) is not None:
+                            future.cancel()
+                        else:  # the reader took it already: it waits on it
+                            _chain(future, self._pool.submit(
+                                self._decode_and_put if leftover else self._decode, s, resolution))
+
+    @staticmethod
+    def _feed_gate_release(gate: threading.Condition) -> None:
+        with gate:
+            gate.ahead -= 1
+            gate.notify()
+
+    def _decoded(self, samples: List[int], resolution):
+        """(sample, uint8 pixels at `resolution`, label) of each of `samples`, in order, from a
+        tf.data pipeline: files on a local disk read by `tf.io.read_file`, others through
+        level 1 (a Python read per sample, waiting on I/O), decoded by `decode_image`'s graph.
+        Raises the first failing read or decode's error (tf.errors.OpError)."""
+        h, w = resolution
+        c = self.channels
+        ids = np.asarray(samples, np.int64)
+        if isinstance(self.catalog, ImageFolder) and not self.disk.keep and isinstance(self.source, GFileSource):
+            paths = [self.catalog.paths[s] for s in samples]
+            labels = self.catalog.labels[ids]
+            ds = tf.data.Dataset.from_tensor_slices((ids, paths, labels))
+            ds = ds.map(lambda i, p, y: (i, tf.io.read_file(p), y), num_parallel_calls=tf.data.AUTOTUNE,
+                        deterministic=True)
+        else:
+            def read(sample: np.ndarray):
+                data, label = self.catalog.read(int(sample), self.disk)
+                return np.bytes_(data), np.int64(-1 if label is None else label)
+
+            @tf.autograph.experimental.do_not_convert
+            def fetch(i: tf.Tensor):
+                data, label = tf.numpy_function(read, [i], [tf.string, tf.int64], stateful=True)
+                return i, data, label
+
+            ds = tf.data.Dataset.from_tensor_slices(ids).map(fetch, num_parallel_calls=self._io_threads,
+                                                             deterministic=True)
+
+        @tf.autograph.experimental.do_not_convert
+        def decode(i: tf.Tensor, data: tf.Tensor, label: tf.Tensor):
+            data.set_shape([])
+            return i, decode_image(data, (h, w), c), label
+
+        ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(4)
+        options = tf.data.Options()
+        options.threading.private_threadpool_size = max(2, os.cpu_count() or 1)
+        options.threading.max_intra_op_parallelism = 1
+        for i, image, label in ds.with_options(options).as_numpy_iterator():
+            yield int(i), image, int(label)
+
     def _finish_leftovers(self, leftovers: Sequence[int], resolution) -> None:
         """Waits until the epoch's leftovers are in the store (decoding those the prefetcher
         has not started), so that their errors surface in the epoch that decodes them:
         ValueError naming the file with on_error="raise", a warning with "skip"."""
-        if self._feeder_stop is not None:
-            self._feeder_stop.set()  # the epoch's last batch: the reader has asked for its whole share
+        if self._feeder_drain is not None:
+            self._feeder_drain.set()  # the reader has taken its whole share: the prefetcher runs to its end
+        if self._feeder_thread is not None:
+            self._feeder_thread.join()  # every leftover has its future
         futures = []
         with self._lock:
             for sample in leftovers:
@@ -509,6 +625,7 @@ class DataCache:
         usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
         slab = self._slab(res)
         plans: Dict[int, Tuple[np.ndarray, bool, np.ndarray, List[int]]] = {}
+        finishing: set = set()  # epochs whose last batch is being read: their leftovers follow it
 
         def batch_of(state: np.ndarray, step: np.ndarray) -> Tuple[int, np.ndarray, bool, np.ndarray]:
             """(epoch, the batch's samples, whether the epoch is all in the slab, their slots).
@@ -529,16 +646,22 @@ class DataCache:
             else:
                 epoch = int(state)
             samples, in_slab, slots, leftovers = plans[epoch]
-            if k == steps - 1 and leftovers:  # their decode errors belong to this epoch
-                self._finish_leftovers(leftovers, res)
+            if k == steps - 1 and leftovers:  # after this batch: their decode errors belong to this epoch
+                finishing.add(epoch)
             part = slice(k * batch_size, (k + 1) * batch_size)
             return epoch, samples[part], in_slab, slots[part]
+
+        def finish(epoch: int) -> None:
+            if epoch in finishing:
+                finishing.discard(epoch)
+                self._finish_leftovers(plans[epoch][3], res)
 
         def slab_step(state: np.ndarray, step: np.ndarray):
             epoch, samples, in_slab, slots = batch_of(state, step)
             if not in_slab:
                 samples = self._read_into_slab(samples, res, slab)
                 slots = slab.slots(samples)
+            finish(epoch)
             # the slab's arrays are zero-copy views of the node's mapping: TensorFlow takes them
             # over without copying, and tf.gather copies out only the batch
             return np.int64(epoch), samples, slots, slab.pixels, slab.labels
@@ -546,6 +669,7 @@ class DataCache:
         def read_step(state: np.ndarray, step: np.ndarray):
             epoch, samples, _, _ = batch_of(state, step)
             images, labels, ids = self._read_block(samples, res)
+            finish(epoch)
             return np.int64(epoch), ids, images, labels
 
         # One Python call per batch (sequential, in a scan whose state is the iteration's epoch);
@@ -599,6 +723,19 @@ class DataCache:
         return (f"DataCache({len(self.part)} samples on node {p.node}/{p.num_nodes}, {self.per_rank} per rank, "
                 f"resolution={self.resolution}, disk={self.disk.directory if self.disk.keep else None!r}, "
                 f"store={self.store.path!r})")
+
+
+def _chain(target: Future, source: Future) -> None:
+    """`target` gets `source`'s result or exception when it is done."""
+    def copy(done: Future) -> None:
+        if target.done():
+            return
+        error = done.exception()
+        if error is not None:
+            target.set_exception(error)
+        else:
+            target.set_result(done.result())
+    source.add_done_callback(copy)
 
 
 def _check_batch_size(batch_size: int) -> None:
