@@ -58,6 +58,7 @@ __all__ = ["DataCache", "Placement", "default_cache_dir", "epoch_share", "node_p
 log = logging.getLogger(__name__)
 DEFAULT_STORE_DIR = "/dev/shm/hvdx-datacache"
 REMAINDERS = ("drop", "pad")
+_FEED_BLOCK = 16  # samples per step of the prefetcher's pipeline
 ON_ERROR = ("raise", "skip")
 
 
@@ -404,6 +405,8 @@ class DataCache:
         waiting in its own pipeline never holds threads this one needs. A sample whose read
         or decode fails goes through `_decode` (its file named, or skipped) and the pipeline
         resumes after it."""
+        gate = threading.Condition()
+        gate.ahead = 0  # samples decoded or being decoded that the reader has not taken
         order = []
         with self._lock:  # every sample gets its future now: the reader waits on it, never decodes twice
             for sample, leftover in missing:
@@ -416,36 +419,36 @@ class DataCache:
                 else:
                     self._inflight[key] = (future, lambda: self._feed_gate_release(gate))
                 order.append((sample, leftover, future))
-        gate = threading.Condition()
-        gate.ahead = 0  # samples decoded or being decoded that the reader has not taken
-        start = 0
-        while start < len(order):
+        start = done = 0
+        while start < len(order) and not stop.is_set():
             done = start
             try:
-                for sample, image, label in self._decoded([s for s, _, _ in order[start:]], resolution):
-                    s, leftover, future = order[done]
-                    if not leftover:
-                        with gate:
-                            while gate.ahead >= self.lookahead and not drain.is_set() and not stop.is_set():
-                                gate.wait(0.1)
-                            gate.ahead += 1
+                for images, labels in self._decoded([s for s, _, _ in order[start:]], resolution):
+                    for image, label in zip(images, labels):  # views of the decoded block
+                        s, leftover, future = order[done]
+                        if not leftover:
+                            with gate:
+                                while gate.ahead >= self.lookahead and not drain.is_set() and not stop.is_set():
+                                    gate.wait(0.1)
+                                gate.ahead += 1
+                        if stop.is_set():
+                            break
+                        if leftover:
+                            self.store.put_many([(sample_key(s, resolution, self.channels), image, int(label))])
+                            future.set_result(None)
+                        else:
+                            future.set_result((image, int(label)))
+                        done += 1
                     if stop.is_set():
                         break
-                    if leftover:
-                        self.store.put_many([(sample_key(s, resolution, self.channels), image, label)])
-                        future.set_result(None)
-                    else:
-                        future.set_result((image, label))
-                    done += 1
-                else:
-                    done = len(order)
             except (tf.errors.OpError, ValueError):
-                s, leftover, future = order[done]  # the failed one: through Python, named or skipped
-                _chain(future, self._pool.submit(self._decode_and_put if leftover else self._decode, s, resolution))
-                done += 1
-            if stop.is_set():
-                break
-            start = done
+                # a read or decode failed in the next block: its samples through Python (a bad
+                # file named, or skipped), then the pipeline again after them
+                for s, leftover, future in order[done:done + _FEED_BLOCK]:
+                    _chain(future, self._pool.submit(self._decode_and_put if leftover else self._decode, s,
+                                                     resolution))
+                done = min(len(order), done + _FEED_BLOCK)
+            start = done if done > start or stop.is_set() else len(order)
         if done < len(order):  # stopped: the reader of this epoch is gone, or the next epoch began
             with self._lock:
                 for s, leftover, future in order[done:]:
@@ -464,7 +467,8 @@ class DataCache:
             gate.notify()
 
     def _decoded(self, samples: List[int], resolution):
-        """(sample, uint8 pixels at `resolution`, label) of each of `samples`, in order, from a
+        """(uint8 pixels at `resolution`, labels) of `samples`, in order, in blocks of
+        `_FEED_BLOCK`, from a
         tf.data pipeline: files on a local disk read by `tf.io.read_file`, others through
         level 1 (a Python read per sample, waiting on I/O), decoded by `decode_image`'s graph.
         Raises the first failing read or decode's error (tf.errors.OpError)."""
@@ -495,12 +499,13 @@ class DataCache:
             data.set_shape([])
             return i, decode_image(data, (h, w), c), label
 
-        ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True).prefetch(4)
+        ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        ds = ds.batch(_FEED_BLOCK).prefetch(2)  # one Python step per block of samples, not per sample
         options = tf.data.Options()
         options.threading.private_threadpool_size = max(2, os.cpu_count() or 1)
         options.threading.max_intra_op_parallelism = 1
-        for i, image, label in ds.with_options(options).as_numpy_iterator():
-            yield int(i), image, int(label)
+        for _, images, labels in ds.with_options(options):
+            yield images.numpy(), labels.numpy()
 
     def _finish_leftovers(self, leftovers: Sequence[int], resolution) -> None:
         """Waits until the epoch's leftovers are in the store (decoding those the prefetcher
