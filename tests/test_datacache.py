@@ -695,6 +695,18 @@ def test_a_decode_error_in_a_dropped_leftover_fails_the_epoch_that_decodes_it(ba
     skipping.close()
 
 
+def test_batches_have_a_static_shape_so_keras_augmentation_maps_over_them(digits_root, tmp_path):
+    """Issue 27 (8): the like-for-like pipeline maps uncompiled Keras layers over the batches
+    of either pipeline; the layers need the batch's rank and sizes."""
+    cache = make_cache(digits_root, tmp_path)
+    ds = cache.dataset(16)
+    assert ds.element_spec[0].shape.as_list() == [None, RES, RES, 3]
+    flip = tf.keras.layers.RandomFlip("horizontal", seed=0)
+    images = [x.numpy() for x, _ in ds.map(lambda x, y: (flip(x, training=True), y))]
+    assert sum(len(x) for x in images) == 48 and images[0].shape[1:] == (RES, RES, 3)
+    cache.close()
+
+
 # -- stores do not leak ----------------------------------------------------------------------------
 
 def test_a_run_replaces_the_stores_of_its_data_set_and_names_stale_ones(digits_root, tmp_path, capsys):
