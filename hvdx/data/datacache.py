@@ -251,6 +251,7 @@ class DataCache:
         self._feeder_thread: Optional[threading.Thread] = None
         self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
         self._full_slabs: set = set()  # resolutions whose slab holds the whole part
+        self._decode_fns: Dict[Tuple[int, int], Callable] = {}
         self.skipped: Dict[str, str] = {}
         self._bad: set = set()
 
@@ -466,6 +467,17 @@ class DataCache:
             gate.ahead -= 1
             gate.notify()
 
+    def _decode_graph(self, resolution: Tuple[int, int]) -> Callable[[tf.Tensor], tf.Tensor]:
+        """`decode_image` at `resolution` as a tf.function traced once per resolution (not once
+        per epoch's prefetcher pipeline: tracing its graph costs a few hundred ms)."""
+        with self._lock:
+            fn = self._decode_fns.get(resolution)
+            if fn is None:
+                fn = tf.function(lambda data: decode_image(data, resolution, self.channels),
+                                 input_signature=[tf.TensorSpec([], tf.string)]).get_concrete_function()
+                self._decode_fns[resolution] = fn
+            return fn
+
     def _decoded(self, samples: List[int], resolution):
         """(uint8 pixels at `resolution`, labels) of `samples`, in order, in blocks of
         `_FEED_BLOCK`, from a
@@ -494,12 +506,9 @@ class DataCache:
             ds = tf.data.Dataset.from_tensor_slices(ids).map(fetch, num_parallel_calls=self._io_threads,
                                                              deterministic=True)
 
-        @tf.autograph.experimental.do_not_convert
-        def decode(i: tf.Tensor, data: tf.Tensor, label: tf.Tensor):
-            data.set_shape([])
-            return i, decode_image(data, (h, w), c), label
-
-        ds = ds.map(decode, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        decode = self._decode_graph((h, w))
+        ds = ds.map(lambda i, data, label: (i, decode(data), label), num_parallel_calls=tf.data.AUTOTUNE,
+                    deterministic=True)
         ds = ds.batch(_FEED_BLOCK).prefetch(2)  # one Python step per block of samples, not per sample
         options = tf.data.Options()
         options.threading.private_threadpool_size = max(2, os.cpu_count() or 1)
@@ -629,6 +638,8 @@ class DataCache:
         steps = self.steps_per_epoch(batch_size, drop_remainder)
         usable = self.per_rank - self.per_rank % batch_size if drop_remainder else self.per_rank
         slab = self._slab(res)
+        if res is not None:
+            self._decode_graph(res)  # traced now, not in epoch 1
         plans: Dict[int, Tuple[np.ndarray, bool, np.ndarray, List[int]]] = {}
         finishing: set = set()  # epochs whose last batch is being read: their leftovers follow it
 
