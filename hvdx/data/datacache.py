@@ -480,12 +480,13 @@ class DataCache:
 
     def _decoded(self, samples: List[int], resolution):
         """(uint8 pixels at `resolution`, labels) of `samples`, in order, in blocks of
-        `_FEED_BLOCK`, from a
-        tf.data pipeline: files on a local disk read by `tf.io.read_file`, others through
-        level 1 (a Python read per sample, waiting on I/O), decoded by `decode_image`'s graph.
+        `_FEED_BLOCK`, from a tf.data pipeline: files on a local disk read by `tf.io.read_file`,
+        others through level 1 (`io_threads` Python reads at once, waiting on I/O: the private
+        thread pool has a thread for each), decoded by `decode_image`'s graph, one per core.
         Raises the first failing read or decode's error (tf.errors.OpError)."""
         h, w = resolution
-        c = self.channels
+        cores = max(2, os.cpu_count() or 1)
+        threads = cores  # the private pool: decodes, and reads waiting on a slow source
         ids = np.asarray(samples, np.int64)
         if isinstance(self.catalog, ImageFolder) and not self.disk.keep and isinstance(self.source, GFileSource):
             paths = [self.catalog.paths[s] for s in samples]
@@ -505,13 +506,13 @@ class DataCache:
 
             ds = tf.data.Dataset.from_tensor_slices(ids).map(fetch, num_parallel_calls=self._io_threads,
                                                              deterministic=True)
+            threads += self._io_threads  # a read waiting on the source holds a thread
 
         decode = self._decode_graph((h, w))
-        ds = ds.map(lambda i, data, label: (i, decode(data), label), num_parallel_calls=tf.data.AUTOTUNE,
-                    deterministic=True)
+        ds = ds.map(lambda i, data, label: (i, decode(data), label), num_parallel_calls=cores, deterministic=True)
         ds = ds.batch(_FEED_BLOCK).prefetch(2)  # one Python step per block of samples, not per sample
         options = tf.data.Options()
-        options.threading.private_threadpool_size = max(2, os.cpu_count() or 1)
+        options.threading.private_threadpool_size = threads
         options.threading.max_intra_op_parallelism = 1
         for _, images, labels in ds.with_options(options):
             yield images.numpy(), labels.numpy()
