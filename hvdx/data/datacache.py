@@ -25,9 +25,10 @@ local rank l takes every n-th sample from position l. Every rank reads
 
 Batches are cut per rank from its share: the same number on every rank, the last one
 partial unless `drop_remainder=True`. Augmentation runs after the cache, per sample over
-each batch (compiled with XLA where it can be). In epoch 1, `io_threads` workers fetch and
-decode this rank's missing samples in the order the reader will want them (the order is
-known from the seed), at most `lookahead` ahead.
+each batch (compiled with XLA where it can be). In epoch 1 a prefetcher (a tf.data pipeline
+of its own: `io_threads` reads at once from a slow source, one decode per core) fetches and
+decodes this rank's missing samples in the order the reader will want them (the order is
+known from the seed), at most `lookahead` ahead; leftovers' errors surface in that epoch.
 
 Raises ValueError for bad arguments (naming them), for an undecodable file with
 `on_error="raise"` (naming its path), and for node parts too small for the ranks.
@@ -156,8 +157,9 @@ class DataCache:
     - `on_error`: "raise" (an undecodable file fails the pipeline with its path) or "skip"
       (it is replaced in its batch by another sample of that batch, counted in
       `stats["skipped"]` and named, with one warning per file).
-    - `io_threads`: workers fetching and decoding ahead of the reader; `lookahead`: how many
-      samples they may run ahead of what they finished.
+    - `io_threads`: reads from the source (through level 1) at once, ahead of the reader;
+      `lookahead`: how many decoded samples the prefetcher may hold that the reader has not
+      taken.
     - `placement`: override the node / local rank read from hvdx's topology.
 
     With `tfrecords` on several nodes, building a DataCache is collective (the nodes agree
