@@ -423,35 +423,41 @@ class DataCache:
                     self._inflight[key] = (future, lambda: self._feed_gate_release(gate))
                 order.append((sample, leftover, future))
         start = done = 0
-        while start < len(order) and not stop.is_set():
-            done = start
-            try:
-                for images, labels in self._decoded([s for s, _, _ in order[start:]], resolution):
-                    for image, label in zip(images, labels):  # views of the decoded block
-                        s, leftover, future = order[done]
-                        if not leftover:
-                            with gate:
-                                while gate.ahead >= self.lookahead and not drain.is_set() and not stop.is_set():
-                                    gate.wait(0.1)
-                                gate.ahead += 1
+        try:
+            while start < len(order) and not stop.is_set():
+                done = start
+                try:
+                    for images, labels in self._decoded([s for s, _, _ in order[start:]], resolution):
+                        for image, label in zip(images, labels):  # views of the decoded block
+                            s, leftover, future = order[done]
+                            if not leftover:
+                                with gate:
+                                    while gate.ahead >= self.lookahead and not drain.is_set() and not stop.is_set():
+                                        gate.wait(0.1)
+                                    gate.ahead += 1
+                            if stop.is_set():
+                                break
+                            if leftover:
+                                self.store.put_many([(sample_key(s, resolution, self.channels), image, int(label))])
+                                future.set_result(None)
+                            else:
+                                future.set_result((image, int(label)))
+                            done += 1
                         if stop.is_set():
                             break
-                        if leftover:
-                            self.store.put_many([(sample_key(s, resolution, self.channels), image, int(label))])
-                            future.set_result(None)
-                        else:
-                            future.set_result((image, int(label)))
-                        done += 1
-                    if stop.is_set():
-                        break
-            except (tf.errors.OpError, ValueError):
-                # a read or decode failed in the next block: its samples through Python (a bad
-                # file named, or skipped), then the pipeline again after them
-                for s, leftover, future in order[done:done + _FEED_BLOCK]:
-                    _chain(future, self._pool.submit(self._decode_and_put if leftover else self._decode, s,
-                                                     resolution))
-                done = min(len(order), done + _FEED_BLOCK)
-            start = done if done > start or stop.is_set() else len(order)
+                except (tf.errors.OpError, ValueError):
+                    # a read or decode failed in the next block: its samples through Python (a bad
+                    # file named, or skipped), then the pipeline again after them
+                    for s, leftover, future in order[done:done + _FEED_BLOCK]:
+                        _chain(future, self._pool.submit(self._decode_and_put if leftover else self._decode, s,
+                                                         resolution))
+                    done = min(len(order), done + _FEED_BLOCK)
+                start = done if done > start or stop.is_set() else len(order)
+        except BaseException as exc:  # unexpected: the reader must fail, not wait for ever
+            for _, _, future in order:
+                if not future.done():
+                    future.set_exception(exc)
+            raise
         if done < len(order):  # stopped: the reader of this epoch is gone, or the next epoch began
             with self._lock:
                 for s, leftover, future in order[done:]:

@@ -5,7 +5,9 @@ keys them by (sample index, resolution, channels), since progressive resizing ch
 resolution per phase and a run may read the same data set with another channel count.
 Whatever else changes the stored bytes is the store's identity (its metadata, below): the
 value format, the hvdx version, the data set's fingerprint (file names, sizes, mtimes) and
-the decoder's identity (resizing method and rounding); pixels are always uint8. The store is one LMDB environment on /dev/shm per node: memory-mapped, so the
+the decoder's identity (resizing method and rounding); pixels are always uint8.
+
+The store is one LMDB environment on /dev/shm per node: memory-mapped, so the
 node's local ranks share one copy instead of holding one each, and filled by all of them at
 once (LMDB serialises writers with its own lock; readers never block).
 
