@@ -52,11 +52,13 @@ import tensorflow as tf  # noqa: E402
 import hvdx  # noqa: E402
 from hvdx.data import DataCache, SlowSource, decode_image  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402
+from hvdx.data.store import remove_store  # noqa: E402
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import add_output_arguments, load_during, markdown_table, readme_path, update_readme  # noqa: E402
+    from common import (add_output_arguments, launch_ranks, load_during, markdown_table, readme_path,  # noqa: E402
+                        slowest, under_launcher, update_readme)
 except ImportError:
-    from benchmarks.common import (add_output_arguments, load_during, markdown_table, readme_path,  # noqa: E402
-                                   update_readme)
+    from benchmarks.common import (add_output_arguments, launch_ranks, load_during, markdown_table,  # noqa: E402
+                                   readme_path, slowest, under_launcher, update_readme)
 
 INPUT_METHODS = ("no_cache", "no_cache_16", "tf_cache", "datacache")
 TRAIN_METHODS = ("no_cache", "tf_cache", "datacache")
@@ -391,6 +393,181 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+# -- like for like (issue 27): the same files on a local disk, the same augmentation code ----------
+
+LIKE_GOALS = {"epoch2_none": 1.0, "epoch2_keras": 1.0, "epoch1": 0.8}
+
+
+def keras_augment() -> Callable:
+    """Uncompiled Keras augmentation, applied per batch after either pipeline (the same code)."""
+    layers = tf.keras.Sequential([tf.keras.layers.RandomFlip("horizontal", seed=1),
+                                  tf.keras.layers.RandomTranslation(0.1, 0.1, seed=2)])
+
+    def fn(x: tf.Tensor, y: tf.Tensor):
+        return layers(x, training=True), y
+    return fn
+
+
+def like_pipelines(method: str, root: Path, store_dir: Path, args: argparse.Namespace, rank: int, size: int):
+    """(dataset, dataset with Keras augmentation, cache or None) of one cold start of `method`
+    on this rank: tf.data over its shard of the files (`plain`: decode every epoch;
+    `tf_cache`: `.cache()` after decoding, then a full shuffle), or DataCache (the default
+    source: files on a local disk get no level-1 copy)."""
+    cache = None
+    if method == "datacache":
+        cache = DataCache(str(root), resolution=args.resolution, cache_dir=str(store_dir / "disk"),
+                          store_dir=str(store_dir), seed=args.seed, memory_bytes=2**33)
+        base = cache.dataset(args.batch)
+    else:
+        folder = ImageFolder(str(root), hvdx.data.GFileSource())
+        paths, labels = folder.paths[rank::size], folder.labels[rank::size]  # ds.shard(size, rank)
+        res = args.resolution
+        ds = tf.data.Dataset.from_tensor_slices((paths, labels))
+        if method == "plain":
+            ds = ds.shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
+        ds = ds.map(lambda p, y: (decode_image(tf.io.read_file(p), res), y), num_parallel_calls=tf.data.AUTOTUNE)
+        if method == "tf_cache":
+            ds = ds.cache().shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
+        base = ds.batch(args.batch).prefetch(tf.data.AUTOTUNE)
+    augmented = base.map(keras_augment(), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+    return base, augmented, cache
+
+
+def bench_like(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
+    """Seconds per epoch of the slowest rank: epoch 1 of plain tf.data, `.cache()` and DataCache
+    (cold, taking turns), then epochs 2+ of `.cache()` and DataCache taking turns, without and
+    with augmentation (an untimed augmented epoch first: tracing)."""
+    rank, size = 0, 1
+    if under_launcher():
+        topo = hvdx.init()
+        rank, size = topo.rank, topo.size
+
+    def timed(ds: tf.data.Dataset, name: str) -> float:
+        if size > 1:
+            hvdx.barrier()
+        start = time.perf_counter()
+        for _ in ds:
+            pass
+        seconds = time.perf_counter() - start
+        return slowest(seconds, name) if size > 1 else seconds
+
+    out: Dict[str, List] = {"plain_epoch1": [], "tf_cache_epoch1": [], "datacache_epoch1": [],
+                            "tf_cache_none": [], "datacache_none": [], "tf_cache_keras": [], "datacache_keras": []}
+    for r in range(args.rounds):
+        order = ("plain", "tf_cache", "datacache") if r % 2 == 0 else ("datacache", "tf_cache", "plain")
+        runs = {}
+        for method in order:
+            runs[method] = like_pipelines(method, root, store_dir / f"round{r}", args, rank, size)
+            out[f"{method}_epoch1"].append(timed(runs[method][0], f"like.{r}.{method}.1"))
+        for method in ("tf_cache", "datacache"):
+            timed(runs[method][1], f"like.{r}.{method}.warm")
+        later = {f"{m}_{a}": [] for m in ("tf_cache", "datacache") for a in ("none", "keras")}
+        for e in range(args.epochs - 1):
+            for method in (("tf_cache", "datacache") if e % 2 == 0 else ("datacache", "tf_cache")):
+                later[f"{method}_none"].append(timed(runs[method][0], f"like.{r}.{method}.{e}.none"))
+                later[f"{method}_keras"].append(timed(runs[method][1], f"like.{r}.{method}.{e}.keras"))
+        for key, seconds in later.items():
+            out[key].append(seconds)
+        cache = runs["datacache"][2]
+        cache.close()
+        if size > 1:
+            hvdx.barrier()
+        if cache.placement.local_rank == 0:
+            shutil.rmtree(store_dir / f"round{r}", ignore_errors=True) if cache.placement.num_nodes == 1 else \
+                remove_store(cache.store.path)
+        if rank == 0:
+            print(json.dumps({"round": r, **{k: v[-1] for k, v in out.items()}}, default=str), flush=True)
+    return {"rounds_seconds": out, "ranks": size}
+
+
+def like_summary(result: dict) -> dict:
+    """Per-round ratios (speed of DataCache over the baseline: baseline time / DataCache time)."""
+    t = result["rounds_seconds"]
+    med = statistics.median
+    return {"epoch2_none": [med(a) / med(b) for a, b in zip(t["tf_cache_none"], t["datacache_none"])],
+            "epoch2_keras": [med(a) / med(b) for a, b in zip(t["tf_cache_keras"], t["datacache_keras"])],
+            "epoch1": [a / b for a, b in zip(t["plain_epoch1"], t["datacache_epoch1"])]}
+
+
+def like_table(results: Dict[str, dict]) -> str:
+    rows = []
+    for topology, result in results.items():
+        ratios = like_summary(result)
+        load = result.get("load_average")
+        rows.append([topology, *(verdict(ratios[k], g) for k, g in LIKE_GOALS.items()),
+                     "/".join(f"{v:g}" for v in load) if load else ""])
+    return markdown_table(["ranks", "epoch 2+, no augmentation: DataCache over `.cache()`",
+                           "epoch 2+, uncompiled Keras augmentation: DataCache over `.cache()`",
+                           "epoch 1: DataCache over plain tf.data", "load average (1 min, start/end)"], rows, 1)
+
+
+def render_like(result: dict, out: Path, readme: Optional[Path]) -> None:
+    (out / "datacache_like.json").write_text(json.dumps(result, indent=2))
+    table = like_table(result["topologies"])
+    print(table)
+    if readme is not None:
+        c = result["config"]
+        body = ("**Like for like** (issue 27), measured by `python benchmarks/datacache.py --like-for-like` on "
+                f"{result['machine']['cpus']} CPU cores: {c['images']} JPEGs of {c['size']} px on a local disk, "
+                f"decoded to {c['resolution']} px, batches of {c['batch']}, per rank: plain tf.data and `.cache()` "
+                "over the rank's shard of the files (`ds.shard`), DataCache over its share (one store per node); "
+                "augmentation, where there is some, is the same uncompiled Keras code (`RandomFlip`, "
+                "`RandomTranslation`) mapped over the batches of either pipeline. Speed ratios of the slowest "
+                f"rank (baseline time / DataCache time), medians of {c['rounds']} cold rounds (epochs 2-"
+                f"{c['epochs']}, methods taking turns); raw times: `results/datacache_like.json`.\n\n" + table)
+        update_readme("datacache-like", body, readme)
+
+
+def run_like(args: argparse.Namespace, readme: Optional[Path]) -> None:
+    """The like-for-like rows, on 1 rank and on the --like-topologies (horovodrun over loopback)."""
+    if args.worker_json:  # a rank of a launched job
+        result = bench_like(Path(args.data_root), Path(args.store_root), args)
+        if hvd_rank() == 0:
+            Path(args.worker_json).write_text(json.dumps(result))
+        hvdx.barrier()
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-like-"))
+    store = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-like-", dir="/dev/shm"))
+    results = {}
+    try:
+        root = work / "local"
+        make_dataset(root, args.images, args.size)
+        topologies = ["1"] + [t for t in args.like_topologies.split(",") if t]
+        for topology in topologies:
+            with load_during() as load:
+                if topology == "1":
+                    result = bench_like(root, store, args)
+                else:
+                    nodes, per_node = (int(x) for x in topology.split("x"))
+                    path = work / f"{topology}.json"
+                    argv = [str(Path(__file__).resolve()), "--like-for-like", "--worker-json", str(path),
+                            "--data-root", str(root), "--store-root", str(store), *like_argv(args)]
+                    if launch_ranks(argv, nodes, per_node):
+                        raise SystemExit(f"the {topology} like-for-like run failed")
+                    result = json.loads(path.read_text())
+            result["load_average"] = [round(load["start"][0], 2), round(load["end"][0], 2)]
+            results[topology] = result
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+    config = {k: getattr(args, k) for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "seed",
+                                            "quick")}
+    machine = {"cpus": os.cpu_count(), "tensorflow": tf.__version__, "hvdx": hvdx.__version__}
+    render_like({"config": config, "machine": machine, "topologies": results}, args.out, readme)
+
+
+def like_argv(args: argparse.Namespace) -> List[str]:
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("images", "size", "resolution", "batch", "epochs",
+                                                                    "rounds", "seed")]
+
+
+def hvd_rank() -> int:
+    import horovod.tensorflow as hvd
+
+    return hvd.rank()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=2048)
@@ -407,14 +584,29 @@ def main() -> None:
     add_output_arguments(parser)
     parser.add_argument("--render", action="store_true",
                         help="redo the JSON's summary, the plot and the table from <out>/datacache.json")
+    parser.add_argument("--like-for-like", action="store_true",
+                        help="instead: files on a local disk, no augmentation and uncompiled Keras augmentation, "
+                             "DataCache against `.cache()` (epochs 2+) and plain tf.data (epoch 1), on 1 rank and "
+                             "--like-topologies")
+    parser.add_argument("--like-topologies", default="2x2", help="nodes x ranks per node (horovodrun over loopback)")
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    parser.add_argument("--data-root", help=argparse.SUPPRESS)
+    parser.add_argument("--store-root", help=argparse.SUPPRESS)
     args = parser.parse_args()
     readme = readme_path(args)
     if args.render:
         render(json.loads((args.out / "datacache.json").read_text()), args.out, readme)
+        if (args.out / "datacache_like.json").exists():
+            render_like(json.loads((args.out / "datacache_like.json").read_text()), args.out, readme)
         return
     if args.quick:
         args.images, args.size, args.resolution, args.batch = 64, 48, 24, 16
         args.epochs, args.rounds, args.latency_ms = 2, 1, 1.0
+    if args.like_for_like:
+        if args.epochs < 2:
+            raise SystemExit("--like-for-like needs --epochs >= 2 (epoch 1 cold, then epochs 2+)")
+        run_like(args, readme)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-"))
     with load_during() as load:

@@ -310,7 +310,7 @@ def test_two_by_two_ranks_one_store_per_node_each_with_its_part(ranks):
     data, tmp_path = ranks, ranks.workdir
     assert sorted(os.listdir(tmp_path / "shm")) == sorted(
         f"{name}{suffix}" for name in {r["store_path"].rsplit("/", 1)[1] for r in data.values()}
-        for suffix in ("", ".lock"))
+        for suffix in ("", ".lock", ".users"))  # .users: held (shared) while a process has it open
     stores = {r["node"]: r["store_path"] for r in data.values()}
     assert len(stores) == 2 and all(data[r]["store_path"] == stores[data[r]["node"]] for r in data)
     parts = {r["node"]: r["part"] for r in data.values()}
@@ -374,8 +374,8 @@ env = lmdb.open({path!r}, readonly=True, lock=False)
 with env.begin() as txn:
     out = {{}}
     for k, v in txn.cursor():
-        if len(k) != 16: continue  # the metadata
-        i = struct.unpack(">QII", k)[0]
+        if len(k) != 20: continue  # the metadata (keys: index, height, width, channels)
+        i = struct.unpack(">QIII", k)[0]
         label, h, w, c = struct.unpack_from("<qIII", v)
         px = np.frombuffer(v, np.uint8, offset=20)
         out[i] = bool(label == i and (h, w, c) == (16, 16, 3) and px.size == 768 and (px == i % 251).all())
@@ -580,6 +580,168 @@ def test_bad_arguments_are_rejected_by_name(digits_root, tmp_path):
         make_cache(digits_root, tmp_path / "p", placement=Placement(0, 64, 0, 1))
 
 
+# -- what changes the stored bytes is in the key or the store's identity -----------------------
+
+def test_the_same_data_at_another_channel_count_is_decoded_again_not_read_as_zeros(digits_root, tmp_path):
+    """Issue 27 (6): channels=3 then channels=1 on one node (one store, slab and LMDB values):
+    the second run's pixels are its own decode, never the first run's slots or zeros."""
+    for kwargs in ({}, {"resolution": None}):  # a slab at 24 px; LMDB values at 40 px
+        folder = tmp_path / ("slab" if not kwargs else "values")
+        for channels in (3, 1):
+            cache = make_cache(digits_root, folder, channels=channels, **kwargs)
+            for _ in range(2):
+                images, labels, ids = epoch(cache.dataset(16, with_index=True))
+                assert images.shape[-1] == channels and sorted(ids) == list(range(48))
+                assert np.array_equal(labels, cache.catalog.labels[ids]) and images.any()
+                assert all(np.array_equal(x, decode_image(tf.io.read_file(cache.catalog.paths[i]), cache.resolution,
+                                                          channels).numpy()) for x, i in zip(images, ids))
+            stored = len(cache.store.keys())
+            cache.close()
+        assert stored == 96  # one entry per sample per channel count
+
+
+def test_the_decoder_format_and_version_are_the_stores_identity(digits_root, tmp_path):
+    """Issue 27 (6): the resolution and channels are in the key (above); the decoder, the value
+    format and hvdx's version are in the store's metadata: a store made by another is rebuilt."""
+    from hvdx.data.decode import DECODER
+    from hvdx.data.store import FORMAT
+
+    cache = make_cache(digits_root, tmp_path)
+    epoch(cache.dataset(16, with_index=True))
+    meta = {k: v for k, v in cache.store.meta.items() if k not in ("format", "hvdx")}
+    assert cache.store.meta["decoder"] == DECODER and cache.store.meta["format"] == FORMAT
+    assert cache.store.meta["hvdx"] == hvdx.__version__ and meta["fingerprint"] == cache.fingerprint
+    path = cache.store.path
+    cache.close()
+    same = NodeStore(path, meta, 2**26)
+    assert not same.rebuilt and len(same.keys()) == 48
+    same.close()
+    other = NodeStore(path, {**meta, "decoder": DECODER + "|antialias"}, 2**26)
+    assert other.rebuilt and other.keys() == [] and not slabs(other)
+    other.close()
+
+
+def test_a_file_replaced_in_place_is_read_and_decoded_again(tmp_path):
+    """Issue 27 (9): size and mtime are in the fingerprint and name each level-1 copy."""
+    root = write_digits(tmp_path / "data", 12)
+    source = CountingSource()
+    cache = make_cache(root, tmp_path, source=source)
+    epoch(cache.dataset(4, with_index=True))
+    path = cache.catalog.paths[5]
+    cache.close()
+    other = write_digits(tmp_path / "other", 12, seed=9)  # different noise: different pixels
+    with open(os.path.join(other, os.path.relpath(path, root)), "rb") as f:
+        replacement = f.read()
+    with open(path, "wb") as f:  # in place, under the same name
+        f.write(replacement)
+    os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
+    source.reset()
+    again = make_cache(root, tmp_path, source=source)
+    images, _, ids = epoch(again.dataset(4, with_index=True))
+    assert again.store.rebuilt and source.reads == {path: 1}  # the others come from level 1
+    assert np.array_equal(images[list(ids).index(5)], direct(path))
+    again.close()
+
+
+def test_the_local_disk_copy_defaults_to_node_local_scratch(digits_root, tmp_path, monkeypatch):
+    """Issue 27 (9): $TMPDIR (not ~/.cache, often NFS on clusters), unless HVDX_DATACACHE_DIR."""
+    monkeypatch.delenv("HVDX_DATACACHE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "scratch"))
+    remote = CountingSource()  # a source that does not say its files are local
+    cache = DataCache(digits_root, resolution=RES, store_dir=str(tmp_path / "shm"), memory_bytes=2**26, source=remote)
+    assert cache.disk.directory.startswith(str(tmp_path / "scratch" / f"hvdx-datacache-{os.getuid()}"))
+    assert cache.disk.directory in repr(cache)
+    cache.close()
+    monkeypatch.setenv("HVDX_DATACACHE_DIR", str(tmp_path / "chosen"))
+    cache = DataCache(digits_root, resolution=RES, store_dir=str(tmp_path / "shm"), memory_bytes=2**26, source=remote)
+    assert cache.disk.directory.startswith(str(tmp_path / "chosen"))
+    cache.close()
+
+
+def test_files_on_a_local_disk_get_no_level_1_copy(digits_root, tmp_path):
+    """Issue 27 (8b): a copy of a file on a local disk costs a file write per sample in epoch 1
+    and saves nothing; `disk_copy=True` keeps one anyway."""
+    cache = DataCache(digits_root, resolution=RES, cache_dir=str(tmp_path / "disk"), store_dir=str(tmp_path / "shm"),
+                      memory_bytes=2**26)  # the default source, GFileSource, on a local file system
+    images, _, ids = epoch(cache.dataset(16, with_index=True))
+    assert not os.path.exists(tmp_path / "disk") and cache.disk.stats["hits"] == cache.disk.stats["misses"] == 0
+    assert all(np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids))
+    assert "disk=None" in repr(cache)
+    cache.close()
+    kept = DataCache(digits_root, resolution=RES, cache_dir=str(tmp_path / "disk"), store_dir=str(tmp_path / "shm2"),
+                     memory_bytes=2**26, disk_copy=True)
+    epoch(kept.dataset(16, with_index=True))
+    assert kept.disk.stats["misses"] == 48 and kept.disk.size_bytes() > 0
+    kept.close()
+
+
+def test_a_decode_error_in_a_dropped_leftover_fails_the_epoch_that_decodes_it(bad_root, tmp_path):
+    """Issue 27 (9): remainder="drop" leftovers are decoded in epoch 1 by the prefetcher; an
+    undecodable one fails that epoch, naming its file (it used to surface epochs later)."""
+    probe = make_cache(bad_root, tmp_path / "probe", placement=Placement(0, 1, 0, 4))
+    bad = {i for i, p in enumerate(probe.catalog.paths) if "garbage" in p or "truncated" in p}
+    seed = next(s for s in range(200)  # a seed whose epoch-0 leftovers of rank 0 hold a bad file, its share none
+                if bad & set(epoch_share(probe.part, 0, s, 0, 4, probe.per_rank)[1])
+                and not bad & set(epoch_share(probe.part, 0, s, 0, 4, probe.per_rank)[0]))
+    probe.close()
+    cache = make_cache(bad_root, tmp_path, seed=seed, placement=Placement(0, 1, 0, 4))
+    with pytest.raises(tf.errors.OpError, match=r"cannot decode .*digit(0/truncated|1/garbage)\.jpg"):
+        epoch(cache.dataset(2, with_index=True))
+    cache.close()
+    skipping = make_cache(bad_root, tmp_path / "skip", seed=seed, on_error="skip", placement=Placement(0, 1, 0, 4))
+    with pytest.warns(RuntimeWarning, match="skipping undecodable"):
+        epoch(skipping.dataset(2, with_index=True))
+    assert skipping.stats["skipped"] == 1
+    skipping.close()
+
+
+def test_batches_have_a_static_shape_so_keras_augmentation_maps_over_them(digits_root, tmp_path):
+    """Issue 27 (8): the like-for-like pipeline maps uncompiled Keras layers over the batches
+    of either pipeline; the layers need the batch's rank and sizes."""
+    cache = make_cache(digits_root, tmp_path)
+    ds = cache.dataset(16)
+    assert ds.element_spec[0].shape.as_list() == [None, RES, RES, 3]
+    flip = tf.keras.layers.RandomFlip("horizontal", seed=0)
+    images = [x.numpy() for x, _ in ds.map(lambda x, y: (flip(x, training=True), y))]
+    assert sum(len(x) for x in images) == 48 and images[0].shape[1:] == (RES, RES, 3)
+    cache.close()
+
+
+# -- stores do not leak ----------------------------------------------------------------------------
+
+def test_a_run_replaces_the_stores_of_its_data_set_and_names_stale_ones(digits_root, tmp_path, capsys):
+    """Issue 27 (7): another split or node count replaces the data set's store (the stores of
+    nodes the job no longer has go); stores of other data sets that no process uses are
+    named in a warning, listed and cleared by `python -m hvdx.data`, never one in use."""
+    from hvdx.data.__main__ import main
+
+    shm = tmp_path / "shm"
+    for node in (0, 1):  # a 2-node job on this machine
+        c = make_cache(digits_root, tmp_path, placement=Placement(node, 2, 0, 1))
+        epoch(c.dataset(8, with_index=True))
+        c.close()
+    assert len(os.listdir(shm)) == 2 * 3  # two stores (directory, .lock, .users)
+    one = make_cache(digits_root, tmp_path, split_seed=4)  # a 1-node job, another split
+    assert one.store.rebuilt and sorted(os.listdir(shm)) == sorted(os.path.basename(one.store.path) + s
+                                                                   for s in ("", ".lock", ".users"))
+    other = write_digits(tmp_path / "other", 8)
+    old = DataCache(other, resolution=RES, cache_dir=str(tmp_path / "disk-o"), store_dir=str(shm), memory_bytes=2**26)
+    epoch(old.dataset(4, with_index=True))
+    old.close()
+    with pytest.warns(RuntimeWarning, match=r"holds 1 stale node store.*python -m hvdx.data clear"):
+        again = make_cache(digits_root, tmp_path, split_seed=4)
+    assert main(["list", "--store-dir", str(shm)]) == 0
+    listed = capsys.readouterr().out
+    assert f"{os.path.basename(old.store.path)}" in listed and "stale" in listed and "in use" in listed
+    assert main(["clear", "--store-dir", str(shm)]) == 0  # the stale one only
+    assert [s for s in os.listdir(shm) if "." not in s] == [os.path.basename(again.store.path)]
+    assert main(["clear", "--store-dir", str(shm), os.path.basename(again.store.path)]) == 1  # in use: kept
+    assert os.path.isdir(again.store.path)
+    one.close()
+    again.close()
+    assert main(["clear", "--store-dir", str(shm)]) == 0 and os.listdir(shm) == []
+
+
 # -- the benchmark (Figure 9) runs end to end (tiny sizes; timings are never asserted) --------
 
 @pytest.mark.slow
@@ -616,6 +778,25 @@ def test_datacache_benchmark_writes_json_plot_and_table(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     block = text[text.index("<!-- datacache:begin -->"):]
     assert readme.read_text() == "# benchmarks\n\n" + block
+
+
+@pytest.mark.slow
+def test_datacache_benchmark_like_for_like_rows(tmp_path):
+    """Issue 27 (8): files on a local disk, no augmentation and uncompiled Keras augmentation,
+    DataCache against `.cache()` (epochs 2+) and plain tf.data (epoch 1); 1 rank here (the
+    2x2 row launches horovodrun: `--like-topologies 2x2`, the default)."""
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "datacache.py"), "--like-for-like",
+                           "--quick", "--like-topologies", "", "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "datacache_like.json").read_text())
+    rounds = result["topologies"]["1"]["rounds_seconds"]
+    assert sorted(rounds) == sorted(["plain_epoch1", "tf_cache_epoch1", "datacache_epoch1", "tf_cache_none",
+                                     "datacache_none", "tf_cache_keras", "datacache_keras"])
+    assert all(len(v) == 1 for v in rounds.values()) and len(rounds["datacache_none"][0]) == 1  # epochs 2+
+    text = readme.read_text()
+    assert "<!-- datacache-like:begin -->" in text and "| 1 | **" in text and "uncompiled Keras augmentation" in text
 
 
 def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():

@@ -8,16 +8,18 @@ Modules: `source` (where files come from), `disk` (level 1, local disk), `store`
 one store per node on /dev/shm: a flat slab per resolution and an LMDB index; lmdb is
 imported only when a store is opened),
 `catalog` (folder trees and TFRecord files), `decode` (decoding at a resolution),
-`datacache` (the split and the tf.data pipeline).
+`datacache` (the split and the tf.data pipeline); `python -m hvdx.data list|clear` lists and
+removes the node stores left in memory (`__main__`).
 """
-from hvdx.data.datacache import DataCache, Placement, epoch_share, node_part, samples_per_rank
+from hvdx.data.datacache import DataCache, Placement, default_cache_dir, epoch_share, node_part, samples_per_rank
 from hvdx.data.decode import decode_image
 from hvdx.data.disk import DiskCache
 from hvdx.data.source import CountingSource, GFileSource, SlowSource, Source
-from hvdx.data.store import NodeStore, sample_key
+from hvdx.data.store import NodeStore, list_stores, remove_store, sample_key
 
 __all__ = ["CountingSource", "DataCache", "DiskCache", "GFileSource", "NodeStore", "Placement", "SlowSource",
-           "Source", "decode_image", "epoch_share", "node_part", "sample_key", "samples_per_rank"]
+           "Source", "decode_image", "default_cache_dir", "epoch_share", "list_stores", "node_part", "remove_store",
+           "sample_key", "samples_per_rank"]
 
 
 def _hvdx_version() -> str:

@@ -9,8 +9,11 @@ Two inputs (shi2021 sec. 4.1 caches ImageNet):
   per record, numbered shard * 2**32 + record. A shard is fetched whole through level 1,
   its records located by their length headers, and read from the local copy.
 
-The fingerprint (a hash of the kind, root and file list) names the data set in both
-cache levels' metadata.
+The fingerprint (a hash of the kind, root, file list and every file's size and mtime)
+identifies the data set's content in the node store's metadata: a file replaced in place
+changes it, and the store is rebuilt. The location (a hash of the kind and root) names the
+caches: a later run over the same folder replaces the earlier run's store instead of adding
+one beside it. Each file's stamp (size and mtime) names its level-1 copy.
 """
 from __future__ import annotations
 
@@ -59,17 +62,20 @@ class ImageFolder:
         self.classes = [c for c in names if self.source.isdir(f"{root}/{c}")]
         if not self.classes:
             raise ValueError(f"root {self.root!r} has no class sub-folders (expected root/<class>/<image>)")
-        paths, labels = [], []
+        paths, labels, stamps = [], [], []
         exts = tuple(e.lower() for e in self.extensions)
         for label, name in enumerate(self.classes):
             for f in self.source.listdir(f"{root}/{name}"):
                 if f.lower().endswith(exts):
-                    paths.append(f"{root}/{name}/{f}")
+                    path = f"{root}/{name}/{f}"
+                    paths.append(path)
                     labels.append(label)
+                    stamps.append("%d:%d" % self.source.stat(path))
         if not paths:
             raise ValueError(f"root {self.root!r} holds no files ending in {list(exts)}")
-        self.paths, self.labels = paths, np.asarray(labels, np.int64)
-        self.fingerprint = _fingerprint("folder", root, self.classes, [p[len(root):] for p in paths])
+        self.paths, self.labels, self.stamps = paths, np.asarray(labels, np.int64), stamps
+        self.location = _fingerprint("folder", root)
+        self.fingerprint = _fingerprint("folder", root, self.classes, [p[len(root):] for p in paths], stamps)
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -82,7 +88,7 @@ class ImageFolder:
 
     def read(self, sample: int, disk: DiskCache) -> Tuple[bytes, Optional[int]]:
         """The encoded image of `sample` and its label."""
-        return disk.read(self.paths[sample]), int(self.labels[sample])
+        return disk.read(self.paths[sample], self.stamps[sample]), int(self.labels[sample])
 
 
 _LEN = struct.Struct("<QI")
@@ -120,7 +126,10 @@ class TFRecordShards:
             self.shards = self.source.glob(str(self.pattern))
         if not self.shards:
             raise ValueError(f"pattern {self.pattern!r} matches no TFRecord file")
-        self.fingerprint = _fingerprint("tfrecord", self.shards, self.image_key, self.label_key)
+        self.stamps = ["%d:%d" % self.source.stat(p) for p in self.shards]
+        folders = sorted({os.path.dirname(p) for p in self.shards})
+        self.location = _fingerprint("tfrecord", folders, self.image_key, self.label_key)
+        self.fingerprint = _fingerprint("tfrecord", self.shards, self.image_key, self.label_key, self.stamps)
         self._index: Dict[int, List[Tuple[int, int]]] = {}
         self._blobs: Dict[int, bytes] = {}  # shards kept in memory when level 1 cannot keep them
         self._lock = threading.Lock()
@@ -129,11 +138,11 @@ class TFRecordShards:
         """Fetches `shards` (through level 1) and returns their sample ids."""
         ids = []
         for s in shards:
-            blob = disk.read(self.shards[s])
+            blob = disk.read(self.shards[s], self.stamps[s])
             offsets = record_offsets(blob, self.shards[s])
             with self._lock:
                 self._index[s] = offsets
-                if not os.path.exists(disk.path_of(self.shards[s])):
+                if disk.keep and not os.path.exists(disk.path_of(self.shards[s], self.stamps[s])):
                     self._blobs[s] = blob
             ids.extend(s * RECORD_STRIDE + r for r in range(len(offsets)))
         return np.asarray(ids, np.int64)
@@ -152,7 +161,8 @@ class TFRecordShards:
         if blob is not None:
             payload = blob[offset:offset + length]
         else:
-            local = disk.path_of(self.shards[shard])
+            # the level-1 copy, or the file itself when it is on a local disk (no copies kept)
+            local = disk.path_of(self.shards[shard], self.stamps[shard]) if disk.keep else self.shards[shard]
             try:
                 with open(local, "rb") as f:
                     f.seek(offset)
@@ -160,7 +170,7 @@ class TFRecordShards:
                 if len(payload) != length:
                     raise OSError("short read")
             except OSError:  # the copy was evicted or damaged: fetch the shard again
-                payload = disk.read(self.shards[shard])[offset:offset + length]
+                payload = disk.read(self.shards[shard], self.stamps[shard])[offset:offset + length]
         example = tf.train.Example.FromString(payload)
         feature = example.features.feature
         if self.image_key not in feature:

@@ -15,7 +15,12 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["decode_image", "decode_image_eager", "normalize_resolution"]
+__all__ = ["DECODER", "decode_image", "decode_image_eager", "normalize_resolution"]
+
+DECODER = "tf.io.decode_image|jpeg-ratio-1248|resize-bilinear-round|uint8"
+"""The decoder's identity (how `decode_image` turns bytes into pixels): part of a node
+store's identity, so that a change of method, rounding or dtype rebuilds stores made by the
+old one. Change it whenever `decode_image`'s output changes."""
 
 Resolution = Optional[Tuple[int, int]]
 _RATIOS = (1, 2, 4, 8)

@@ -11,6 +11,8 @@ reads, in this run and in later runs (hyper-parameter sweeps, restarts), read th
 - `max_bytes` bounds the directory: least recently used copies (by mtime, touched on
   every hit) leave first, down to 90 % of the bound.
 - A full disk (or any failure to write) degrades to reading through, with one warning.
+- A copy's name is a hash of the source path and its stamp (the caller's size and mtime
+  of the file): a file replaced in place under the same name is fetched again.
 - `CACHE.json` records the data set's fingerprint and hvdx's version; a directory written
   for another data set or another version is emptied and rebuilt.
 """
@@ -34,7 +36,7 @@ from hvdx.data.source import GFileSource, Source
 
 __all__ = ["DiskCache", "FORMAT"]
 
-FORMAT = 1
+FORMAT = 2  # 2: copies named by path and stamp
 _TRAILER = struct.Struct("<4sQI")  # magic, size of the source's bytes, CRC32 of them
 _MAGIC = b"HVDC"
 _LOW_WATER = 0.9
@@ -50,12 +52,14 @@ def _version() -> str:
 class DiskCache:
     """Local-disk copies of the files of one data set, under `directory`.
 
-    `fingerprint` names the data set (DataCache passes a hash of its file list); `source`
-    is where misses are read from; `max_bytes` bounds the directory (None: unbounded).
+    `fingerprint` names the data set (DataCache passes a hash of its location); `source`
+    is where misses are read from; `max_bytes` bounds the directory (None: unbounded);
+    `keep=False` makes no copies (every read goes to the source, counted as read_through:
+    DataCache's choice for a source already on a local disk) and creates nothing.
     """
 
     def __init__(self, directory: str, fingerprint: str, source: Optional[Source] = None,
-                 max_bytes: Optional[int] = None) -> None:
+                 max_bytes: Optional[int] = None, keep: bool = True) -> None:
         if not directory:
             raise ValueError("directory must be a non-empty path")
         if max_bytes is not None and max_bytes <= 0:
@@ -71,6 +75,10 @@ class DiskCache:
         self._files = os.path.join(self.directory, "files")
         self._locks = os.path.join(self.directory, "locks")
         self._bytes: Optional[int] = None  # this process' estimate of the directory's size
+        self.keep = keep
+        if not keep:
+            self._writable, self._warned = False, True  # read through, silently
+            return
         try:
             self._open()
         except OSError as exc:
@@ -115,14 +123,16 @@ class DiskCache:
 
     # -- reading -----------------------------------------------------------------------------
 
-    def path_of(self, path: str) -> str:
-        """Where the copy of source file `path` lives (whether or not it exists)."""
-        key = hashlib.sha1(path.encode()).hexdigest()
+    def path_of(self, path: str, stamp: str = "") -> str:
+        """Where the copy of source file `path` with `stamp` (e.g. its size and mtime) lives
+        (whether or not it exists)."""
+        key = hashlib.sha1(f"{path}\0{stamp}".encode()).hexdigest()
         return os.path.join(self._files, key[:2], key)
 
-    def read(self, path: str) -> bytes:
-        """The bytes of source file `path`: the local copy if valid, else fetched (and kept)."""
-        local = self.path_of(path)
+    def read(self, path: str, stamp: str = "") -> bytes:
+        """The bytes of source file `path`: the local copy made for the same `stamp` (the
+        file's size and mtime when the caller listed it) if valid, else fetched (and kept)."""
+        local = self.path_of(path, stamp)
         data = self._read_valid(local)
         if data is not None:
             self._count("hits")

@@ -8,18 +8,60 @@ NFS, FUSE-free: it sleeps, so it costs no CPU and overlaps like real I/O).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
-__all__ = ["CountingSource", "GFileSource", "SlowSource", "Source"]
+__all__ = ["CountingSource", "GFileSource", "SlowSource", "Source", "filesystem_type"]
+
+# File systems on a disk (or in memory) of this machine: a local copy of their files saves
+# nothing. Anything else (nfs, cifs, fuse.*, lustre, gpfs, ceph, 9p, ...) counts as remote.
+LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "zfs", "tmpfs", "ramfs", "overlay",
+                               "jfs", "reiserfs", "bcachefs", "nilfs2", "vfat", "exfat", "ntfs3"})
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the file system holding local `path` (its longest mount point in
+    /proc/mounts; "" if unknown)."""
+    try:
+        with open("/proc/mounts") as f:
+            mounts = [line.split()[1:3] for line in f]
+    except OSError:
+        return ""
+    path = os.path.realpath(path)
+    best, kind = "", ""
+    for point, fstype in mounts:
+        point = point.replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best):
+            best, kind = point, fstype
+    return kind
 
 
 class Source:
-    """Reads files by path. Subclasses implement `read` and may override `listdir`/`isdir`."""
+    """Reads files by path. Subclasses implement `read` and may override `listdir`/`isdir`/
+    `glob`/`stat`."""
 
     def read(self, path: str) -> bytes:
         raise NotImplementedError
+
+    def stat(self, path: str) -> Tuple[int, int]:
+        """(size in bytes, modification time in ns) of `path`: a file replaced in place
+        changes them, and with them the data set's fingerprint (DataCache decodes it again)."""
+        if "://" not in path:
+            st = os.stat(path)
+            return st.st_size, st.st_mtime_ns
+        import tensorflow as tf
+
+        st = tf.io.gfile.stat(path)
+        return int(st.length), int(st.mtime_nsec)
+
+    def is_local(self, path: str) -> bool:
+        """Whether `path` is on a disk of this machine, where a level-1 copy saves nothing.
+        False unless a source knows better (a wrapper that changes the cost of reads, such
+        as `SlowSource` or a counting one, keeps level 1)."""
+        return False
 
     def listdir(self, path: str) -> List[str]:
         import tensorflow as tf
@@ -46,6 +88,10 @@ class GFileSource(Source):
         with tf.io.gfile.GFile(path, "rb") as f:
             return f.read()
 
+    def is_local(self, path: str) -> bool:
+        """True for a path (no URL scheme) on a local file system (`LOCAL_FILESYSTEMS`)."""
+        return "://" not in path and filesystem_type(path) in LOCAL_FILESYSTEMS
+
     def __repr__(self) -> str:
         return "GFileSource()"
 
@@ -63,6 +109,9 @@ class _Wrapper(Source):
 
     def glob(self, pattern: str) -> List[str]:
         return self.inner.glob(pattern)
+
+    def stat(self, path: str) -> Tuple[int, int]:
+        return self.inner.stat(path)
 
 
 class CountingSource(_Wrapper):

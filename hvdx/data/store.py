@@ -1,8 +1,13 @@
 """Level 2 of DataCache (shi2021 sec. 4.1, Fig. 5): decoded samples in node memory.
 
 The paper keeps pre-processed samples in a key-value store keyed by the sample index; hvdx
-keys them by (sample index, resolution), since progressive resizing changes the resolution
-per phase. The store is one LMDB environment on /dev/shm per node: memory-mapped, so the
+keys them by (sample index, resolution, channels), since progressive resizing changes the
+resolution per phase and a run may read the same data set with another channel count.
+Whatever else changes the stored bytes is the store's identity (its metadata, below): the
+value format, the hvdx version, the data set's fingerprint (file names, sizes, mtimes) and
+the decoder's identity (resizing method and rounding); pixels are always uint8.
+
+The store is one LMDB environment on /dev/shm per node: memory-mapped, so the
 node's local ranks share one copy instead of holding one each, and filled by all of them at
 once (LMDB serialises writers with its own lock; readers never block).
 
@@ -21,9 +26,15 @@ index: a slab slot counts only once its header-only entry is committed, after it
 and label are written (LMDB's commit publishes them to the node's other processes). Without a slab (no fixed resolution, or a
 budget too small for the whole part) the pixels go into the LMDB values.
 
-The environment's metadata (format, hvdx version, data-set fingerprint, and the node's
-part: node, number of nodes, split seed) is checked when it is opened; a store of another
-data set, version or split is emptied and rebuilt. `memory_bytes` bounds it: when it is
+The environment's metadata (format, hvdx version, data-set fingerprint, decoder, and the
+node's part: node, number of nodes, split seed) is checked when it is opened; a store of
+another data set, version or split is emptied and rebuilt (its name stays: the run replaces
+it). The metadata is also written to `STORE.json` in the store's directory, for listing.
+
+Stores outlive their runs (the node's other ranks and later runs reuse them). Every process
+that has a store open holds a shared flock on `<store>.users`: `list_stores` tells stores in
+use from stale ones, and `remove_store` removes a store only when no process has it open
+(`python -m hvdx.data list|clear`). `memory_bytes` bounds it: when it is
 full, writes stop with one warning and samples are decoded again when read (read-through).
 This module does not import TensorFlow, and imports lmdb only when a store is opened.
 """
@@ -39,13 +50,15 @@ import os
 import struct
 import threading
 import warnings
+import shutil
+from dataclasses import dataclass
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["NodeStore", "Sample", "Slab", "sample_key"]
+__all__ = ["NodeStore", "Sample", "Slab", "StoreInfo", "list_stores", "remove_store", "sample_key"]
 
-FORMAT = 2
+FORMAT = 3  # 3: the key holds the channel count
 _HEADER = struct.Struct("<qIII")
 _META_KEY = b"\x00meta"
 _INDEX_BYTES = 128  # LMDB bytes per header-only entry, kept free beside a slab
@@ -58,16 +71,17 @@ _envs: Dict[str, object] = {}  # LMDB allows one Environment per path per proces
 _envs_lock = threading.Lock()
 
 
-def sample_key(index: int, resolution: Optional[Tuple[int, int]]) -> bytes:
-    """The store's key of sample `index` at `resolution` ((height, width), None: as decoded)."""
+def sample_key(index: int, resolution: Optional[Tuple[int, int]], channels: int = 3) -> bytes:
+    """The store's key of sample `index` at `resolution` ((height, width), None: as decoded)
+    with `channels` channels: every property of a sample's bytes that a run chooses."""
     h, w = resolution or (0, 0)
-    return struct.pack(">QII", index, h, w)
+    return struct.pack(">QIII", index, h, w, channels)
 
 
-def parse_key(key: bytes) -> Tuple[int, Optional[Tuple[int, int]]]:
-    """(sample index, resolution) of a store key (`sample_key`'s inverse)."""
-    index, h, w = struct.unpack(">QII", key)
-    return index, ((h, w) if h or w else None)
+def parse_key(key: bytes) -> Tuple[int, Optional[Tuple[int, int]], int]:
+    """(sample index, resolution, channels) of a store key (`sample_key`'s inverse)."""
+    index, h, w, c = struct.unpack(">QIII", key)
+    return index, ((h, w) if h or w else None), c
 
 
 def encode_sample(image: np.ndarray, label: int) -> bytes:
@@ -193,12 +207,15 @@ class NodeStore:
         self.rebuilt = False
         self.stats = {"hits": 0, "misses": 0, "puts": 0}
         self._stats_lock = threading.Lock()
-        self._slabs: Dict[Tuple[int, int], Slab] = {}
+        self._slabs: Dict[Tuple[int, int, int], Slab] = {}  # by (height, width, channels)
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        self._users: Optional[int] = _hold_shared(self.path + ".users")  # in use: `remove_store` leaves it alone
         os.makedirs(self.path, exist_ok=True)
         with open(self.path + ".lock", "a+") as lock:  # the node's ranks open it one at a time
             fcntl.flock(lock, fcntl.LOCK_EX)
             self.env = _open_env(self.path, self.memory_bytes)
             self._check_meta()
+            _write_json(os.path.join(self.path, "STORE.json"), self.meta)
 
     def _check_meta(self) -> None:
         with self.env.begin(write=True) as txn:
@@ -220,7 +237,7 @@ class NodeStore:
         fits it whole; None (samples then go into LMDB values) if it does not."""
         h, w = resolution
         shape = (h, w, channels)
-        found = self._slabs.get((h, w))
+        found = self._slabs.get(shape)
         if found is not None:
             return found if found.shape == shape and np.array_equal(found.part, part) else None
         path = os.path.join(self.path, f"slab-{h}x{w}x{channels}-n{len(part)}")
@@ -243,15 +260,15 @@ class NodeStore:
                     log.warning("hvdx.data: node store %s: no room for a slab of %d bytes (%s); samples go "
                                 "into LMDB values", self.path, size, exc)
                     return None
-        self._slabs[(h, w)] = slab
+        self._slabs[shape] = slab
         return slab
 
     def _slab_of(self, key: bytes) -> Tuple[Optional[Slab], int]:
         """(the slab holding `key`'s sample in this process, its slot), or (None, -1)."""
         if not self._slabs:
             return None, -1
-        index, resolution = parse_key(key)
-        slab = self._slabs.get(resolution) if resolution else None
+        index, resolution, channels = parse_key(key)
+        slab = self._slabs.get((*resolution, channels)) if resolution else None
         if slab is None:
             return None, -1
         return slab, int(slab.slots([index])[0])
@@ -381,6 +398,117 @@ class NodeStore:
             if _envs.get(self.path) is self.env:
                 del _envs[self.path]
         self.env.close()
+        if self._users is not None:
+            os.close(self._users)  # releases the shared flock
+            self._users = None
 
     def __repr__(self) -> str:
         return f"NodeStore({self.path!r}, {self.memory_bytes} bytes)"
+
+
+# -- the stores of a directory: in use or stale, listing and removal ---------------------------
+
+def _hold_shared(path: str) -> int:
+    """An fd holding a shared flock on `path` (the file a remover locks exclusively); retried
+    if a remover unlinked the file between our open and our lock."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def _write_json(path: str, data: dict) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+
+
+@dataclass(frozen=True)
+class StoreInfo:
+    """A node store found in a directory: its path, bytes in memory, whether a process has it
+    open, and its metadata (`STORE.json`; None for a store of an older hvdx)."""
+
+    path: str
+    bytes: int
+    in_use: bool
+    meta: Optional[dict]
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path)
+
+
+def _in_use(path: str) -> bool:
+    try:
+        fd = os.open(path + ".users", os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)  # releases our lock if we got it
+
+
+def _allocated(path: str) -> int:
+    total = 0
+    for root, _, names in os.walk(path):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(root, name)).st_blocks * 512
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def list_stores(directory: str) -> List[StoreInfo]:
+    """Every node store in `directory` (a sub-directory holding an LMDB environment), sorted
+    by name; [] if the directory does not exist."""
+    try:
+        names = sorted(os.listdir(directory))
+    except FileNotFoundError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(os.path.join(path, "data.mdb")):
+            continue
+        try:
+            with open(os.path.join(path, "STORE.json")) as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            meta = None
+        out.append(StoreInfo(path, _allocated(path), _in_use(path), meta))
+    return out
+
+
+def remove_store(path: str) -> bool:
+    """Removes the node store at `path` (its directory and lock files) unless a process has it
+    open; True if it was removed. Its memory is freed once no process maps it."""
+    path = os.path.abspath(path)
+    try:
+        fd = os.open(path + ".users", os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        shutil.rmtree(path, ignore_errors=True)
+        for suffix in (".lock", ".users"):  # a later opener makes new ones (see _hold_shared)
+            try:
+                os.unlink(path + suffix)
+            except FileNotFoundError:
+                pass
+        return not os.path.exists(path)
+    finally:
+        os.close(fd)
