@@ -12,13 +12,15 @@ node, shaped links between them).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 import psutil
 
@@ -111,7 +113,23 @@ def launch_on_cluster(script: str, *args: str, nodes: int, ranks_per_node: int, 
     script_path = str(MULTIRANK / script)
     command = cluster_command([sys.executable, script_path, *args], nodes=nodes, ranks_per_node=ranks_per_node,
                               rate=rate, timeout=timeout)
-    return _run(command, script_path, nodes * ranks_per_node, timeout + 30, env)
+    with network_lock():
+        return _run(command, script_path, nodes * ranks_per_node, timeout + 30, env)
+
+
+#: Held while an emulated cluster of the test session exists, and by the tests that compare
+#: the machine's network state (namespaces, links, qdiscs) before and after: the suite's
+#: launches run beside the other tests in a thread of the same process (tests/suite.py),
+#: and one's namespaces must not be taken for another's leftovers. Reentrant: a test that
+#: holds it may launch a cluster itself.
+NETWORK_LOCK = threading.RLock()
+
+
+@contextlib.contextmanager
+def network_lock() -> Iterator[None]:
+    """Holds NETWORK_LOCK."""
+    with NETWORK_LOCK:
+        yield
 
 
 def cluster_unavailable() -> Optional[str]:

@@ -32,9 +32,12 @@ def system_state() -> dict:
 
 @pytest.fixture
 def leaves_nothing_behind():
-    before = system_state()
-    yield
-    after = system_state()
+    """No namespace, link, qdisc or /etc/netns entry more after the test than before (no
+    other emulated cluster of the session exists meanwhile: harness.network_lock)."""
+    with harness.network_lock():
+        before = system_state()
+        yield
+        after = system_state()
     assert after == before, f"left behind: {after} (before: {before})"
 
 

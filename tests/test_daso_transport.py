@@ -242,7 +242,7 @@ def test_transport_across_processes(ranks):
         assert all(d == digests[0] for d in digests), group  # bit-identical on every member
         for r in group:
             overlap = data[r]["overlap"]
-            assert overlap["in_flight_iterations"] >= 1, (r, overlap)
+            assert overlap["intersects"] and overlap["in_flight_iterations"] >= 1, (r, overlap)
             assert "mismatched requests" in data[r]["mismatch"], data[r]["mismatch"]
         gone = group[1]
         for r in group:

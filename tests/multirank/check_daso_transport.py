@@ -103,7 +103,9 @@ def check_overlap(transport: GroupTransport) -> dict:
     t0 = time.perf_counter()
     matmul_loop(a, 20)
     per_iteration = (time.perf_counter() - t0) / 20
-    iterations = max(10, int(exchange_alone / per_iteration))
+    # the loop lasts a few times the exchange alone: on a loaded machine the exchange may
+    # begin late, and it must still begin while the loop runs
+    iterations = max(10, int(3 * exchange_alone / per_iteration))
     start, end, _ = matmul_loop(a, iterations)
     loop_alone = end - start
     hvdx.barrier()  # members submit together, as they would in training
@@ -111,12 +113,13 @@ def check_overlap(transport: GroupTransport) -> dict:
     start, end, in_flight = matmul_loop(a, iterations, request)
     request.wait(120)
     together = max(end, request.finished) - request.started
-    # The exchange ran during the loop (its interval intersects the loop's), and the loop
-    # kept completing iterations while the exchange was in flight.
-    assert request.began < end and request.finished > start, (request.began, request.finished, start, end)
-    assert in_flight >= 1, (in_flight, iterations, request.began, request.finished, start, end)
+    # Whether the exchange ran during the loop (its interval intersects the loop's) and the
+    # loop kept completing iterations while it was in flight: the test asserts, so that a
+    # rank that sees no overlap does not leave the others waiting in the next collective.
     return {"exchange_alone": exchange_alone, "loop_alone": loop_alone, "together": together,
-            "iterations": iterations, "in_flight_iterations": in_flight}
+            "iterations": iterations, "in_flight_iterations": in_flight,
+            "intersects": bool(request.began < end and request.finished > start),
+            "intervals": [request.began, request.finished, start, end]}
 
 
 def check_mismatch(transport: GroupTransport) -> str:
