@@ -36,6 +36,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdx.topology import set_rank_and_size
+
 __all__ = ["Shares", "element_ranges", "parallel_elementwise", "parallel_map", "partition", "set_rank_and_size"]
 
 #: What one op costs beside its elements, in elements (a kernel dispatch of a few microseconds
@@ -110,15 +112,6 @@ def element_ranges(length: int, parts: int, align: int = 16) -> List[Tuple[int, 
     step = -(-length // parts)
     step = -(-step // align) * align if align > 1 else step
     return [(min(p * step, length), min((p + 1) * step, length)) for p in range(parts)]
-
-
-def set_rank_and_size(process_set: Optional[hvd.ProcessSet] = None) -> Tuple[int, int]:
-    """(this rank's index in the set, the set's size); (0, 1) without Horovod."""
-    if not hvd.is_initialized():
-        return 0, 1
-    if process_set is None or process_set is hvd.global_process_set:
-        return hvd.rank(), hvd.size()
-    return process_set.rank(), process_set.size()
 
 
 def _as_tuple(item: Items) -> Tuple[tf.Tensor, ...]:

@@ -22,7 +22,8 @@ from typing import Optional, Sequence, Tuple
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-__all__ = ["Topology", "TopologyError", "barrier", "init", "initialized", "shutdown", "topology"]
+__all__ = ["Topology", "TopologyError", "barrier", "init", "initialized", "set_rank_and_size", "shutdown",
+           "topology"]
 
 
 class TopologyError(RuntimeError):
@@ -155,6 +156,16 @@ def topology() -> Topology:
     if _topology is None:
         raise RuntimeError("hvdx.topology() needs hvdx.init() first")
     return _topology
+
+
+def set_rank_and_size(process_set: Optional[hvd.ProcessSet] = None) -> Tuple[int, int]:
+    """(this rank's index in `process_set`, the set's size); None or Horovod's global set:
+    all ranks; (0, 1) without Horovod."""
+    if not hvd.is_initialized():
+        return 0, 1
+    if process_set is None or process_set is hvd.global_process_set:
+        return hvd.rank(), hvd.size()
+    return process_set.rank(), process_set.size()
 
 
 def barrier(process_set: hvd.ProcessSet = hvd.global_process_set) -> None:

@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from hvdx.comm import registry
 from hvdx.layout import check_agreement
-from hvdx.topology import Topology, topology
+from hvdx.topology import Topology, set_rank_and_size, topology
 
 __all__ = ["Aggregated", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
            "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
@@ -275,8 +275,7 @@ class Strategy:
         """What every rank must agree on for a call on a buffer `name` made of pieces of
         `sizes` elements of `dtype`: the strategy with its options (`signature`), the
         buffer and the number of ranks taking part."""
-        process_set = self.process_set
-        ranks = hvd.size() if process_set is None or process_set is hvd.global_process_set else process_set.size()
+        _, ranks = set_rank_and_size(self.process_set)
         return {**self.signature(), "buffer name": name, "buffer elements": str(sum(sizes)),
                 "buffer pieces": str(list(sizes)), "buffer dtype": tf.as_dtype(dtype).name, "ranks": str(ranks)}
 
