@@ -205,12 +205,14 @@ class LaunchRecord:
     failed: List[str]
     cpu_seconds: float = 0.0  # of this process's children that ended meanwhile (other tests' too, launching ahead)
     check_seconds: Dict[str, float] = field(default_factory=dict)  # the slowest rank's, by check id
+    check_cpu: Dict[str, float] = field(default_factory=dict)  # CPU seconds of every rank together, by check id
 
     def __str__(self) -> str:
         slowest = sorted(self.check_seconds.items(), key=lambda kv: -kv[1])[:5]
         text = f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s ({self.cpu_seconds:.0f} CPU s)"
         if slowest:
-            text += " (slowest: " + ", ".join(f"{cid} {sec:.0f} s" for cid, sec in slowest) + ")"
+            text += " (slowest: " + ", ".join(
+                f"{cid} {sec:.0f} s, {self.check_cpu.get(cid, 0):.0f} CPU s" for cid, sec in slowest) + ")"
         return text + (f"; failed: {', '.join(self.failed)}" if self.failed else "")
 
 
@@ -382,7 +384,7 @@ class Suite:
                 p.outcome = self._settle(p, out, job, ended, outputs.get(p.id, ""), reached, [q.id for q in todo])
         self.launches.append(LaunchRecord(topology.name, len(todo), time.monotonic() - start,
                                           [p.id for p in todo if isinstance(p.outcome, str)],
-                                          _children_cpu() - cpu, self._seconds(out, [p.id for p in todo])))
+                                          _children_cpu() - cpu, *self._seconds(out, [p.id for p in todo])))
         if not never_started:
             return []
         problems = "\n\n".join(job.failures()) or "(no rank reported a problem)"
@@ -394,14 +396,15 @@ class Suite:
         return never_started
 
     @staticmethod
-    def _seconds(out: Path, ids: List[str]) -> Dict[str, float]:
-        """How long each check ran (its slowest rank), for the checks that ended."""
-        seconds = {}
+    def _seconds(out: Path, ids: List[str]) -> Tuple[Dict[str, float], Dict[str, float]]:
+        """How long each check that ended ran (its slowest rank), and its CPU seconds (all ranks)."""
+        seconds, cpu = {}, {}
         for check_id in ids:
-            times = [json.loads(path.read_text()).get("seconds", 0.0) for path in (out / check_id).glob("rank-*.json")]
-            if times:
-                seconds[check_id] = max(times)
-        return seconds
+            results = [json.loads(path.read_text()) for path in (out / check_id).glob("rank-*.json")]
+            if results:
+                seconds[check_id] = max(r.get("seconds", 0.0) for r in results)
+                cpu[check_id] = sum(r.get("cpu_seconds", 0.0) for r in results)
+        return seconds, cpu
 
     @staticmethod
     def _reached(out: Path, ids: List[str], np: int) -> Dict[int, int]:

@@ -28,6 +28,7 @@ import importlib
 import inspect
 import json
 import os
+import resource
 import sys
 import tempfile
 import threading
@@ -105,11 +106,17 @@ def _fresh_state() -> None:
     gc.collect()
 
 
+def _cpu() -> float:
+    """CPU seconds this rank used so far (every thread: TensorFlow's, Horovod's)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_check(check: Dict[str, Any]) -> dict:
     """Runs one planned check here; {"ok": True, "data": …} or {"ok": False, "error": traceback}."""
     cwd, env, argv, path = os.getcwd(), dict(os.environ), list(sys.argv), list(sys.path)
     os.environ.update(check.get("env", {}))
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), _cpu()
     try:
         _fresh_state()
         function = resolve(check["name"])
@@ -129,6 +136,7 @@ def run_check(check: Dict[str, Any]) -> dict:
         sys.argv[:], sys.path[:] = argv, path
         _fresh_state()
     result["seconds"] = time.perf_counter() - started
+    result["cpu_seconds"] = _cpu() - cpu
     return result
 
 
