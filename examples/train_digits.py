@@ -3,7 +3,7 @@ bundled digits with hvdx.DistributedOptimizer, across the nodes and ranks of a t
 
     horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python examples/train_digits.py
 
-(`make demo` runs exactly that: 2 emulated nodes x 2 ranks on this machine.) Each rank
+(2 emulated nodes x 2 ranks on this machine; `make demo` runs examples/dawnbench.py.) Each rank
 trains on its shard; gradients are aggregated with HiTopKComm (shi2021 Algorithm 2) at
 density 0.01 by default. At the end the job prints the test accuracy and the per-step
 communication time of the model's gradient buffer with the chosen strategy and with a
