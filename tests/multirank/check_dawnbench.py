@@ -58,7 +58,7 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
         return script.train(config)
 
     try:
-        full = run("full")
+        full = run("full", "--se-steps", "2")  # and Table 4's SE (after training: the weights are unchanged)
         stopped = run("resumed", "--stop-after", "1")
         residuals = residual_norms(os.path.join(out, "resumed", "checkpoints", f"rank{topo.rank}", "epoch1"))
         resumed = run("resumed", "--resume")
@@ -66,6 +66,8 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
         return {"full": epochs_of(full), "stopped": epochs_of(stopped), "resumed": epochs_of(resumed),
                 "weights_equal": all(same) and len(full["weights"]) == len(resumed["weights"]),
                 "unequal_weights": same.count(False), "residuals_at_checkpoint": residuals,
+                "phases": [{k: p[k] for k in ("phase", "samples_per_s", "single_samples_per_s", "scaling_efficiency")}
+                           for p in full["phases"]],
                 "trainable_norm": float(sum(np.sum(np.square(w)) for w in full["trainable_weights"]))}
     finally:
         hvdx.barrier()
