@@ -298,4 +298,8 @@ def test_throughput_goal_counts_communication_bound_rows_and_says_by_how_much_it
     v = throughput.verdict(missed)
     assert v["met_on"] == [] and v["short_by"] == pytest.approx(1 - 1.2 / 1.25)
     text = throughput.verdict_text(v, missed)
-    assert "missed by 4% on the best row, resnet50_96" in text and "2DTAR spends 2000 ms per step" in text
+    assert "missed by 4% on the best row, resnet50_96" in text and "2DTAR adds 2000 ms per step" in text
+    compute_bound = throughput.summarize(_throughput_result({
+        "resnet50_224": {"none": [1.0], "hierarchical": [1.2], "hitopk": [0.9]}}))
+    v = throughput.verdict(compute_bound)
+    assert v["met_on"] == [] and "no row was communication-bound" in throughput.verdict_text(v, compute_bound)
