@@ -202,10 +202,15 @@ def run_ranks(args: argparse.Namespace) -> None:
     results, start = {}, time.perf_counter()
     for model in dict.fromkeys(w.model for w in workloads.values()):
         rows = {name: w for name, w in workloads.items() if w.model == model}
+        began = time.perf_counter()
         base = build_model(next(iter(rows.values())))
         trains = train_functions(base, args)
         for name, workload in rows.items():
             results[name] = measure(name, workload, base, trains, args)
+            results[name]["seconds"] = time.perf_counter() - began  # building, tracing, warm-up, rounds
+            began = time.perf_counter()
+            if hvd.rank() == 0:
+                print(f"[{name}] done in {results[name]['seconds']:.0f} s", flush=True)
         del base, trains
         tf.keras.backend.clear_session()
         gc.collect()
@@ -382,7 +387,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--density", type=float, default=0.01, help="HiTopK's k / d")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2, help="steps timed per configuration per round")
-    parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per configuration and row")
+    parser.add_argument("--warmup-steps", type=int, default=1,
+                        help="untimed steps per configuration and row (the first traces)")
     add_output_arguments(parser)
     args = parser.parse_args(argv)
     args.bucket_bytes, args.sparse_as_dense = None, True  # train_step.make_optimizer's defaults; whole models
