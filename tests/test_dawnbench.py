@@ -1,8 +1,9 @@
 """The DAWNBench recipe, examples/dawnbench.py (shi2021 sec. 5.6, Table 4): its pure parts in
-one process (phases, presets, the learning-rate schedule, seeded augmentation and data, the
-demo's JPEG folders read by DataCache); on 2 nodes x 2 ranks (tests/multirank/check_dawnbench.py
-in the suite's 2x2 launch) the smoke run, the HiTopK -> 2DTAR switch at the configured epoch,
-resolution and batch per phase, and resume from a mid-run checkpoint."""
+one process (phases, presets, the learning-rate schedule, seeded augmentation and data,
+random-resized crop from DataCache, the demo's JPEG folders read by DataCache, scaling
+efficiency); on 2 nodes x 2 ranks (tests/multirank/check_dawnbench.py in the suite's 2x2
+launch) the smoke run, the HiTopK -> 2DTAR switch at the configured epoch, resolution and
+batch per phase, resume from a mid-run checkpoint, and Table 4's SE per phase."""
 import json
 import os
 

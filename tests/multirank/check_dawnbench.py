@@ -1,12 +1,13 @@
 """The DAWNBench recipe (examples/dawnbench.py, shi2021 sec. 5.6) on an m x n job, every rank:
 its smoke preset (tiny ResNet, 2 short phases, synthetic data) three times:
 
-1. uninterrupted, 3 epochs;
+1. uninterrupted, 3 epochs, then Table 4's 1-rank throughput (`--se-steps 2`);
 2. stopped after epoch 1 (a pre-emption: the checkpoint holds HiTopK's residuals);
 3. resumed from that checkpoint to the end.
 
-Returns, per run, what every epoch trained with (phase, resolution, batch, strategy), and
-whether the resumed run's final weights equal the uninterrupted run's bit for bit.
+Returns, per run, what every epoch trained with (phase, resolution, batch, strategy),
+whether the resumed run's final weights equal the uninterrupted run's bit for bit, and the
+uninterrupted run's per-phase throughput and scaling efficiency.
 tests/test_dawnbench.py asserts.
 """
 import importlib.util
