@@ -80,19 +80,23 @@ def input_shape(model) -> tuple:
 
 
 def make_optimizer(key: str, args: argparse.Namespace):
+    """SGD with momentum: alone ("none"), under Horovod's DistributedOptimizer ("horovod"), or
+    under hvdx's with the strategy `key` ("<strategy>_fused": one fused buffer); with
+    `args.sparse_as_dense` (if it has one) embeddings' sparse gradients are aggregated dense."""
     import tensorflow as tf
 
     inner = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    dense = {"sparse_as_dense": True} if getattr(args, "sparse_as_dense", False) else {}
     if key == "none":
         return inner
     if key == "horovod":
         import horovod.tensorflow.keras as hvd_keras
 
-        return hvd_keras.DistributedOptimizer(inner)
+        return hvd_keras.DistributedOptimizer(inner, **dense)
     import hvdx
 
     strategy, fused = (key[:-len("_fused")], True) if key.endswith("_fused") else (key, False)
-    options = {"density": args.density} if strategy in ("sparse_allgather", "hitopk") else {}
+    options = {"density": args.density, **dense} if strategy in ("sparse_allgather", "hitopk") else dict(dense)
     if fused or args.bucket_bytes is not None:
         options["bucket_bytes"] = None if fused else args.bucket_bytes or None
     return hvdx.DistributedOptimizer(inner, communication=strategy, **options)

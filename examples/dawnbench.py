@@ -88,6 +88,9 @@ class Config:
     num_classes: int = 1000
     target: Tuple[str, float] = ("val_top5", 0.93)
     augment: str = "flip"             # flip (crop + mirror) | shift (crop only: digits are not symmetric)
+    #                                   | rrc (random-resized crop + mirror) | rrc-noflip | none
+    crop_area: float = 0.08           # rrc: smallest crop, as a fraction of the cached image's area
+    crop_source: float = 1.25         # rrc: DataCache keeps each phase's samples at this x its resolution
     mixed_precision: str = "auto"     # auto (on with a GPU) | on | off
     synthetic: bool = False
     synthetic_steps: int = 4          # synthetic: steps per epoch and validation steps
@@ -103,6 +106,15 @@ class Config:
     deterministic: bool = False
     plot: bool = True
     comm_timing: bool = True
+    se_steps: int = 0                 # > 0: time this many steps of each phase on each rank alone (SE)
+    baseline_json: Optional[str] = None  # or: a 1-rank run's summary.json gives the 1-rank throughput
+
+    def source_resolution(self, phase: "Phase") -> int:
+        """The resolution DataCache serves a training phase at: the phase's, or with random-
+        resized crop `crop_source` x it (the crop is taken from the larger image)."""
+        if self.augment.startswith("rrc"):
+            return max(phase.resolution, int(round(self.crop_source * phase.resolution)))
+        return phase.resolution
 
     @property
     def total_epochs(self) -> int:
@@ -130,13 +142,16 @@ PRESETS: Dict[str, dict] = {
     # recipes use for a 32K batch (128 ranks x 256), neither tuned nor run at that scale here.
     "imagenet": dict(phases="13x96@256,11x128@256,3x224@256,1x288@128", switch_epoch=13, lr=29.0,
                      warmup_epochs=2.0, weight_decay=5e-5, model="resnet50", num_classes=1000,
-                     target=("val_top5", 0.93), augment="flip", density=0.01),
+                     target=("val_top5", 0.93), augment="rrc", crop_area=0.08, crop_source=1.25, density=0.01,
+                     se_steps=20),
     # `make demo`: a small ResNet on upscaled, augmented scikit-learn digits written as JPEG class
-    # folders; 2 phases of HiTopK then 2DTAR. Reaches val top-1 >= 0.9 (the stated target).
+    # folders; 3 phases, HiTopK then 2DTAR; random-resized crop of at least half the image, no
+    # mirror (digits are not symmetric). Reaches val top-1 >= 0.9 (the stated target).
     "demo": dict(phases="3x24@32,2x32@32,1x40@16", switch_epoch=3, lr=8.0, warmup_epochs=1.0,
                  weight_decay=5e-5, model="small", widths=(16, 32, 64), num_classes=10,
-                 target=("val_top1", 0.90), augment="shift", density=0.05, eeta=0.01, max_trust_ratio=1.0,
-                 demo_data=True),
+                 target=("val_top1", 0.90), augment="rrc-noflip", crop_area=0.5, crop_source=1.25, density=0.05,
+                 eeta=0.01, max_trust_ratio=1.0,
+                 demo_data=True, se_steps=5),
     # the tests' smoke run: tiny model, 2 short phases, synthetic data
     "smoke": dict(phases="2x8@4,1x12@2", switch_epoch=2, lr=1.0, warmup_epochs=0.5, model="small",
                   widths=(4, 8), num_classes=4, target=("val_top1", 0.5), synthetic=True, synthetic_steps=3,
@@ -156,7 +171,15 @@ def make_config(argv: Optional[Sequence[str]] = None) -> Config:
         parser.add_argument(f"--{name}", type=float)
     parser.add_argument("--model", choices=["resnet50", "small"])
     parser.add_argument("--num-classes", type=int)
-    parser.add_argument("--augment", choices=["flip", "shift", "none"])
+    parser.add_argument("--augment", choices=["flip", "shift", "rrc", "rrc-noflip", "none"],
+                        help="flip: pad-and-crop + mirror; shift: pad-and-crop; rrc: random-resized crop + mirror")
+    parser.add_argument("--crop-area", type=float, help="rrc: smallest crop area, a fraction of the image's")
+    parser.add_argument("--crop-source", type=float,
+                        help="rrc: DataCache stores each phase's samples at this x its resolution (>= 1)")
+    parser.add_argument("--se-steps", type=int, help="after training, time this many steps of each phase on "
+                                                     "every rank alone: the 1-rank throughput of SE (Table 4)")
+    parser.add_argument("--baseline-json", help="a 1-rank run's summary.json: its per-phase samples/s are the "
+                                                "1-rank throughput of SE (instead of --se-steps)")
     parser.add_argument("--mixed-precision", choices=["auto", "on", "off"])
     parser.add_argument("--synthetic", action="store_true", default=None, help="random data, no files needed")
     parser.add_argument("--data", help="training class-folder tree (or TFRecord glob with --tfrecords)")
@@ -179,6 +202,9 @@ def make_config(argv: Optional[Sequence[str]] = None) -> Config:
     config = Config(**values)
     if not 0 <= config.switch_epoch <= config.total_epochs:
         raise ValueError(f"--switch-epoch {config.switch_epoch} is outside the {config.total_epochs} epochs")
+    if not (0 < config.crop_area <= 1 and config.crop_source >= 1):
+        raise ValueError(f"--crop-area {config.crop_area} must be in (0, 1] and --crop-source {config.crop_source} "
+                         f">= 1 (the crop is taken from an image at least as large as the phase's)")
     return config
 
 
@@ -271,11 +297,50 @@ def write_demo_dataset(root: str, copies: int = 3, size: int = 48, seed: int = 0
     return train, val
 
 
-def augment_batch(images: tf.Tensor, seeds: tf.Tensor, kind: str) -> tf.Tensor:
-    """Per sample, stateless (seeded by `seeds` [B, 2], so a resumed run draws the same): pad by
-    1/8 and crop back (translation), and for "flip" mirror left-right. uint8 in, uint8 out."""
+#: Random-resized crop's aspect ratios (width / height), log-uniform: ImageNet training's range.
+CROP_RATIOS = (3 / 4, 4 / 3)
+
+
+def random_resized_crop(images: tf.Tensor, seeds: tf.Tensor, size: int, min_area: float = 0.08,
+                        flip: bool = True) -> tf.Tensor:
+    """ImageNet training's augmentation, per sample and stateless (seeded by `seeds` [B, 2]): a
+    box of area fraction a ~ U(min_area, 1) of the image and aspect ratio r (log-uniform in
+    CROP_RATIOS), sides h = sqrt(a / r), w = sqrt(a r) (clipped to the image), placed
+    uniformly at random, resized bilinearly to size x size; then mirrored left-right with
+    probability 1/2 if `flip`. Batched (one crop_and_resize per batch).
+
+    Args:
+        images: uint8 [B, H, W, C], the cached images (larger than `size`: DataCache keeps
+            them at `Config.crop_source` x the phase's resolution).
+        seeds: int64 [B, 2], one seed per sample.
+    Returns:
+        uint8 [B, size, size, C].
+    """
+    u = tf.map_fn(lambda seed: tf.random.stateless_uniform([5], seed), seeds, fn_output_signature=tf.float32)
+    area = min_area + (1.0 - min_area) * u[:, 0]
+    low, high = np.log(CROP_RATIOS[0]), np.log(CROP_RATIOS[1])
+    ratio = tf.exp(low + (high - low) * u[:, 1])
+    h, w = tf.minimum(tf.sqrt(area / ratio), 1.0), tf.minimum(tf.sqrt(area * ratio), 1.0)
+    y0, x0 = (1.0 - h) * u[:, 2], (1.0 - w) * u[:, 3]
+    boxes = tf.stack([y0, x0, y0 + h, x0 + w], axis=1)
+    out = tf.image.crop_and_resize(tf.cast(images, tf.float32), boxes, tf.range(tf.shape(images)[0]), [size, size])
+    if flip:
+        out = tf.where((u[:, 4] < 0.5)[:, None, None, None], tf.reverse(out, axis=[2]), out)
+    return tf.cast(tf.clip_by_value(tf.round(out), 0.0, 255.0), tf.uint8)
+
+
+def augment_batch(images: tf.Tensor, seeds: tf.Tensor, kind: str, size: Optional[int] = None,
+                  min_area: float = 0.08) -> tf.Tensor:
+    """Per sample, stateless (seeded by `seeds` [B, 2], so a resumed run draws the same):
+    "flip" / "shift": pad by 1/8 and crop back (translation), "flip" also mirrors left-right;
+    "rrc" / "rrc-noflip": `random_resized_crop` to `size` (with / without the mirror);
+    "none": unchanged. uint8 in, uint8 out; the pad-and-crop kinds keep the size."""
     if kind == "none":
         return images
+    if kind.startswith("rrc"):
+        if size is None:
+            raise ValueError("random-resized crop needs the output size")
+        return random_resized_crop(images, seeds, size, min_area, flip=kind == "rrc")
     size = tf.shape(images)[1:3]
     pad = tf.maximum(size // 8, 1)
 
@@ -316,9 +381,12 @@ def synthetic_batches(config: Config, phase: Phase, first_step: int, rank: int, 
 def datacache_batches(cache, config: Config, phase: Phase, epoch: int, first_step: int, train: bool) -> tf.data.Dataset:
     """This rank's batches from `cache` (hvdx.data.DataCache) at the phase's resolution, from
     `epoch` on, forever (Model.fit takes steps_per_epoch): the data order is DataCache's
-    (seed, epoch) order, the augmentation is seeded by (seed, global step, sample id)."""
+    (seed, epoch) order, the augmentation is seeded by (seed, global step, sample id). With
+    random-resized crop, training batches are read at `config.source_resolution(phase)`
+    (DataCache keeps that size) and cropped to the phase's; validation reads the phase's."""
     batch = phase.batch_size
-    ds = cache.dataset(batch, resolution=phase.resolution, epochs=None, first_epoch=epoch, with_index=True,
+    resolution = config.source_resolution(phase) if train else phase.resolution
+    ds = cache.dataset(batch, resolution=resolution, epochs=None, first_epoch=epoch, with_index=True,
                        drop_remainder=train)
     if train:
         steps = tf.data.Dataset.range(first_step, 2**62)
@@ -326,7 +394,8 @@ def datacache_batches(cache, config: Config, phase: Phase, epoch: int, first_ste
         def augmented(step, batch_data):
             images, labels, ids = batch_data
             seeds = tf.stack([tf.fill(tf.shape(ids), step * 1000 + config.seed), ids], axis=1)
-            return to_model_input(augment_batch(images, seeds, config.augment), labels, config.num_classes)
+            images = augment_batch(images, seeds, config.augment, phase.resolution, config.crop_area)
+            return to_model_input(images, labels, config.num_classes)
 
         return tf.data.Dataset.zip((steps, ds)).map(augmented, num_parallel_calls=tf.data.AUTOTUNE,
                                                       deterministic=True).prefetch(2)
@@ -398,8 +467,10 @@ def use_mixed_precision(mode: str) -> bool:
 
 
 class EpochLog(tf.keras.callbacks.Callback):
-    """Per epoch: phase, resolution, batch, strategy, learning rate, wall time, samples/s
-    (over all ranks), the (rank-averaged) metrics; remembers when the target was first met."""
+    """Per epoch: phase, resolution, batch, strategy, learning rate, wall time (`seconds`: the
+    training steps, `epoch_seconds`: with validation), step time and samples/s (over all
+    ranks) of the training steps after the epoch's first (which may trace), the
+    (rank-averaged) metrics."""
 
     def __init__(self, config: Config, size: int, history: List[dict], elapsed: float) -> None:
         super().__init__()
@@ -407,19 +478,32 @@ class EpochLog(tf.keras.callbacks.Callback):
         self.elapsed = elapsed  # wall time of the epochs before this process (a resumed run)
 
     def on_epoch_begin(self, epoch: int, logs=None) -> None:
-        self.started = time.perf_counter()
+        self.started, self.trained, self.first_step = time.perf_counter(), None, None
+
+    def on_train_batch_end(self, batch: int, logs=None) -> None:
+        if batch == 0:  # the first step of an epoch may trace (a new phase's shape): samples/s leave it out
+            self.first_step = time.perf_counter() - self.started
+
+    def on_test_begin(self, logs=None) -> None:
+        # Model.fit runs validation inside the epoch: the training steps' time ends here
+        if self.trained is None:
+            self.trained = time.perf_counter() - self.started
 
     def on_epoch_end(self, epoch: int, logs=None) -> None:
-        seconds = time.perf_counter() - self.started
-        self.elapsed += seconds
+        epoch_seconds = time.perf_counter() - self.started
+        seconds = epoch_seconds if self.trained is None else self.trained  # training steps only
+        self.elapsed += epoch_seconds
         index, phase = self.config.phase_at(epoch)
         optimizer = self.model.optimizer
         while not hasattr(optimizer, "communication") and hasattr(optimizer, "inner_optimizer"):
             optimizer = optimizer.inner_optimizer
         steps = self.params["steps"]
+        timed_steps, timed = (steps - 1, seconds - self.first_step) if self.first_step is not None and steps > 1 \
+            else (steps, seconds)
         record = dict(epoch=epoch, phase=index, resolution=phase.resolution, batch_size=phase.batch_size,
                       communication=type(optimizer.communication).__name__, steps=steps, seconds=seconds,
-                      elapsed=self.elapsed, samples_per_s=steps * phase.batch_size * self.size / seconds,
+                      epoch_seconds=epoch_seconds, elapsed=self.elapsed, step_s=timed / timed_steps,
+                      samples_per_s=timed_steps * phase.batch_size * self.size / timed,
                       lr=float(optimizer.inner_optimizer.learning_rate),
                       **{k: float(v) for k, v in (logs or {}).items()})
         self.history.append(record)
@@ -483,7 +567,8 @@ def train(config: Config) -> dict:
             raise ValueError("give --data (a class-folder tree, or TFRecords with --tfrecords), or --synthetic")
         first = config.phases[0].resolution
         kind = "tfrecords" if config.tfrecords else "root"
-        train_cache = hvdx.data.DataCache(**{kind: config.data}, resolution=first, seed=config.seed)
+        train_cache = hvdx.data.DataCache(**{kind: config.data}, resolution=config.source_resolution(config.phases[0]),
+                                          seed=config.seed)
         if config.val_data:
             val_cache = hvdx.data.DataCache(**{kind: config.val_data}, resolution=first, seed=config.seed,
                                             remainder="pad")
@@ -589,11 +674,71 @@ def comm_time(strategy, d: int, rank: int, rounds: int = 12) -> float:
     return statistics.median(samples[2:])
 
 
+def single_rank_throughput(config: Config, steps: int, rank: int) -> Dict[str, float]:
+    """The 1-rank throughput of Table 4's SE, per phase (keyed by str(phase)): samples/s of one
+    rank training `steps` steps of the phase's model, resolution and batch alone, with the
+    inner LARS and no communication, on a fixed synthetic batch (no input pipeline), after
+    one untimed step. Every rank measures at the same time (as each GPU of a cluster would
+    train alone); the slowest rank's time counts. Collective: every rank calls it."""
+    import horovod.tensorflow as hvd
+
+    from hvdx.optimizers import LARS
+
+    model = build_model(config)
+    model.compile(optimizer=LARS(learning_rate=1e-4, momentum=config.momentum, weight_decay=config.weight_decay,
+                                 eeta=config.eeta, exclude_from_weight_decay=NO_DECAY, min_trust_ratio=None,
+                                 max_trust_ratio=config.max_trust_ratio, parallel="pto"),
+                  loss=tf.keras.losses.CategoricalCrossentropy(from_logits=True,
+                                                               label_smoothing=config.label_smoothing))
+    train = model.make_train_function()
+    out: Dict[str, float] = {}
+    for i, phase in enumerate(dict.fromkeys(config.phases)):
+        res, batch = phase.resolution, phase.batch_size
+        x = tf.random.stateless_uniform([batch, res, res, 3], [rank, i], -1.0, 1.0)
+        y = tf.one_hot(tf.random.stateless_uniform([batch], [rank, i + 1], 0, config.num_classes, tf.int32),
+                       config.num_classes)
+        batches = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
+        float(train(batches)["loss"])  # traced at this shape
+        hvd.allreduce(tf.constant(0.0), name=f"dawnbench.se.start.{i}")  # start together
+        start = time.perf_counter()
+        for _ in range(steps):
+            logs = train(batches)
+        float(logs["loss"])
+        seconds = float(hvd.allreduce(tf.constant(time.perf_counter() - start, tf.float64), op=hvd.Max,
+                                      name=f"dawnbench.se.{i}"))
+        out[str(phase)] = batch * steps / seconds
+    return out
+
+
+def load_baseline(path: str) -> Dict[str, float]:
+    """The 1-rank throughput per phase from a 1-rank run's summary.json (`--baseline-json`).
+
+    Raises:
+        ValueError: the run had more than one rank (its throughput is not a single rank's).
+    """
+    with open(path) as f:
+        summary = json.load(f)
+    if summary.get("ranks") != 1:
+        raise ValueError(f"--baseline-json {path}: that run had {summary.get('ranks')} ranks; give the summary.json "
+                         f"of a 1-rank run of the same phases (python examples/dawnbench.py ... without horovodrun)")
+    return {p["phase"]: p["samples_per_s"] for p in summary["phases"]}
+
+
+def scaling_efficiency(phases: List[dict], size: int, single: Dict[str, float], source: str) -> None:
+    """Adds Table 4's SE to each phase row that `single` (1-rank samples/s by phase) covers:
+    SE = samples/s on `size` ranks / (size x 1-rank samples/s)."""
+    for p in phases:
+        if p["phase"] in single:
+            p.update(single_samples_per_s=single[p["phase"]], se_source=source,
+                     scaling_efficiency=p["samples_per_s"] / (size * single[p["phase"]]))
+
+
 def summarize(config: Config, history: List[dict], topo, model, wall: float) -> dict:
     """Per phase: strategy, samples/s (median over its epochs after the first, whose step
     is traced), steps; the final metrics; the time to the target; the communication share
     of a step per strategy (its aggregation of the model's gradient buffer alone, timed in
-    this run, over the median step time)."""
+    this run, over the median step time); the scaling efficiency (Table 4) per phase, from
+    `--baseline-json` or `--se-steps` (`single_rank_throughput`). Collective."""
     import hvdx
 
     metric, goal = config.target
@@ -607,7 +752,7 @@ def summarize(config: Config, history: List[dict], topo, model, wall: float) -> 
         phases.append(dict(phase=str(phase), epochs=[r["epoch"] for r in rows],
                            communication=sorted({r["communication"] for r in rows}),
                            samples_per_s=statistics.median(r["samples_per_s"] for r in timed),
-                           step_s=statistics.median(r["seconds"] / r["steps"] for r in timed)))
+                           step_s=statistics.median(r.get("step_s", r["seconds"] / r["steps"]) for r in timed)))
     comm = {}
     if config.comm_timing:
         d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -616,6 +761,11 @@ def summarize(config: Config, history: List[dict], topo, model, wall: float) -> 
             comm[name] = comm_time(strategy, d, topo.rank)
         for p in phases:
             p["comm_share"] = {c: comm[c] / p["step_s"] for c in p["communication"] if c in comm}
+    if config.baseline_json:
+        scaling_efficiency(phases, topo.size, load_baseline(config.baseline_json), config.baseline_json)
+    elif config.se_steps > 0 and phases:
+        scaling_efficiency(phases, topo.size, single_rank_throughput(config, config.se_steps, topo.rank),
+                           f"{config.se_steps} steps per phase on each rank alone")
     last = history[-1] if history else {}
     return dict(ranks=topo.size, nodes=topo.num_nodes, epochs=len(history), wall_s=wall,
                 trained_s=last.get("elapsed"), target={metric: goal},
@@ -627,11 +777,17 @@ def summarize(config: Config, history: List[dict], topo, model, wall: float) -> 
 
 def print_summary(config: Config, s: dict) -> None:
     print(f"\nper phase ({s['nodes']} nodes x {s['ranks'] // s['nodes']} ranks; as shi2021 Table 4):", flush=True)
-    print(f"  {'phase':>12} {'epochs':>7} {'strategy':>22} {'samples/s':>10} {'step ms':>8} {'comm share':>11}")
+    print(f"  {'phase':>12} {'epochs':>7} {'strategy':>22} {'samples/s':>10} {'step ms':>8} {'comm share':>11} "
+          f"{'1 rank':>10} {'SE':>5}")
     for p in s["phases"]:
         share = ", ".join(f"{v:.0%}" for v in p.get("comm_share", {}).values()) or "-"
+        single = f"{p['single_samples_per_s']:>10.1f} {p['scaling_efficiency']:>5.0%}" \
+            if "scaling_efficiency" in p else f"{'-':>10} {'-':>5}"
         print(f"  {p['phase']:>12} {len(p['epochs']):>7} {'+'.join(p['communication']):>22} "
-              f"{p['samples_per_s']:>10.1f} {p['step_s'] * 1e3:>8.1f} {share:>11}")
+              f"{p['samples_per_s']:>10.1f} {p['step_s'] * 1e3:>8.1f} {share:>11} {single}")
+    sources = {p["se_source"] for p in s["phases"] if "se_source" in p}
+    if sources:
+        print(f"  (SE = samples/s / ({s['ranks']} x 1 rank's); 1 rank's from {', '.join(sorted(sources))})")
     final = ", ".join(f"{k} {v:.4f}" for k, v in s["final"].items())
     print(f"after {s['epochs']} epochs: {final}", flush=True)
     (metric, goal), = s["target"].items()

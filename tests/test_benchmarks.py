@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end (tiny sizes; timings are never asserted; marked `slow`),
 and their reporting works on made-up numbers."""
+import dataclasses
 import json
 import subprocess
 import sys
@@ -224,3 +225,81 @@ def test_daso_benchmark_classifies_steps_by_action():
     assert daso.classify_steps(history) == ["blocking", "local", "start", "in_flight", "merge", "local"]
     run = {"epoch_seconds": [1.0, 2.0, 3.0], "accuracy": [0.5, 0.9, 0.95]}
     assert daso.time_to(run, 0.9) == 3.0 and daso.time_to(run, 0.99) is None
+
+
+# -- throughput.py (shi2021 Table 3) -----------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.multirank
+@pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
+def test_throughput_benchmark_smoke_run_on_the_emulated_cluster(tmp_path):
+    """`--smoke`: every row of Table 3 (tiny stand-ins) with every configuration, one round,
+    2 nodes x 2 ranks at 1 Gbit/s; JSON, plot and README section written."""
+    readme = tmp_path / "README.md"
+    with harness.network_lock():
+        proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "throughput.py"), "--smoke",
+                               "--out", str(tmp_path), "--readme", str(readme)],
+                              capture_output=True, text=True, timeout=500, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    from benchmarks import throughput
+
+    result = json.loads((tmp_path / "throughput.json").read_text())
+    assert result["topology"] == {"nodes": 2, "ranks_per_node": 2} and result["network"]["rate_bps"] == 10**9
+    assert sorted(result["workloads"]) == sorted(throughput.WORKLOADS)
+    for name, measured in result["workloads"].items():
+        assert measured["workload"] == dataclasses.asdict(throughput.SMOKE_WORKLOADS[name])
+        assert sorted(measured["rounds"]) == sorted(throughput.CONFIGS)
+        assert all(len(t) == 1 and t[0] > 0 for t in measured["rounds"].values())
+        summary = result["summary"][name]
+        (alone,) = measured["rounds"]["none"]
+        for key, (t,) in measured["rounds"].items():  # SE: one rank's time over this configuration's
+            if key != "none":
+                assert summary[key]["scaling_efficiency"] == pytest.approx(alone / t)
+            assert summary[key]["samples_per_s"] == pytest.approx(4 * measured["workload"]["batch"] / t)
+    assert result["verdict"]["goal"] == throughput.GOAL
+    assert (tmp_path / "throughput.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- throughput:begin -->" in text and "| resnet50_96 | tiny_cnn 16, batch 2 x 4 |" in text
+    assert "MSTopK (HiTopK) over 2DTAR, throughput:" in text
+
+
+def _throughput_result(times: dict) -> dict:
+    """A made-up 2x2 result: {row: {configuration: [seconds per step of each round]}}."""
+    workload = {"model": "resnet50", "size": 96, "batch": 4, "paper": "ResNet-50 (96*96)"}
+    return {"topology": {"nodes": 2, "ranks_per_node": 2},
+            "workloads": {name: {"workload": workload, "parameters": 25_557_032, "rounds": rounds}
+                          for name, rounds in times.items()}}
+
+
+def test_throughput_scaling_efficiency_is_one_rank_alone_over_the_configuration():
+    """SE (Table 3) = P-rank throughput / (P x one rank's) = t(alone) / t, per round, median."""
+    from benchmarks import throughput
+
+    result = _throughput_result({"resnet50_96": {"none": [1.0, 1.0, 2.0], "hierarchical": [2.0, 4.0, 4.0],
+                                                 "hitopk": [1.25, 2.0, 2.5]}})
+    summary = throughput.summarize(result)["resnet50_96"]
+    assert summary["hierarchical"]["scaling_efficiency"] == pytest.approx(0.5)
+    assert summary["hitopk"]["scaling_efficiency"] == pytest.approx(0.8)
+    assert summary["hitopk"]["vs_2dtar"] == pytest.approx(1.6) and summary["hitopk"]["vs_2dtar_range"] == [1.6, 2.0]
+    assert summary["none"]["samples_per_s"] == pytest.approx(16.0)  # 4 ranks x batch 4 / 1 s
+
+
+def test_throughput_goal_counts_communication_bound_rows_and_says_by_how_much_it_misses():
+    from benchmarks import throughput
+
+    met = throughput.summarize(_throughput_result({
+        "resnet50_224": {"none": [1.0], "hierarchical": [1.1], "hitopk": [1.0]},    # compute-bound: not counted
+        "resnet50_96": {"none": [1.0], "hierarchical": [3.0], "hitopk": [2.0]}}))   # 1.5x, bound 3x
+    v = throughput.verdict(met)
+    assert v["met_on"] == ["resnet50_96"] and not v["rows"]["resnet50_224"]["communication_bound"]
+    assert "met on resnet50_96" in throughput.verdict_text(v, met)
+    missed = throughput.summarize(_throughput_result({
+        "resnet50_96": {"none": [1.0], "hierarchical": [3.0], "hitopk": [2.5]}}))   # 1.2x
+    v = throughput.verdict(missed)
+    assert v["met_on"] == [] and v["short_by"] == pytest.approx(1 - 1.2 / 1.25)
+    text = throughput.verdict_text(v, missed)
+    assert "missed by 4% on the best row, resnet50_96" in text and "2DTAR adds 2000 ms per step" in text
+    compute_bound = throughput.summarize(_throughput_result({
+        "resnet50_224": {"none": [1.0], "hierarchical": [1.2], "hitopk": [0.9]}}))
+    v = throughput.verdict(compute_bound)
+    assert v["met_on"] == [] and "no row was communication-bound" in throughput.verdict_text(v, compute_bound)

@@ -1,8 +1,9 @@
 """The DAWNBench recipe, examples/dawnbench.py (shi2021 sec. 5.6, Table 4): its pure parts in
-one process (phases, presets, the learning-rate schedule, seeded augmentation and data, the
-demo's JPEG folders read by DataCache); on 2 nodes x 2 ranks (tests/multirank/check_dawnbench.py
-in the suite's 2x2 launch) the smoke run, the HiTopK -> 2DTAR switch at the configured epoch,
-resolution and batch per phase, and resume from a mid-run checkpoint."""
+one process (phases, presets, the learning-rate schedule, seeded augmentation and data,
+random-resized crop from DataCache, the demo's JPEG folders read by DataCache, scaling
+efficiency); on 2 nodes x 2 ranks (tests/multirank/check_dawnbench.py in the suite's 2x2
+launch) the smoke run, the HiTopK -> 2DTAR switch at the configured epoch, resolution and
+batch per phase, resume from a mid-run checkpoint, and Table 4's SE per phase."""
 import json
 import os
 
@@ -91,6 +92,82 @@ def test_augmentation_is_a_function_of_its_seeds():
     assert np.array_equal(dawnbench.augment_batch(images, seeds, "none"), images)
 
 
+def ramps(batch: int, size: int) -> tf.Tensor:
+    """Images whose channel 0 is x / (size - 1) * 255 and channel 1 is y / (size - 1) * 255: a
+    crop's extent in x and y can be read off its pixels."""
+    ramp = np.linspace(0.0, 255.0, size)
+    image = np.stack([np.tile(ramp, (size, 1)), np.tile(ramp[:, None], (1, size)), np.zeros((size, size))], -1)
+    return tf.constant(np.repeat(image[None], batch, 0).astype(np.uint8))
+
+
+def test_random_resized_crop_takes_a_seeded_box_of_at_least_the_minimum_area():
+    """ImageNet's augmentation: a box of area fraction in [min_area, 1] and aspect ratio in
+    [3/4, 4/3] of the (larger, cached) image, resized to the phase's resolution; a function
+    of its seeds (a resumed run draws the same crops)."""
+    images, seeds = ramps(64, 41), tf.constant([[s, 3] for s in range(64)], tf.int64)
+    out = dawnbench.random_resized_crop(images, seeds, 24, min_area=0.3, flip=False)
+    assert out.shape == (64, 24, 24, 3) and out.dtype == tf.uint8
+    assert np.array_equal(out, dawnbench.random_resized_crop(images, seeds, 24, min_area=0.3, flip=False))
+    assert not np.array_equal(out, dawnbench.random_resized_crop(images, seeds + 1, 24, min_area=0.3, flip=False))
+    x = out.numpy().astype(float)
+    width = (x[:, 0, -1, 0] - x[:, 0, 0, 0]) / 255    # the box's sides, as fractions of the image's
+    height = (x[:, -1, 0, 1] - x[:, 0, 0, 1]) / 255
+    area = width * height
+    assert np.all(area >= 0.3 - 0.02) and np.all(area <= 1.0 + 1e-6)
+    assert area.min() < 0.6 < area.max()              # areas spread over the range
+    unclipped = (width < 0.98) & (height < 0.98)
+    ratio = width[unclipped] / height[unclipped]
+    assert np.all(ratio >= 0.75 - 0.03) and np.all(ratio <= 4 / 3 + 0.03)
+
+
+def test_random_resized_crop_mirrors_about_half_the_samples():
+    images, seeds = ramps(64, 32), tf.constant([[s, 5] for s in range(64)], tf.int64)
+    x = dawnbench.augment_batch(images, seeds, "rrc", 16, 0.5).numpy().astype(int)
+    mirrored = x[:, 0, 0, 0] > x[:, 0, -1, 0]          # the x ramp runs right to left
+    assert 16 < mirrored.sum() < 48
+    assert not (dawnbench.augment_batch(images, seeds, "rrc-noflip", 16, 0.5).numpy()[:, 0, 0, 0] >
+                dawnbench.augment_batch(images, seeds, "rrc-noflip", 16, 0.5).numpy()[:, 0, -1, 0]).any()
+
+
+def test_imagenet_preset_crops_from_a_cache_larger_than_the_phase():
+    config = dawnbench.make_config(["--preset", "imagenet"])
+    assert config.augment == "rrc" and config.crop_area == 0.08
+    assert [config.source_resolution(p) for p in config.phases] == [120, 160, 280, 360]  # 1.25 x
+    demo = dawnbench.make_config(["--preset", "demo"])   # digits: no mirror, at least half the image
+    assert (demo.augment, demo.crop_area, demo.source_resolution(dawnbench.Phase(1, 24, 8))) == ("rrc-noflip", 0.5, 30)
+    assert dawnbench.make_config(["--preset", "demo", "--augment", "shift"]).source_resolution(
+        dawnbench.Phase(1, 24, 8)) == 24                 # pad-and-crop reads the phase's resolution
+    with pytest.raises(ValueError, match="crop-source"):
+        dawnbench.make_config(["--preset", "imagenet", "--crop-source", "0.5"])
+
+
+def test_random_resized_crop_reads_datacache_at_the_source_resolution_and_resumes(tmp_path):
+    """Training batches come from DataCache at crop_source x the phase's resolution and are
+    cropped to the phase's; a run resumed at epoch 1 reads and draws what the uninterrupted
+    run read and drew in its epoch 1."""
+    import hvdx
+    from hvdx.data.store import parse_key
+
+    train, _ = dawnbench.write_demo_dataset(str(tmp_path / "digits"), copies=1, size=16)
+    config = dawnbench.make_config(["--preset", "demo", "--augment", "rrc-noflip", "--crop-source", "1.5",
+                                    "--crop-area", "0.4"])
+    phase = dawnbench.Phase(2, 8, 64)
+    cache = hvdx.data.DataCache(train, resolution=12, cache_dir=str(tmp_path / "disk"),
+                                store_dir=str(tmp_path / "store"), memory_bytes=2**26)
+    try:
+        steps = cache.steps_per_epoch(phase.batch_size, drop_remainder=True)
+        run = iter(dawnbench.datacache_batches(cache, config, phase, 0, 0, train=True))
+        batches = [next(run) for _ in range(steps + 2)]
+        x, y = batches[0]
+        assert x.shape == (64, 8, 8, 3) and y.shape == (64, 10)
+        assert {parse_key(k)[1] for k in cache.store.keys()} == {(12, 12)}   # stored at 1.5 x 8 px
+        resumed = iter(dawnbench.datacache_batches(cache, config, phase, 1, steps, train=True))
+        for (xa, ya), (xb, yb) in zip(batches[steps:], [next(resumed) for _ in range(2)]):
+            assert np.array_equal(xa, xb) and np.array_equal(ya, yb)
+    finally:
+        cache.close()
+
+
 def test_synthetic_data_is_a_function_of_step_and_rank():
     config = dawnbench.make_config(["--preset", "smoke"])
     phase = dawnbench.Phase(1, 8, 4)
@@ -123,6 +200,28 @@ def test_demo_data_is_jpeg_class_folders_that_datacache_reads(tmp_path):
         cache.close()
 
 
+# -- scaling efficiency (Table 4) ---------------------------------------------------------------
+
+def test_scaling_efficiency_is_throughput_over_ranks_times_one_ranks():
+    """Table 4's SE: samples/s on P ranks / (P x samples/s of one rank), per phase; phases
+    the 1-rank figures do not cover get none."""
+    phases = [{"phase": "3x24@32", "samples_per_s": 300.0}, {"phase": "1x40@16", "samples_per_s": 90.0}]
+    dawnbench.scaling_efficiency(phases, 4, {"3x24@32": 100.0}, "test")
+    assert phases[0]["scaling_efficiency"] == pytest.approx(0.75) and phases[0]["single_samples_per_s"] == 100.0
+    assert "scaling_efficiency" not in phases[1]
+
+
+def test_baseline_json_is_a_one_rank_runs_summary(tmp_path):
+    path = tmp_path / "summary.json"
+    path.write_text(json.dumps({"ranks": 1, "phases": [{"phase": "3x24@32", "samples_per_s": 120.0}]}))
+    assert dawnbench.load_baseline(str(path)) == {"3x24@32": 120.0}
+    path.write_text(json.dumps({"ranks": 4, "phases": []}))
+    with pytest.raises(ValueError, match="1-rank run"):
+        dawnbench.load_baseline(str(path))
+    config = dawnbench.make_config(["--preset", "demo", "--baseline-json", str(path), "--se-steps", "0"])
+    assert config.baseline_json == str(path) and config.se_steps == 0
+
+
 # -- 2 nodes x 2 ranks (tests/multirank/check_dawnbench.py) --------------------------------
 
 @suite.runs(suite.check("dawnbench.resume", "2x2", timeout=400))
@@ -141,5 +240,9 @@ def test_recipe_switches_resizes_and_resumes_exactly_on_2x2(ranks):
         assert data["residuals_at_checkpoint"] and all(v > 0 for v in data["residuals_at_checkpoint"].values())
         # ... and the resumed run ends with the uninterrupted run's weights, bit for bit
         assert data["weights_equal"], f"rank {rank}: {data['unequal_weights']} weight tensors differ"
+    # Table 4's SE per phase: the run's samples/s over 4 x one rank's, timed on every rank alone
+    for p in ranks[0]["phases"]:
+        assert p["single_samples_per_s"] > 0
+        assert p["scaling_efficiency"] == pytest.approx(p["samples_per_s"] / (4 * p["single_samples_per_s"]))
     # every rank the same trainable weights (batch-norm's moving statistics are each rank's own)
     assert len({d["trainable_norm"] for d in ranks.values()}) == 1

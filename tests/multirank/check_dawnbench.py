@@ -1,12 +1,13 @@
 """The DAWNBench recipe (examples/dawnbench.py, shi2021 sec. 5.6) on an m x n job, every rank:
 its smoke preset (tiny ResNet, 2 short phases, synthetic data) three times:
 
-1. uninterrupted, 3 epochs;
+1. uninterrupted, 3 epochs, then Table 4's 1-rank throughput (`--se-steps 2`);
 2. stopped after epoch 1 (a pre-emption: the checkpoint holds HiTopK's residuals);
 3. resumed from that checkpoint to the end.
 
-Returns, per run, what every epoch trained with (phase, resolution, batch, strategy), and
-whether the resumed run's final weights equal the uninterrupted run's bit for bit.
+Returns, per run, what every epoch trained with (phase, resolution, batch, strategy),
+whether the resumed run's final weights equal the uninterrupted run's bit for bit, and the
+uninterrupted run's per-phase throughput and scaling efficiency.
 tests/test_dawnbench.py asserts.
 """
 import importlib.util
@@ -58,7 +59,7 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
         return script.train(config)
 
     try:
-        full = run("full")
+        full = run("full", "--se-steps", "2")  # and Table 4's SE (after training: the weights are unchanged)
         stopped = run("resumed", "--stop-after", "1")
         residuals = residual_norms(os.path.join(out, "resumed", "checkpoints", f"rank{topo.rank}", "epoch1"))
         resumed = run("resumed", "--resume")
@@ -66,6 +67,8 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
         return {"full": epochs_of(full), "stopped": epochs_of(stopped), "resumed": epochs_of(resumed),
                 "weights_equal": all(same) and len(full["weights"]) == len(resumed["weights"]),
                 "unequal_weights": same.count(False), "residuals_at_checkpoint": residuals,
+                "phases": [{k: p[k] for k in ("phase", "samples_per_s", "single_samples_per_s", "scaling_efficiency")}
+                           for p in full["phases"]],
                 "trainable_norm": float(sum(np.sum(np.square(w)) for w in full["trainable_weights"]))}
     finally:
         hvdx.barrier()
