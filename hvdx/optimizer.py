@@ -73,6 +73,13 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       bucket_bytes: gradients are fused into buckets, filled from the last layer to the
         first, each closed once it holds this many bytes (default 32 MiB); a bucket's
         collectives start while backpropagation goes on. None: one buffer per dtype.
+      Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`;
+      rejected with a dense one): momentum_correction (the wrapped SGD's momentum is
+      accumulated by the strategy before selection, with momentum factor masking, and the
+      wrapped optimizer applies the aggregate without momentum), clip_norm (local gradient
+      clipping to clip_norm / sqrt(ranks)), warmup_steps / warmup_density (the density falls
+      exponentially from warmup_density, 0.25, to density over the first warmup_steps
+      steps), residual_decay (error feedback keeps residual_decay x the residual).
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
@@ -97,7 +104,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, momentum_correction: bool = False,
+                 clip_norm: Optional[float] = None, warmup_steps: Optional[int] = None,
+                 warmup_density: Optional[float] = None, residual_decay: Optional[float] = None) -> None:
         if isinstance(name, comm.Strategy) or comm.is_name(name):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
                              f"as communication={name!r}")
@@ -114,12 +123,15 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
+        aids = dict(clip_norm=clip_norm, warmup_steps=warmup_steps, warmup_density=warmup_density,
+                    residual_decay=residual_decay, momentum=_corrected_momentum(optimizer, momentum_correction))
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
             compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
             groups=groups, num_groups=num_groups,
-            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse)
+            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
+            aids=aids)
         self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step != 1 else None)
         self._horovod_config = dict(
@@ -219,14 +231,17 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if aggregate:
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         self._just_aggregated = None
+        # Momentum correction (DGC): the strategy accumulated the velocity, so the wrapped
+        # optimizer applies the aggregate without a momentum of its own.
+        corrected = bool(getattr(self._aggregator.strategy, "momentum", 0.0))
         if self._agg_helper is None:
-            with self._momentum.read_by_step():  # the wrapped step reads the momentum variable
+            with self._momentum.read_by_step(zero=corrected):  # the wrapped step reads the momentum variable
                 return self._apply(grads_and_vars)
 
         def skip():
             return self.iterations.assign_add(1)
 
-        with self._momentum.read_by_step():
+        with self._momentum.read_by_step(zero=corrected):
             return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
 
     def _apply(self, grads_and_vars):
@@ -358,6 +373,23 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             config["communication"] = strategy.from_config(
                 {k: config.pop(k) for k in strategy.options if k in config and k not in HOROVOD_OPTIONS})
         return cls(optimizer, **config)
+
+
+def _corrected_momentum(optimizer, momentum_correction: bool) -> Optional[float]:
+    """The momentum the strategy accumulates with (DGC's momentum correction): the wrapped
+    optimizer's, which then applies the aggregate without one; None when not asked."""
+    if not isinstance(momentum_correction, bool):
+        raise ValueError(f"momentum_correction must be True or False, got {momentum_correction!r}")
+    if not momentum_correction:
+        return None
+    number = getattr(optimizer, "momentum", None)
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < 1 \
+            or getattr(optimizer, "nesterov", False):
+        raise ValueError(f"momentum_correction=True moves the momentum of an SGD-like optimizer into the sparse "
+                         f"strategy (DGC); {type(optimizer).__name__} has momentum={number!r}"
+                         f"{' with nesterov=True' if getattr(optimizer, 'nesterov', False) else ''}. Use e.g. "
+                         "tf.keras.optimizers.SGD(lr, momentum=0.9), or leave momentum_correction off")
+    return float(number)
 
 
 _KEYWORDS = frozenset(inspect.signature(DistributedOptimizer.__init__).parameters)
