@@ -189,3 +189,22 @@ def test_aids_on_two_nodes_follow_the_rule_and_keep_the_training_path_guarantees
         assert data["weights_spread"] == 0.0, rank
         assert data["finite"], rank
         assert data["restored_own_velocity"], rank
+
+
+def test_communication_policy_goes_dense_then_sparse_then_2dtar_on_a_plateau(one_rank):
+    """shi2021 sec. 5.6's practice: dense for the first epoch, HiTopK until the loss
+    plateaus (a learning rate of 0 makes it flat at once), then 2DTAR."""
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.layers.Input((4,)), tf.keras.layers.Dense(2)])
+    model.compile(hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.0)), loss="mse")
+    policy = hvdx.callbacks.CommunicationPolicy([("allreduce", 1), ("hitopk", "plateau"), ("hierarchical", None)],
+                                                patience=1)
+    x = np.ones((8, 4), np.float32)
+    model.fit(x, np.zeros((8, 2)), batch_size=4, epochs=6, verbose=0, callbacks=[policy])
+    # epoch 1 starts HiTopK and sets the best loss; epochs 2 and 3 (patience + 1) do not improve on it
+    assert policy.history == [(0, "allreduce"), (1, "hitopk"), (4, "hierarchical")]
+    assert model.optimizer.communication.key == "hierarchical"
+    with pytest.raises(ValueError, match="never ends"):
+        hvdx.callbacks.CommunicationPolicy([("allreduce", None), ("hitopk", None)])
+    with pytest.raises(ValueError, match="not after"):
+        hvdx.callbacks.CommunicationPolicy([("allreduce", 3), ("hitopk", 2), ("hierarchical", None)])
