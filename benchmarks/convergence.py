@@ -190,6 +190,9 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             run["steps"].append(run["done"])
             run["accuracy"].append(float(accuracy))
             run["seconds"].append(run["clock"])
+            if hvd.rank() == 0:
+                print(f"{task} {method}: step {run['done']} test accuracy {accuracy:.3f} "
+                      f"({run['clock']:.1f} s training)", flush=True)
     return {method: {k: run[k] for k in ("steps", "accuracy", "seconds")} for method, run in runs.items()}
 
 
