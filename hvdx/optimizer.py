@@ -132,6 +132,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             groups=groups, num_groups=num_groups,
             scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
             aids=aids)
+        self._check_momentum_correction()
         self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step != 1 else None)
         self._horovod_config = dict(
@@ -162,6 +163,19 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         """Switches the strategy; takes effect when the step function is traced again
         (hvdx.callbacks.SwitchCommunication does that for Model.fit)."""
         self._aggregator.strategy = communication
+        self._check_momentum_correction()
+
+    def _check_momentum_correction(self) -> None:
+        """A strategy with momentum correction needs a wrapped optimizer whose momentum the
+        wrapper can set to 0 in the step (else momentum would be applied twice)."""
+        try:
+            inner = float(getattr(self._optimizer, "momentum", 0.0) or 0.0)
+        except (TypeError, ValueError):
+            inner = 1.0  # a momentum the wrapper cannot read as a number
+        if getattr(self._aggregator.strategy, "momentum", 0.0) and not self._momentum.held and inner:
+            raise ValueError(f"{self._aggregator.strategy!r} applies momentum correction, but the wrapper cannot set "
+                             f"the momentum of {type(self._optimizer).__name__} to 0 in its step: use "
+                             "tf.keras.optimizers.SGD (not legacy), or an optimizer without momentum")
 
     def register_local_var(self, var) -> None:
         """Horovod's: the gradient of `var` is not aggregated (divided by the number of ranks

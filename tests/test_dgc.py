@@ -208,3 +208,11 @@ def test_communication_policy_goes_dense_then_sparse_then_2dtar_on_a_plateau(one
         hvdx.callbacks.CommunicationPolicy([("allreduce", None), ("hitopk", None)])
     with pytest.raises(ValueError, match="not after"):
         hvdx.callbacks.CommunicationPolicy([("allreduce", 3), ("hitopk", 2), ("hierarchical", None)])
+
+
+def test_momentum_correction_with_a_momentum_the_wrapper_cannot_zero_is_refused(one_rank):
+    """A legacy SGD keeps its momentum as a hyper-parameter the wrapper does not hold: its
+    momentum would be applied on top of the strategy's velocity (twice)."""
+    with pytest.raises(ValueError, match="momentum correction"):
+        hvdx.DistributedOptimizer(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9),
+                                  communication=comm.HiTopK(momentum=0.9))
