@@ -76,7 +76,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`;
       rejected with a dense one): momentum_correction (the wrapped SGD's momentum is
       accumulated by the strategy before selection, with momentum factor masking, and the
-      wrapped optimizer applies the aggregate without momentum), clip_norm (local gradient
+      wrapped optimizer applies the aggregate without momentum; None, the default: on for
+      a sparse strategy named at density <= 0.1 with Keras' SGD with momentum), clip_norm (local gradient
       clipping to clip_norm / sqrt(ranks)), warmup_steps / warmup_density (the density falls
       exponentially from warmup_density, 0.25, to density over the first warmup_steps
       steps), residual_decay (error feedback keeps residual_decay x the residual).
@@ -104,7 +105,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, momentum_correction: bool = False,
+                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
                  clip_norm: Optional[float] = None, warmup_steps: Optional[int] = None,
                  warmup_density: Optional[float] = None, residual_decay: Optional[float] = None) -> None:
         if isinstance(name, comm.Strategy) or comm.is_name(name):
@@ -124,7 +125,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
         aids = dict(clip_norm=clip_norm, warmup_steps=warmup_steps, warmup_density=warmup_density,
-                    residual_decay=residual_decay, momentum=_corrected_momentum(optimizer, momentum_correction))
+                    residual_decay=residual_decay, momentum=_corrected_momentum(optimizer, _momentum_correction(
+                        momentum_correction, optimizer, communication, density)))
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
@@ -387,6 +389,33 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             config["communication"] = strategy.from_config(
                 {k: config.pop(k) for k in strategy.options if k in config and k not in HOROVOD_OPTIONS})
         return cls(optimizer, **config)
+
+
+#: Momentum correction is on by default up to this density (its masking presumes a sparse
+#: selection: at density 1 it would reset every velocity each step).
+AUTO_MOMENTUM_CORRECTION_DENSITY = 0.1
+
+
+def _momentum_correction(given: Optional[bool], optimizer, communication, density: Optional[float]) -> bool:
+    """Whether to apply DGC's momentum correction: as `given`, or by default (None) when a
+    sparse strategy is named (or is $HVDX_COMMUNICATION's) at a density up to
+    AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD with a
+    momentum, not Nesterov's (measured: benchmarks/README.md, convergence.py)."""
+    if given is not None:
+        return given
+    from hvdx.aggregator import default_communication
+
+    if communication is None:
+        communication, env_density = default_communication()
+        density = density if density is not None else env_density
+    if not isinstance(communication, str) or not comm.is_name(communication) \
+            or not comm.strategy_class(communication).lossy:
+        return False
+    density = comm.DEFAULT_DENSITY if density is None else density
+    number = getattr(optimizer, "momentum", None)
+    return (type(optimizer) is tf.keras.optimizers.SGD and isinstance(number, (int, float))
+            and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
+            and isinstance(density, (int, float)) and density <= AUTO_MOMENTUM_CORRECTION_DENSITY)
 
 
 def _corrected_momentum(optimizer, momentum_correction: bool) -> Optional[float]:
