@@ -80,7 +80,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       a sparse strategy named at density <= 0.1 with Keras' SGD with momentum), clip_norm (local gradient
       clipping to clip_norm / sqrt(ranks)), warmup_steps / warmup_density (the density falls
       exponentially from warmup_density, 0.25, to density over the first warmup_steps
-      steps), residual_decay (error feedback keeps residual_decay x the residual).
+      steps; None, the default: 100 for an Adam-family optimizer with a sparse strategy
+      named, else off), residual_decay (error feedback keeps residual_decay x the residual).
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
@@ -124,7 +125,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
-        aids = dict(clip_norm=clip_norm, warmup_steps=warmup_steps, warmup_density=warmup_density,
+        aids = dict(clip_norm=clip_norm, warmup_steps=_warmup_steps(warmup_steps, optimizer, communication, density), warmup_density=warmup_density,
                     residual_decay=residual_decay, momentum=_corrected_momentum(optimizer, _momentum_correction(
                         momentum_correction, optimizer, communication, density)))
         self._aggregator = GradientAggregator(
@@ -403,6 +404,26 @@ def _momentum_correction(given: Optional[bool], optimizer, communication, densit
     momentum, not Nesterov's (measured: benchmarks/README.md, convergence.py)."""
     if given is not None:
         return given
+    density = _sparse_density(communication, density)
+    if density is None:
+        return False
+    number = getattr(optimizer, "momentum", None)
+    return (type(optimizer) is tf.keras.optimizers.SGD and isinstance(number, (int, float))
+            and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
+            and isinstance(density, (int, float)) and density <= AUTO_MOMENTUM_CORRECTION_DENSITY)
+
+
+#: The density warm-up an Adam-family optimizer gets by default with a sparse strategy
+#: (measured: benchmarks/README.md, convergence.py): 4 stages of 25 steps from 25 %.
+ADAM_WARMUP_STEPS = 100
+_ADAM_FAMILY = (tf.keras.optimizers.Adam, tf.keras.optimizers.AdamW, tf.keras.optimizers.Adamax,
+                tf.keras.optimizers.Nadam, tf.keras.optimizers.legacy.Adam, tf.keras.optimizers.legacy.Adamax,
+                tf.keras.optimizers.legacy.Nadam)
+
+
+def _sparse_density(communication, density: Optional[float]) -> Optional[float]:
+    """The density of the sparse strategy named by `communication` (or $HVDX_COMMUNICATION),
+    None if it names no sparse strategy."""
     from hvdx.aggregator import default_communication
 
     if communication is None:
@@ -410,12 +431,21 @@ def _momentum_correction(given: Optional[bool], optimizer, communication, densit
         density = density if density is not None else env_density
     if not isinstance(communication, str) or not comm.is_name(communication) \
             or not comm.strategy_class(communication).lossy:
-        return False
-    density = comm.DEFAULT_DENSITY if density is None else density
-    number = getattr(optimizer, "momentum", None)
-    return (type(optimizer) is tf.keras.optimizers.SGD and isinstance(number, (int, float))
-            and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
-            and isinstance(density, (int, float)) and density <= AUTO_MOMENTUM_CORRECTION_DENSITY)
+        return None
+    return comm.DEFAULT_DENSITY if density is None else density
+
+
+def _warmup_steps(given: Optional[int], optimizer, communication, density: Optional[float]) -> Optional[int]:
+    """The density warm-up: as `given`, or by default (None) ADAM_WARMUP_STEPS for an
+    Adam-family optimizer with a sparse strategy named at a density below the warm-up's
+    start (0.25); None (the strategy's own default, off) otherwise."""
+    if given is not None:
+        return given
+    density = _sparse_density(communication, density)
+    if density is None or not isinstance(density, (int, float)) or density >= 0.25 \
+            or not isinstance(optimizer, _ADAM_FAMILY):
+        return None
+    return ADAM_WARMUP_STEPS
 
 
 def _corrected_momentum(optimizer, momentum_correction: bool) -> Optional[float]:

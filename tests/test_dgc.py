@@ -228,3 +228,15 @@ def test_hitopk_with_momentum_sgd_gets_momentum_correction_by_default(one_rank):
     assert hvdx.DistributedOptimizer(sgd(), communication="hitopk", density=1.0).communication.momentum == 0
     assert hvdx.DistributedOptimizer(tf.keras.optimizers.Adam(0.1), communication="hitopk").communication.momentum == 0
     assert not hasattr(hvdx.DistributedOptimizer(sgd(), communication="allreduce").communication, "momentum")
+
+
+def test_hitopk_with_adam_gets_a_density_warmup_by_default(one_rank):
+    """The default that benchmarks/convergence.py measured (Horovod's Keras MNIST model,
+    Adam, 2x2, density 0.01, 200 steps of 64 per rank: 0.927 without, 0.956 with; Horovod
+    0.960)."""
+    adam = lambda: tf.keras.optimizers.Adam(0.001)  # noqa: E731
+    assert hvdx.DistributedOptimizer(adam(), communication="hitopk").communication.warmup_steps == 100
+    assert hvdx.DistributedOptimizer(adam(), communication="hitopk", warmup_steps=0).communication.warmup_steps == 0
+    assert hvdx.DistributedOptimizer(adam(), communication="hitopk", density=0.5).communication.warmup_steps == 0
+    sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    assert hvdx.DistributedOptimizer(sgd, communication="hitopk").communication.warmup_steps == 0
