@@ -371,6 +371,10 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if self._aggregator.groups_are_variables:
             config["num_groups"] = 0  # variable groups cannot be saved: one bucket on reload
         config.update(self._aggregator.config)
+        strategy = self._aggregator.strategy
+        if strategy.lossy:  # explicit, so that a reload does not apply other defaults (`_momentum_correction`)
+            config.setdefault("warmup_steps", getattr(strategy, "warmup_steps", 0))
+            config["momentum_correction"] = bool(getattr(strategy, "momentum", 0.0))
         return config
 
     @classmethod
@@ -387,6 +391,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         strategy = comm.strategy_class(config.get("communication") or "allreduce")
         own = [k for k in strategy.options if k in config and k not in _KEYWORDS]
         if own:
+            config.pop("momentum_correction", None)  # the instance carries its momentum
             config["communication"] = strategy.from_config(
                 {k: config.pop(k) for k in strategy.options if k in config and k not in HOROVOD_OPTIONS})
         return cls(optimizer, **config)

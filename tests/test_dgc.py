@@ -240,3 +240,14 @@ def test_hitopk_with_adam_gets_a_density_warmup_by_default(one_rank):
     assert hvdx.DistributedOptimizer(adam(), communication="hitopk", density=0.5).communication.warmup_steps == 0
     sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
     assert hvdx.DistributedOptimizer(sgd, communication="hitopk").communication.warmup_steps == 0
+
+
+def test_a_reloaded_optimizer_keeps_the_aids_it_was_saved_with_not_the_defaults(one_rank):
+    off = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), communication="hitopk",
+                                    momentum_correction=False)
+    assert type(off).from_config(off.get_config()).communication.momentum == 0
+    adam = hvdx.DistributedOptimizer(tf.keras.optimizers.Adam(0.1), communication="hitopk", warmup_steps=0)
+    assert type(adam).from_config(adam.get_config()).communication.warmup_steps == 0
+    on = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), communication="hitopk")
+    again = type(on).from_config(on.get_config())
+    assert again.communication.momentum == pytest.approx(0.9) and repr(again.communication) == repr(on.communication)
