@@ -212,7 +212,7 @@ class GradientAggregator(tf.Module):
                 break
         else:
             self._book.strategies.append(strategy)
-            self._memories = [s.memory for s in self._book.strategies if s.memory is not None]
+            self._memories = [m for s in self._book.strategies for m in s.memories]
         self._strategy = strategy
 
     @property

@@ -97,17 +97,19 @@ def test_sparse_strategy_with_every_aid_equals_the_numpy_rule(one_rank, cls, tra
         np.testing.assert_array_equal(got != 0, sent[step] != 0, err_msg=f"selection at step {step}")
         np.testing.assert_allclose(got, sent[step], rtol=2e-5, atol=1e-6, err_msg=f"step {step}")
     np.testing.assert_allclose(strategy.variables["b"].numpy(), v, rtol=2e-5, atol=1e-6)
-    np.testing.assert_allclose(strategy.variables["b_velocity"].numpy(), u, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(strategy.velocities["b"].numpy(), u, rtol=2e-5, atol=1e-6)
     assert int(strategy.memory.counter("b").numpy()) == steps
 
 
 def test_a_non_finite_step_leaves_velocity_residual_and_warmup_step_as_they_were(one_rank):
     strategy = comm.HiTopK(density=0.1, momentum=0.9, warmup_steps=4)
     strategy(tf.range(1.0, 101.0), "b")
-    before = {k: v.numpy().copy() for k, v in strategy.variables.items()}
+    state = lambda: {**strategy.variables, **{f"{k}_velocity": v for k, v in strategy.velocities.items()}}  # noqa
+    before = {k: v.numpy().copy() for k, v in state().items()}
+    assert len(before) == 2
     bad = tf.tensor_scatter_nd_update(tf.range(1.0, 101.0), [[3]], [np.nan])
     assert np.isnan(strategy(bad, "b").numpy()).any()
-    for key, value in strategy.variables.items():
+    for key, value in state().items():
         np.testing.assert_array_equal(value.numpy(), before[key], err_msg=key)
     assert int(strategy.memory.counter("b").numpy()) == 1
 
@@ -147,18 +149,19 @@ def test_velocity_and_warmup_step_are_checkpointed(one_rank, tmp_path):
     strategy = comm.HiTopK(density=0.1, momentum=0.9, warmup_steps=10)
     for _ in range(3):
         strategy(tf.range(1.0, 101.0), "b")
-    path = tf.train.Checkpoint(memory=strategy.memory).save(str(tmp_path / "ckpt"))
+    path = tf.train.Checkpoint(memories=strategy.memories).save(str(tmp_path / "ckpt"))
     fresh = comm.HiTopK(density=0.1, momentum=0.9, warmup_steps=10)
     fresh.create_state("b", 100)
-    tf.train.Checkpoint(memory=fresh.memory).restore(path).assert_existing_objects_matched()
-    for key in ("b", "b_velocity"):
-        np.testing.assert_array_equal(fresh.variables[key].numpy(), strategy.variables[key].numpy())
+    tf.train.Checkpoint(memories=fresh.memories).restore(path).assert_existing_objects_matched()
+    np.testing.assert_array_equal(fresh.variables["b"].numpy(), strategy.variables["b"].numpy())
+    np.testing.assert_array_equal(fresh.velocities["b"].numpy(), strategy.velocities["b"].numpy())
     assert int(fresh.memory.counter("b").numpy()) == 3
     # the .keras format's path: state() / restore()
     other = comm.HiTopK(density=0.1, momentum=0.9, warmup_steps=10)
-    other.memory.restore(strategy.memory.state())
+    for mine, saved in zip(other.memories, strategy.memories):
+        mine.restore(saved.state())
     other.create_state("b", 100)
-    np.testing.assert_array_equal(other.variables["b_velocity"].numpy(), strategy.variables["b_velocity"].numpy())
+    np.testing.assert_array_equal(other.velocities["b"].numpy(), strategy.velocities["b"].numpy())
     assert int(other.memory.counter("b").numpy()) == 3
 
 

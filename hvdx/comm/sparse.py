@@ -13,7 +13,7 @@ says how its pairs travel (`_sparse_aggregate`).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -67,11 +67,23 @@ class TopKStrategy(Strategy):
         self.residual_decay = float(residual_decay)
         self._density_now: Optional[float] = None  # the warm-up stage's density while its branch is built
         self._memory = ResidualMemory(self.key)
+        #: DGC's velocities (momentum correction), kept like residuals: per rank, per buffer.
+        self._velocities = ResidualMemory(f"{self.key}_velocity")
         self.last_indices: Optional[tf.Tensor] = None  # diagnostics: last call's selection
 
     @property
     def memory(self) -> ResidualMemory:
         return self._memory
+
+    @property
+    def memories(self) -> List[ResidualMemory]:
+        """The residuals' memory, and the velocities' where momentum correction is on."""
+        return [self._memory, self._velocities] if self.momentum else [self._memory]
+
+    @property
+    def velocities(self) -> Dict[str, tf.Variable]:
+        """DGC's velocities by buffer name (momentum correction; empty without)."""
+        return self._velocities.variables_by_name
 
     def residual_length(self, d: int) -> int:
         """The length of the residual kept for a d-element buffer: the same on every rank,
@@ -97,7 +109,7 @@ class TopKStrategy(Strategy):
     def create_state(self, name: str, d: int) -> None:
         self._memory.variable(name, self.residual_length(d), tf.float32)
         if self.momentum:
-            self._memory.variable(_velocity(name), self.residual_length(d), tf.float32)
+            self._velocities.variable(name, self.residual_length(d), tf.float32)
         if self.warmup_steps:
             self._memory.counter(name)
 
@@ -165,7 +177,7 @@ class TopKStrategy(Strategy):
             if self.momentum or self.residual_decay != 1.0:  # DGC: momentum correction, decay
                 grad = grads[0] if len(grads) == 1 else tf.add_n(grads)
                 if self.momentum:
-                    velocity = self._memory.read(_velocity(name), stored, tf.float32, residual_scale)
+                    velocity = self._velocities.read(name, stored, tf.float32, residual_scale)
                     velocity = velocity if stored == length else velocity[:length]
                 acc, velocity = dgc.accumulate(grad, residual, velocity, self.momentum, self.residual_decay)
             else:
@@ -185,7 +197,7 @@ class TopKStrategy(Strategy):
                     velocity = dgc.mask_velocity(velocity, indices)
                 if stored != length:
                     velocity = tf.pad(velocity, [[0, stored - length]])
-                updates += self._memory.updates(_velocity(name), velocity, residual_scale)
+                updates += self._velocities.updates(name, velocity, residual_scale)
         self.last_indices = indices
         return values, indices, k, updates
 
@@ -212,7 +224,3 @@ class TopKStrategy(Strategy):
         return (f"{type(self).__name__}(density={self.density}, num_samplings={self.num_samplings}, "
                 f"wire_dtype={self.wire_dtype.name}{aids})")
 
-
-def _velocity(name: str) -> str:
-    """The memory key of buffer `name`'s velocity (momentum correction)."""
-    return f"{name}_velocity"

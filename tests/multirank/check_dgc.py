@@ -25,7 +25,8 @@ from tests.multirank.check_training_path import digits, digits_model, same_on_ev
 
 def by_name(opt) -> dict:
     """Every strategy's residuals and velocities, by strategy and buffer name."""
-    return {f"{s.key}/{name}": v for s in opt.aggregator._book.strategies for name, v in s.variables.items()}
+    return {f"{memory.name}/{name}": v for memory in opt.aggregator._memories
+            for name, v in memory.variables_by_name.items()}
 
 
 def check_simulation(topo, d: int = 64 * 16 + 5, steps: int = 6, momentum: float = 0.5, decay: float = 0.5):
@@ -39,11 +40,13 @@ def check_simulation(topo, d: int = 64 * 16 + 5, steps: int = 6, momentum: float
         rng = np.random.default_rng(3000 * step + topo.rank)
         grads = rng.integers(-8000, 8000, d) / 8
         all_grads = gather_rows(tf.constant(grads, tf.float32), f"dg.{step}")
-        state = {key: strategy.variables[key].value() if step else tf.zeros([stored]) for key in ("b", "b_velocity")}
+        held = {"b": strategy.variables.get("b"), "b_velocity": strategy.velocities.get("b")}
+        state = {key: v.value() if step else tf.zeros([stored]) for key, v in held.items()}
         before = {key: gather_rows(value, f"db.{key}.{step}") for key, value in state.items()}
         got = strategy(tf.constant(grads, tf.float32), name="b").numpy()
         chosen = gather_ragged(strategy.last_indices, f"di.{step}")
-        after = {key: gather_rows(strategy.variables[key].value(), f"da.{key}.{step}") for key in before}
+        held = {"b": strategy.variables["b"], "b_velocity": strategy.velocities["b"]}
+        after = {key: gather_rows(v.value(), f"da.{key}.{step}") for key, v in held.items()}
         density = strategy.warmup.density(step)
         padded = np.zeros((size, padded_d))
         padded[:, :d] = all_grads
@@ -90,9 +93,9 @@ def check_aids(topo) -> dict:
         again.build(fresh.trainable_variables)
         tf.train.Checkpoint(model=fresh, optimizer=again).read(path)
         restored = {key: v.numpy() for key, v in by_name(again).items()}
-        out["restored_own_velocity"] = bool(any(k.endswith("_velocity") for k in state) and sorted(state) == sorted(
+        out["restored_own_velocity"] = bool(any("velocity" in k for k in state) and sorted(state) == sorted(
             restored) and all(np.array_equal(state[k], restored[k]) for k in state) and any(
-            np.any(v) for k, v in state.items() if k.endswith("_velocity")))
+            np.any(v) for k, v in state.items() if "velocity" in k))
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
         shutil.rmtree(folder, ignore_errors=True)
