@@ -81,8 +81,10 @@ class _Book:
 def aggregator_options(communication: Union[str, comm.Strategy, None], *, density: Optional[float] = None,
                        num_samplings: Optional[int] = None, wire_dtype=None, compression=None, op=hvd.Average,
                        gradient_predivide_factor: float = 1.0,
-                       process_set: hvd.ProcessSet = hvd.global_process_set) -> Tuple[comm.Strategy, Dict[str, Any]]:
-    """Validates the user's options once, at construction.
+                       process_set: hvd.ProcessSet = hvd.global_process_set,
+                       aids: Optional[Dict[str, Any]] = None) -> Tuple[comm.Strategy, Dict[str, Any]]:
+    """Validates the user's options once, at construction. `aids`: DGC's convergence aids
+    (`hvdx.comm.dgc`) by option name, None values meaning not given.
 
     Returns:
       (the strategy, the options that build another strategy when it is switched: each
@@ -101,6 +103,7 @@ def aggregator_options(communication: Union[str, comm.Strategy, None], *, densit
     # hvdx's options: every one given must be taken by the strategy.
     given: Dict[str, Any] = {k: v for k, v in (("density", density), ("num_samplings", num_samplings),
                                                ("wire_dtype", wire_dtype)) if v is not None}
+    given.update({k: v for k, v in (aids or {}).items() if v is not None})
     if compression is hvd.Compression.fp16:  # Horovod's fp16 compression: a float16 wire everywhere
         if wire_dtype is not None and tf.as_dtype(wire_dtype) != tf.float16:
             raise ValueError(f"compression=hvd.Compression.fp16 and wire_dtype={tf.as_dtype(wire_dtype).name} "
@@ -160,7 +163,7 @@ class GradientAggregator(tf.Module):
                  groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None, num_groups: int = 0,
                  scale_local_gradients: bool = True, device_dense: str = "", device_sparse: str = "",
                  loss_scale: Union[None, Callable[[], tf.Tensor], Any] = None,
-                 name: str = "hvdx_aggregator") -> None:
+                 aids: Optional[Dict[str, Any]] = None, name: str = "hvdx_aggregator") -> None:
         super().__init__(name=name)
         if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
                                          or bucket_bytes <= 0):
@@ -176,7 +179,7 @@ class GradientAggregator(tf.Module):
         strategy, options = aggregator_options(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
-            process_set=process_set)
+            process_set=process_set, aids=aids)
         self._book = _Book()
         self._book.options = options
         self._sum = op is hvd.Sum
@@ -209,7 +212,7 @@ class GradientAggregator(tf.Module):
                 break
         else:
             self._book.strategies.append(strategy)
-            self._memories = [s.memory for s in self._book.strategies if s.memory is not None]
+            self._memories = [m for s in self._book.strategies for m in s.memories]
         self._strategy = strategy
 
     @property

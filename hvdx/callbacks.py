@@ -6,11 +6,12 @@ plus a check, before the first batch, that every rank will run the same number o
 and epochs: otherwise the rank with more steps waits for ever in a collective the others
 never issue. `SwitchCommunication` switches the aggregation strategy during training (the
 DAWNBench recipe trains its first epochs with MSTopK and then switches to 2DTAR, shi2021
-sec. 5.6). Horovod's other callbacks work unchanged with hvdx's optimizer.
+sec. 5.6); `CommunicationPolicy` chains such switches, at configured epochs or when the
+training loss plateaus. Horovod's other callbacks work unchanged with hvdx's optimizer.
 """
 from __future__ import annotations
 
-from typing import Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow.keras.callbacks as hvd_callbacks
 import tensorflow as tf
@@ -18,7 +19,7 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.layout import check_agreement
 
-__all__ = ["BroadcastGlobalVariablesCallback", "SwitchCommunication", "check_same_steps"]
+__all__ = ["BroadcastGlobalVariablesCallback", "CommunicationPolicy", "SwitchCommunication", "check_same_steps"]
 
 
 def check_same_steps(params: dict, name: str = "hvdx.steps") -> None:
@@ -48,8 +49,96 @@ class SwitchCommunication(tf.keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch: int, logs=None) -> None:
         if epoch == self.epoch:
-            optimizer = self.model.optimizer
-            while not hasattr(optimizer, "set_communication") and hasattr(optimizer, "inner_optimizer"):
-                optimizer = optimizer.inner_optimizer  # under a LossScaleOptimizer
-            optimizer.set_communication(self.communication)
-            self.model.make_train_function(force=True)
+            switch(self.model, self.communication)
+
+
+def switch(model: tf.keras.Model, communication: Union[str, comm.Strategy]) -> None:
+    """Sets the strategy of `model`'s hvdx.DistributedOptimizer (under a LossScaleOptimizer
+    too) and has Keras trace the step function again."""
+    optimizer = model.optimizer
+    while not hasattr(optimizer, "set_communication") and hasattr(optimizer, "inner_optimizer"):
+        optimizer = optimizer.inner_optimizer  # under a LossScaleOptimizer
+    if not hasattr(optimizer, "set_communication"):
+        raise ValueError(f"the model's optimizer {type(optimizer).__name__} is not an hvdx.DistributedOptimizer: "
+                         "wrap it with hvdx.DistributedOptimizer(optimizer) to switch its communication")
+    optimizer.set_communication(communication)
+    model.make_train_function(force=True)
+
+
+#: A phase of `CommunicationPolicy`: (strategy, when it ends): an epoch (the next phase
+#: starts at the beginning of that epoch), "plateau" (the epoch after the training loss
+#: plateaus), or None (the last phase).
+Phase = Tuple[Union[str, comm.Strategy], Union[int, str, None]]
+
+
+class CommunicationPolicy(tf.keras.callbacks.Callback):
+    """shi2021 sec. 5.6's practice as a policy: e.g. a dense warm-up, then HiTopK while the
+    loss falls, then 2DTAR once it plateaus (sparse aggregation "would cause accuracy loss"
+    late in training)::
+
+        CommunicationPolicy([("allreduce", 1), ("hitopk", "plateau"), ("hierarchical", None)])
+
+    Each switch is `SwitchCommunication`'s (the strategies keep their residuals). The
+    plateau is `hvdx.daso.plateau.PlateauDetector`'s rule (`patience` + 1 epochs whose loss
+    is not `threshold` below the best) on the epoch's training loss averaged over every rank
+    (one small allreduce per epoch), so every rank switches at the same epoch.
+    `history` lists (epoch, strategy name) of each phase started.
+
+    Raises:
+      ValueError: no phases, an end that is not an increasing epoch, "plateau" or None, or
+        None before the last phase.
+    """
+
+    def __init__(self, phases: Sequence[Phase], patience: int = 2, threshold: float = 0.05,
+                 monitor: str = "loss") -> None:
+        super().__init__()
+        from hvdx.daso.plateau import PlateauDetector
+
+        phases = [tuple(phase) for phase in phases]
+        if not phases:
+            raise ValueError("CommunicationPolicy needs at least one (communication, end) phase")
+        last = -1
+        for i, (communication, end) in enumerate(phases):
+            comm.get(communication) if isinstance(communication, str) else None  # a name that exists
+            if end is None and i != len(phases) - 1:
+                raise ValueError(f"phase {i} ({communication!r}) never ends (None) but phases follow it")
+            if isinstance(end, int) and not isinstance(end, bool):
+                if end <= last:
+                    raise ValueError(f"phase {i} ends at epoch {end}, not after the previous phase's {last}")
+                last = end
+            elif end not in ("plateau", None):
+                raise ValueError(f"a phase ends at an epoch (int), 'plateau' or None (never), got {end!r}")
+        self.phases: List[Phase] = phases
+        self.monitor = monitor
+        self.detector = PlateauDetector(patience=patience, threshold=threshold)
+        self.phase = 0
+        self.history: List[Tuple[int, str]] = []
+        self._plateaued = False
+
+    def _start(self, epoch: int, phase: int) -> None:
+        self.phase = phase
+        self.detector.reset()
+        self._plateaued = False
+        communication = self.phases[phase][0]
+        switch(self.model, communication)
+        self.history.append((epoch, communication if isinstance(communication, str) else communication.key))
+
+    def on_train_begin(self, logs=None) -> None:
+        if not self.history:
+            self._start(0, 0)
+
+    def on_epoch_begin(self, epoch: int, logs=None) -> None:
+        end = self.phases[self.phase][1]
+        while self.phase + 1 < len(self.phases) and (
+                (isinstance(end, int) and epoch >= end) or (end == "plateau" and self._plateaued)):
+            self._start(epoch, self.phase + 1)
+            end = self.phases[self.phase][1]
+
+    def on_epoch_end(self, epoch: int, logs=None) -> None:
+        if self.phases[self.phase][1] != "plateau" or not logs or self.monitor not in logs:
+            return
+        import horovod.tensorflow as hvd
+
+        loss = float(hvd.allreduce(tf.constant(float(logs[self.monitor]), tf.float64), op=hvd.Average,
+                                   name=f"hvdx.policy.loss.{epoch}"))
+        self._plateaued = self._plateaued or self.detector.update(loss)

@@ -73,6 +73,15 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       bucket_bytes: gradients are fused into buckets, filled from the last layer to the
         first, each closed once it holds this many bytes (default 32 MiB); a bucket's
         collectives start while backpropagation goes on. None: one buffer per dtype.
+      Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`;
+      rejected with a dense one): momentum_correction (the wrapped SGD's momentum is
+      accumulated by the strategy before selection, with momentum factor masking, and the
+      wrapped optimizer applies the aggregate without momentum; None, the default: on for
+      a sparse strategy named at density <= 0.1 with Keras' SGD with momentum), clip_norm (local gradient
+      clipping to clip_norm / sqrt(ranks)), warmup_steps / warmup_density (the density falls
+      exponentially from warmup_density, 0.25, to density over the first warmup_steps
+      steps; None, the default: 100 for an Adam-family optimizer with a sparse strategy
+      named, else off), residual_decay (error feedback keeps residual_decay x the residual).
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
@@ -97,7 +106,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
+                 clip_norm: Optional[float] = None, warmup_steps: Optional[int] = None,
+                 warmup_density: Optional[float] = None, residual_decay: Optional[float] = None) -> None:
         if isinstance(name, comm.Strategy) or comm.is_name(name):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
                              f"as communication={name!r}")
@@ -114,12 +125,17 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
+        aids = dict(clip_norm=clip_norm, warmup_steps=_warmup_steps(warmup_steps, optimizer, communication, density), warmup_density=warmup_density,
+                    residual_decay=residual_decay, momentum=_corrected_momentum(optimizer, _momentum_correction(
+                        momentum_correction, optimizer, communication, density)))
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
             compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
             groups=groups, num_groups=num_groups,
-            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse)
+            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
+            aids=aids)
+        self._check_momentum_correction()
         self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step != 1 else None)
         self._horovod_config = dict(
@@ -150,6 +166,19 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         """Switches the strategy; takes effect when the step function is traced again
         (hvdx.callbacks.SwitchCommunication does that for Model.fit)."""
         self._aggregator.strategy = communication
+        self._check_momentum_correction()
+
+    def _check_momentum_correction(self) -> None:
+        """A strategy with momentum correction needs a wrapped optimizer whose momentum the
+        wrapper can set to 0 in the step (else momentum would be applied twice)."""
+        try:
+            inner = float(getattr(self._optimizer, "momentum", 0.0) or 0.0)
+        except (TypeError, ValueError):
+            inner = 1.0  # a momentum the wrapper cannot read as a number
+        if getattr(self._aggregator.strategy, "momentum", 0.0) and not self._momentum.held and inner:
+            raise ValueError(f"{self._aggregator.strategy!r} applies momentum correction, but the wrapper cannot set "
+                             f"the momentum of {type(self._optimizer).__name__} to 0 in its step: use "
+                             "tf.keras.optimizers.SGD (not legacy), or an optimizer without momentum")
 
     def register_local_var(self, var) -> None:
         """Horovod's: the gradient of `var` is not aggregated (divided by the number of ranks
@@ -219,14 +248,17 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if aggregate:
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
         self._just_aggregated = None
+        # Momentum correction (DGC): the strategy accumulated the velocity, so the wrapped
+        # optimizer applies the aggregate without a momentum of its own.
+        corrected = bool(getattr(self._aggregator.strategy, "momentum", 0.0))
         if self._agg_helper is None:
-            with self._momentum.read_by_step():  # the wrapped step reads the momentum variable
+            with self._momentum.read_by_step(zero=corrected):  # the wrapped step reads the momentum variable
                 return self._apply(grads_and_vars)
 
         def skip():
             return self.iterations.assign_add(1)
 
-        with self._momentum.read_by_step():
+        with self._momentum.read_by_step(zero=corrected):
             return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
 
     def _apply(self, grads_and_vars):
@@ -339,6 +371,10 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if self._aggregator.groups_are_variables:
             config["num_groups"] = 0  # variable groups cannot be saved: one bucket on reload
         config.update(self._aggregator.config)
+        strategy = self._aggregator.strategy
+        if strategy.lossy:  # explicit, so that a reload does not apply other defaults (`_momentum_correction`)
+            config.setdefault("warmup_steps", getattr(strategy, "warmup_steps", 0))
+            config["momentum_correction"] = bool(getattr(strategy, "momentum", 0.0))
         return config
 
     @classmethod
@@ -355,9 +391,83 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         strategy = comm.strategy_class(config.get("communication") or "allreduce")
         own = [k for k in strategy.options if k in config and k not in _KEYWORDS]
         if own:
+            config.pop("momentum_correction", None)  # the instance carries its momentum
             config["communication"] = strategy.from_config(
                 {k: config.pop(k) for k in strategy.options if k in config and k not in HOROVOD_OPTIONS})
         return cls(optimizer, **config)
+
+
+#: Momentum correction is on by default up to this density (its masking presumes a sparse
+#: selection: at density 1 it would reset every velocity each step).
+AUTO_MOMENTUM_CORRECTION_DENSITY = 0.1
+
+
+def _momentum_correction(given: Optional[bool], optimizer, communication, density: Optional[float]) -> bool:
+    """Whether to apply DGC's momentum correction: as `given`, or by default (None) when a
+    sparse strategy is named (or is $HVDX_COMMUNICATION's) at a density up to
+    AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD with a
+    momentum, not Nesterov's (measured: benchmarks/README.md, convergence.py)."""
+    if given is not None:
+        return given
+    density = _sparse_density(communication, density)
+    if density is None:
+        return False
+    number = getattr(optimizer, "momentum", None)
+    return (type(optimizer) is tf.keras.optimizers.SGD and isinstance(number, (int, float))
+            and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
+            and isinstance(density, (int, float)) and density <= AUTO_MOMENTUM_CORRECTION_DENSITY)
+
+
+#: The density warm-up an Adam-family optimizer gets by default with a sparse strategy
+#: (measured: benchmarks/README.md, convergence.py): 4 stages of 25 steps from 25 %.
+ADAM_WARMUP_STEPS = 100
+_ADAM_FAMILY = (tf.keras.optimizers.Adam, tf.keras.optimizers.AdamW, tf.keras.optimizers.Adamax,
+                tf.keras.optimizers.Nadam, tf.keras.optimizers.legacy.Adam, tf.keras.optimizers.legacy.Adamax,
+                tf.keras.optimizers.legacy.Nadam)
+
+
+def _sparse_density(communication, density: Optional[float]) -> Optional[float]:
+    """The density of the sparse strategy named by `communication` (or $HVDX_COMMUNICATION),
+    None if it names no sparse strategy."""
+    from hvdx.aggregator import default_communication
+
+    if communication is None:
+        communication, env_density = default_communication()
+        density = density if density is not None else env_density
+    if not isinstance(communication, str) or not comm.is_name(communication) \
+            or not comm.strategy_class(communication).lossy:
+        return None
+    return comm.DEFAULT_DENSITY if density is None else density
+
+
+def _warmup_steps(given: Optional[int], optimizer, communication, density: Optional[float]) -> Optional[int]:
+    """The density warm-up: as `given`, or by default (None) ADAM_WARMUP_STEPS for an
+    Adam-family optimizer with a sparse strategy named at a density below the warm-up's
+    start (0.25); None (the strategy's own default, off) otherwise."""
+    if given is not None:
+        return given
+    density = _sparse_density(communication, density)
+    if density is None or not isinstance(density, (int, float)) or density >= 0.25 \
+            or not isinstance(optimizer, _ADAM_FAMILY):
+        return None
+    return ADAM_WARMUP_STEPS
+
+
+def _corrected_momentum(optimizer, momentum_correction: bool) -> Optional[float]:
+    """The momentum the strategy accumulates with (DGC's momentum correction): the wrapped
+    optimizer's, which then applies the aggregate without one; None when not asked."""
+    if not isinstance(momentum_correction, bool):
+        raise ValueError(f"momentum_correction must be True or False, got {momentum_correction!r}")
+    if not momentum_correction:
+        return None
+    number = getattr(optimizer, "momentum", None)
+    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < 1 \
+            or getattr(optimizer, "nesterov", False):
+        raise ValueError(f"momentum_correction=True moves the momentum of an SGD-like optimizer into the sparse "
+                         f"strategy (DGC); {type(optimizer).__name__} has momentum={number!r}"
+                         f"{' with nesterov=True' if getattr(optimizer, 'nesterov', False) else ''}. Use e.g. "
+                         "tf.keras.optimizers.SGD(lr, momentum=0.9), or leave momentum_correction off")
+    return float(number)
 
 
 _KEYWORDS = frozenset(inspect.signature(DistributedOptimizer.__init__).parameters)

@@ -31,8 +31,12 @@ _SHARED: Dict[str, GradientAggregator] = {}
 def shared_aggregator(**options) -> GradientAggregator:
     """The process-wide aggregator for these options (tapes made anew every step find last
     step's residuals there)."""
-    key = repr(sorted((k, v if isinstance(v, (str, int, float, bool, type(None))) else f"{type(v).__name__}@{id(v)}")
-                      for k, v in options.items()))
+    def plain(v):
+        if isinstance(v, dict):
+            return tuple(sorted((k, plain(x)) for k, x in v.items()))
+        return v if isinstance(v, (str, int, float, bool, type(None))) else f"{type(v).__name__}@{id(v)}"
+
+    key = repr(sorted((k, plain(v)) for k, v in options.items()))
     if key not in _SHARED:
         _SHARED[key] = GradientAggregator(**options)
     return _SHARED[key]
@@ -47,7 +51,11 @@ class DistributedGradientTape:
     hvdx's (keyword only): persistent, watch_accessed_variables (for a tape of its own),
     communication, density, num_samplings, wire_dtype, bucket_bytes (as in
     DistributedOptimizer), loss_scale (a LossScaleOptimizer, variable or callable: the
-    gradients are of a scaled loss, and residuals are rescaled when it changes), aggregator.
+    gradients are of a scaled loss, and residuals are rescaled when it changes), aggregator;
+    Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`): momentum
+    (momentum correction: the strategy accumulates the velocity, so apply the gradients
+    with an optimizer without momentum), clip_norm, warmup_steps, warmup_density,
+    residual_decay (as in DistributedOptimizer).
     """
 
     def __init__(self, gradtape: Optional[tf.GradientTape] = None, device_dense: str = "",
@@ -58,7 +66,10 @@ class DistributedGradientTape:
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
                  bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
-                 loss_scale: Any = None, aggregator: Optional[GradientAggregator] = None) -> None:
+                 loss_scale: Any = None, aggregator: Optional[GradientAggregator] = None,
+                 momentum: Optional[float] = None, clip_norm: Optional[float] = None,
+                 warmup_steps: Optional[int] = None, warmup_density: Optional[float] = None,
+                 residual_decay: Optional[float] = None) -> None:
         if gradtape is not None and not isinstance(gradtape, tf.GradientTape):
             raise ValueError("the first argument of hvdx.DistributedGradientTape is the tf.GradientTape to wrap "
                              f"(Horovod's form), got {gradtape!r}; for a tape of its own pass persistent= and "
@@ -75,7 +86,9 @@ class DistributedGradientTape:
                 compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
                 groups=groups, num_groups=num_groups,
                 scale_local_gradients=scale_local_gradients, device_dense=device_dense,
-                device_sparse=device_sparse, loss_scale=loss_scale)
+                device_sparse=device_sparse, loss_scale=loss_scale,
+                aids=dict(momentum=momentum, clip_norm=clip_norm, warmup_steps=warmup_steps,
+                          warmup_density=warmup_density, residual_decay=residual_decay))
 
     def register_local_source(self, source) -> None:
         """Horovod's: the gradient of `source` is not aggregated (divided by the number of

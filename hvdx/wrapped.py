@@ -163,14 +163,15 @@ class Momentum:
             self.get().assign(float(value))
 
     @contextlib.contextmanager
-    def read_by_step(self) -> Iterator[None]:
+    def read_by_step(self, zero: bool = False) -> Iterator[None]:
         """Where `held`, the wrapped optimizer's `momentum` is the variable inside (set
-        without tracking, so no checkpoint sees it)."""
+        without tracking, so no checkpoint sees it); with `zero`, 0 instead (DGC's momentum
+        correction: the strategy applied the momentum before aggregating)."""
         if not self.held:
             yield
             return
         number = self._optimizer.__dict__["momentum"]
-        variable = self.get()
+        variable = tf.zeros([], tf.float32) if zero else self.get()
         object.__setattr__(self._optimizer, "momentum", variable)
         try:
             yield

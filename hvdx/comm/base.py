@@ -332,6 +332,12 @@ class Strategy:
         return None
 
     @property
+    def memories(self) -> list:
+        """Every `ResidualMemory` of the strategy (checkpointed with the aggregator): the
+        residuals', and others a strategy keeps (DGC's velocities)."""
+        return [self.memory] if self.memory is not None else []
+
+    @property
     def variables(self) -> Dict[str, tf.Variable]:
         """The strategy's residuals by buffer name; empty for dense strategies."""
         return self.memory.variables_by_name if self.memory is not None else {}

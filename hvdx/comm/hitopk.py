@@ -45,7 +45,7 @@ class HiTopK(TopKStrategy):
         residual of that length (the shorter last slice leaves its tail at zero)."""
         return node_slices(d, self.topology.local_size)[0][1]
 
-    def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
+    def _sparse_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])
         n = topo.local_size

@@ -12,6 +12,10 @@ companions, checkpointed with it:
   scaling in a custom loop the gradients are scaled; when the scale changes, the residual
   is rescaled before it is added to the next buffer.
 
+A residual may also have a step counter (`counter`), which the density warm-up reads
+(`hvdx.comm.dgc`): it is the same on every rank, so it is not gated by `owner` (a
+checkpoint saved on rank 0 restores it everywhere, and all ranks stay in the same stage).
+
 Writes are two-phase: a strategy returns the new residuals as updates, and `commit` makes
 them only when the step's averaged gradients are finite, identically on every rank (they
 all see the same averaged gradients). A skipped step leaves every residual as it was.
@@ -50,6 +54,8 @@ class ResidualMemory(tf.Module):
         self._residuals: Dict[str, tf.Variable] = {}
         self._owners: Dict[str, tf.Variable] = {}
         self._scales: Dict[str, tf.Variable] = {}
+        self._counters: Dict[str, tf.Variable] = {}
+        self._pending_counters: Dict[str, int] = {}
         self._pending: Dict[str, Tuple[np.ndarray, np.ndarray, float]] = {}
 
     @staticmethod
@@ -76,6 +82,17 @@ class ResidualMemory(tf.Module):
         elif residual.shape[0] != length:
             raise ValueError(f"buffer {name!r} changed length from {residual.shape[0]} to {length}")
         return residual
+
+    def counter(self, name: str) -> tf.Variable:
+        """The step counter of buffer `name` (int64, created at 0 if new): how many finite
+        steps the buffer was aggregated in. Shared by all ranks, not gated by `owner`."""
+        counter = self._counters.get(name)
+        if counter is None:
+            with tf.init_scope():
+                counter = tf.Variable(self._pending_counters.pop(name, 0), dtype=tf.int64, trainable=False,
+                                      name=f"hvdx_{self._owner_name}_{name}_step")
+            self._counters[name] = counter
+        return counter
 
     def read(self, name: str, length: int, dtype: tf.DType, loss_scale: Optional[tf.Tensor] = None) -> tf.Tensor:
         """The residual to add to this step's buffer: zeros if another rank wrote it, and
@@ -114,11 +131,19 @@ class ResidualMemory(tf.Module):
             out[f"{name}.residual"] = residual.numpy()
             out[f"{name}.owner"] = self._owners[name].numpy()
             out[f"{name}.scale"] = np.asarray(self._scales[name].numpy())
+        for name, counter in self._counters.items():
+            out[f"{name}.step"] = np.asarray(counter.numpy())
         return out
 
     def restore(self, state: Dict[str, np.ndarray]) -> None:
         """Loads what `state()` saved; residuals not created yet get it when they are."""
-        names = {key.rsplit(".", 1)[0] for key in state}
+        for key in [key for key in state if key.endswith(".step")]:
+            name, step = key[:-len(".step")], int(np.asarray(state[key]))
+            if name in self._counters:
+                self._counters[name].assign(step)
+            else:
+                self._pending_counters[name] = step
+        names = {key.rsplit(".", 1)[0] for key in state if not key.endswith(".step")}
         for name in names:
             value, owner = np.asarray(state[f"{name}.residual"]), np.asarray(state[f"{name}.owner"], np.int32)
             scale = float(np.asarray(state[f"{name}.scale"]))

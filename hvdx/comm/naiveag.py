@@ -20,7 +20,7 @@ class SparseAllgather(TopKStrategy):
     ranks, sparse accumulation. Every rank sends 2k elements to every other (eq. 3)."""
 
 
-    def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
+    def _sparse_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])
         values, indices, k, updates = self._select([buffer], name, residual_scale)

@@ -4,35 +4,52 @@ A sparse strategy adds its residual to this step's buffer, selects k = density *
 entries of large magnitude with MSTopK (shi2021 Alg. 1), sends their (value, index) pairs
 in one all-gather (`hvdx.comm.wire`), and keeps everything it did not send, including
 the wire's rounding, as its next residual (committed only on finite steps).
+
+Deep Gradient Compression's convergence aids (`hvdx.comm.dgc`) are options of every sparse
+strategy: `momentum` (momentum correction), `momentum_masking`, `clip_norm` (local
+gradient clipping), `warmup_steps` / `warmup_density` (density warm-up) and
+`residual_decay`. They are applied here, around the selection, so each strategy only
+says how its pairs travel (`_sparse_aggregate`).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import ops
-from hvdx.comm import wire
-from hvdx.comm.base import Strategy, check_density, check_positive_int
+from hvdx.comm import dgc, wire
+from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int
 from hvdx.comm.memory import ResidualMemory, Update
 from hvdx.topology import Topology
 
-__all__ = ["TopKStrategy"]
+__all__ = ["AIDS", "TopKStrategy"]
 
 #: The density the sparse strategies use when none is given.
 DEFAULT_DENSITY = 0.01
+
+#: DGC's convergence aids (`hvdx.comm.dgc`), options of every sparse strategy, with the
+#: values that leave them off.
+AIDS = {"momentum": 0.0, "momentum_masking": True, "clip_norm": None, "warmup_steps": 0,
+        "warmup_density": 0.25, "residual_decay": 1.0}
 
 
 class TopKStrategy(Strategy):
     """Base of NaiveAG and HiTopK: error feedback + MSTopK + (value, index) all-gather."""
 
     lossy = True
-    options = ("density", "num_samplings", "wire_dtype")
+    options = ("density", "num_samplings", "wire_dtype", *AIDS)
 
     def __init__(self, density: float = DEFAULT_DENSITY, num_samplings: int = 30,
                  wire_dtype: tf.DType = tf.float32, topo: Optional[Topology] = None,
-                 index_dtype: Optional[tf.DType] = None) -> None:
+                 index_dtype: Optional[tf.DType] = None, *, momentum: float = 0.0, momentum_masking: bool = True,
+                 clip_norm: Optional[float] = None, warmup_steps: int = 0, warmup_density: float = 0.25,
+                 residual_decay: float = 1.0) -> None:
+        """Args: density, num_samplings (MSTopK), wire_dtype, and DGC's aids (`hvdx.comm.dgc`):
+        momentum (momentum correction; 0: off), momentum_masking, clip_norm (local
+        clipping; None: off), warmup_steps (density warm-up; 0: off) from warmup_density,
+        residual_decay (1: plain error feedback). ValueError on a bad value."""
         super().__init__(topo)
         #: MSTopK's index type: None picks int32 below 2**31 elements (the aggregator's
         #: buckets always are), int64 above; tf.int64 forces the wide path end to end.
@@ -40,12 +57,33 @@ class TopKStrategy(Strategy):
         self.density = check_density(density)
         self.num_samplings = check_positive_int(num_samplings, "num_samplings")
         self.wire_dtype = wire.check_dtype(wire_dtype)
+        dgc.check_aids(momentum, momentum_masking, clip_norm, warmup_steps, warmup_density, residual_decay,
+                       self.density)
+        self.momentum = float(momentum)
+        self.momentum_masking = momentum_masking
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.warmup_steps = int(warmup_steps)
+        self.warmup_density = float(warmup_density)
+        self.residual_decay = float(residual_decay)
+        self._density_now: Optional[float] = None  # the warm-up stage's density while its branch is built
         self._memory = ResidualMemory(self.key)
+        #: DGC's velocities (momentum correction), kept like residuals: per rank, per buffer.
+        self._velocities = ResidualMemory(f"{self.key}_velocity")
         self.last_indices: Optional[tf.Tensor] = None  # diagnostics: last call's selection
 
     @property
     def memory(self) -> ResidualMemory:
         return self._memory
+
+    @property
+    def memories(self) -> List[ResidualMemory]:
+        """The residuals' memory, and the velocities' where momentum correction is on."""
+        return [self._memory, self._velocities] if self.momentum else [self._memory]
+
+    @property
+    def velocities(self) -> Dict[str, tf.Variable]:
+        """DGC's velocities by buffer name (momentum correction; empty without)."""
+        return self._velocities.variables_by_name
 
     def residual_length(self, d: int) -> int:
         """The length of the residual kept for a d-element buffer: the same on every rank,
@@ -53,12 +91,75 @@ class TopKStrategy(Strategy):
         reads as zeros, `ResidualMemory.read`)."""
         return d
 
+    @property
+    def warmup(self) -> Optional[dgc.DensityWarmup]:
+        """The density warm-up schedule, or None when `warmup_steps` is 0."""
+        if not self.warmup_steps:
+            return None
+        return dgc.DensityWarmup(self.warmup_density, self.density, self.warmup_steps)
+
+    def get_config(self):
+        """The options (`Strategy.get_config`), the aids only where they differ from their defaults."""
+        config = super().get_config()
+        for option, default in AIDS.items():
+            if config.get(option, default) == default:
+                config.pop(option, None)
+        return config
+
     def create_state(self, name: str, d: int) -> None:
         self._memory.variable(name, self.residual_length(d), tf.float32)
+        if self.momentum:
+            self._velocities.variable(name, self.residual_length(d), tf.float32)
+        if self.warmup_steps:
+            self._memory.counter(name)
 
     def k(self, length: int) -> int:
-        """How many entries of a `length`-element buffer are sent: max(1, round(density * length))."""
-        return max(1, int(round(self.density * length)))
+        """How many entries of a `length`-element buffer are sent: max(1, round(density * length)),
+        the density being the warm-up stage's while a stage is built."""
+        density = self._density_now if self._density_now is not None else self.density
+        return max(1, int(round(density * length)))
+
+    def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
+        """Local clipping of this rank's buffer, then the strategy's `_sparse_aggregate`, at the
+        density of the warm-up's stage (one branch per stage, chosen by the buffer's step
+        counter, identical on every rank)."""
+        if self.clip_norm is not None:
+            with tf.name_scope("local_clip"):
+                buffer = dgc.local_clip(buffer, self.clip_norm, self.topology.size, residual_scale)
+        warmup = self.warmup
+        if warmup is None:
+            return self._sparse_aggregate(buffer, name, residual_scale)
+        counter = self._memory.counter(name)
+        densities = warmup.densities()
+        built = []
+
+        def branch(density: float):
+            def build():
+                self._density_now = density
+                try:
+                    result = self._sparse_aggregate(buffer, name, residual_scale)
+                finally:
+                    self._density_now = None
+                built.append(result)
+                local = result.local_slice[0] if result.local_slice is not None else tf.zeros([0])
+                return result.output, result.finite, local, [value for _, value in result.updates]
+            return build
+
+        if tf.executing_eagerly():
+            output, finite, local, values = branch(densities[warmup.stage(int(counter.numpy()))])()
+        else:
+            output, finite, local, values = tf.switch_case(warmup.stage(counter), [branch(d) for d in densities],
+                                                           name="density_warmup")
+        first = built[0]
+        updates = [(variable, value) for (variable, _), value in zip(first.updates, values)]
+        updates.append((counter, counter + 1))
+        local_slice = None if first.local_slice is None else (local, first.local_slice[1])
+        return Aggregated(output, updates, local_slice=local_slice, finite=finite)
+
+    def _sparse_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None
+                          ) -> Aggregated:
+        """The strategy's work at density `k()`: selection (`_select`) and exchange."""
+        raise NotImplementedError
 
     def _select(self, grads: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor],
                 stored: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor, int, List[Update]]:
@@ -71,7 +172,16 @@ class TopKStrategy(Strategy):
         stored = length if stored is None else stored
         with tf.name_scope("error_feedback"):
             residual = self._memory.read(name, stored, tf.float32, residual_scale)
-            acc = tf.add_n([*grads, residual if stored == length else residual[:length]])
+            residual = residual if stored == length else residual[:length]
+            velocity = None
+            if self.momentum or self.residual_decay != 1.0:  # DGC: momentum correction, decay
+                grad = grads[0] if len(grads) == 1 else tf.add_n(grads)
+                if self.momentum:
+                    velocity = self._velocities.read(name, stored, tf.float32, residual_scale)
+                    velocity = velocity if stored == length else velocity[:length]
+                acc, velocity = dgc.accumulate(grad, residual, velocity, self.momentum, self.residual_decay)
+            else:
+                acc = tf.add_n([*grads, residual])
         k = self.k(length)
         values, indices = ops.mstopk(acc, k, num_samplings=self.num_samplings, index_dtype=self.index_dtype)
         sent = wire.decode_sent(values, self.wire_dtype)
@@ -82,6 +192,12 @@ class TopKStrategy(Strategy):
             if stored != length:
                 new_residual = tf.pad(new_residual, [[0, stored - length]])
             updates = self._memory.updates(name, new_residual, residual_scale)
+            if velocity is not None:
+                if self.momentum_masking:
+                    velocity = dgc.mask_velocity(velocity, indices)
+                if stored != length:
+                    velocity = tf.pad(velocity, [[0, stored - length]])
+                updates += self._velocities.updates(name, velocity, residual_scale)
         self.last_indices = indices
         return values, indices, k, updates
 
@@ -103,5 +219,8 @@ class TopKStrategy(Strategy):
             return tf.reduce_all(tf.math.is_finite(values))
 
     def __repr__(self) -> str:
+        aids = "".join(f", {option}={getattr(self, option)!r}" for option, default in AIDS.items()
+                       if getattr(self, option) != default)
         return (f"{type(self).__name__}(density={self.density}, num_samplings={self.num_samplings}, "
-                f"wire_dtype={self.wire_dtype.name})")
+                f"wire_dtype={self.wire_dtype.name}{aids})")
+

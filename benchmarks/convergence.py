@@ -1,0 +1,317 @@
+"""Convergence: accuracy at equal steps, and time to a target accuracy, of dense and sparse
+aggregation with and without Deep Gradient Compression's aids (issue 21).
+
+Three tasks, each trained by every method from the same initial weights on the same
+batches (scikit-learn's digits; nothing is downloaded):
+
+- `mnist`: Horovod's TF2 Keras MNIST example model (two convolutions, dropout, Adam at
+  0.001 x ranks) on the digits upscaled to 28x28 as tests/upstream does;
+- `resnet`: a small ResNet (3 basic blocks) on the 8x8 digits, momentum SGD;
+- `mlp`: the communication-bound MLP of benchmarks/train_step.py (1024-4096-4096-10 at
+  --mlp-scale 1) on the digits upscaled to 32x32, momentum SGD.
+
+Methods: `horovod` (hvd.DistributedOptimizer), `allreduce` (hvdx, dense), `hitopk`
+(density --density, no aid given, i.e. hvdx's defaults), and `hitopk+AID+...` with AIDs
+`plain` (every aid off), `mc` (momentum correction with factor masking), `clip` (local
+clipping at --clip-norm), `warmup` (density warm-up from 25 % over --warmup-steps),
+`dense` (the warm-up starts dense: warmup_density=1), `decay` (residual decay 0.9).
+The methods take turns: every --eval-every steps each method trains that many steps, then
+its test accuracy is taken (outside the timed part), so a slow spell of the machine hits
+all of them alike. Wall times are only results when the machine runs nothing else.
+
+    python benchmarks/convergence.py                       # the emulated cluster, 2x2, 1 Gbit/s (root)
+    python benchmarks/convergence.py --local --tasks mnist # loopback horovodrun
+    python benchmarks/convergence.py --smoke               # seconds: tiny models, few steps
+
+Writes benchmarks/results/convergence.json and convergence.png (accuracy vs steps and vs
+wall time) and its section of benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional
+
+try:
+    import common
+except ImportError:  # imported as benchmarks.convergence
+    from benchmarks import common
+
+README = common.README
+
+TASKS = ("mnist", "resnet", "mlp")
+#: The methods compared on each task by default.
+METHODS = {
+    "mnist": ["horovod", "allreduce", "hitopk+plain", "hitopk+warmup", "hitopk+dense", "hitopk+decay",
+              "hitopk"],
+    "resnet": ["horovod", "allreduce", "hitopk+plain", "hitopk+mc", "hitopk+clip", "hitopk+warmup",
+               "hitopk+mc+clip+warmup", "hitopk"],
+    "mlp": ["horovod", "allreduce", "hitopk+plain", "hitopk+mc", "hitopk+clip", "hitopk+warmup",
+            "hitopk+mc+clip+warmup", "hitopk"],
+}
+#: Target test accuracy for the time-to-accuracy column.
+TARGETS = {"mnist": 0.90, "resnet": 0.90, "mlp": 0.90}
+
+
+# -- data and models -------------------------------------------------------------------------
+def digits(task: str):
+    """(x_train, y_train, x_test, y_test) of the task, float32 in [0, 1], 75/25 split."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    images = data.images / 16.0
+    if task == "mnist":  # as tests/upstream/digits_as_mnist.py: 3x3 blocks, 2 pixels of border
+        images = np.pad(np.kron(images, np.ones((3, 3))), ((0, 0), (2, 2), (2, 2)))[..., None]
+    elif task == "mlp":  # 4x4 blocks: 32x32 = the MLP's 1024 inputs
+        images = np.kron(images, np.ones((4, 4))).reshape(len(images), -1)
+    else:
+        images = images[..., None]
+    cut = len(images) * 3 // 4
+    x, y = images.astype("float32"), data.target.astype("int64")
+    return x[:cut], y[:cut], x[cut:], y[cut:]
+
+
+def build_model(task: str, args: argparse.Namespace):
+    import tensorflow as tf
+
+    layers = tf.keras.layers
+    if task == "mnist":  # Horovod's examples/tensorflow2/tensorflow2_keras_mnist.py
+        width = 0.25 if args.smoke else 1.0
+        return tf.keras.Sequential([
+            tf.keras.Input((28, 28, 1)),
+            layers.Conv2D(int(32 * width), [3, 3], activation="relu"),
+            layers.Conv2D(int(64 * width), [3, 3], activation="relu"),
+            layers.MaxPooling2D(pool_size=(2, 2)), layers.Dropout(0.25), layers.Flatten(),
+            layers.Dense(int(128 * width), activation="relu"), layers.Dropout(0.5),
+            layers.Dense(10, activation="softmax")])
+    if task == "resnet":
+        def block(x, filters, stride):
+            shortcut = x if stride == 1 and x.shape[-1] == filters else layers.Conv2D(filters, 1, stride)(x)
+            y = layers.Conv2D(filters, 3, stride, padding="same", use_bias=False)(x)
+            y = layers.Activation("relu")(layers.BatchNormalization()(y))
+            y = layers.BatchNormalization()(layers.Conv2D(filters, 3, padding="same", use_bias=False)(y))
+            return layers.Activation("relu")(layers.Add()([shortcut, y]))
+
+        inputs = tf.keras.Input((8, 8, 1))
+        x = layers.Conv2D(16, 3, padding="same")(inputs)
+        x = block(block(x, 16, 1), 16, 1)
+        x = block(x, 32, 2)
+        x = layers.GlobalAveragePooling2D()(x)
+        return tf.keras.Model(inputs, layers.Dense(10, activation="softmax")(x), name="resnet")
+    width = max(4, int(4096 * (0.01 if args.smoke else args.mlp_scale)))  # train_step.py's MLP: 4096 at scale 1
+    return tf.keras.Sequential([tf.keras.Input((1024,)), layers.Dense(width, activation="relu"),
+                                layers.Dense(width, activation="relu"), layers.Dense(10, activation="softmax")],
+                               name="mlp")
+
+
+def inner_optimizer(task: str, size: int):
+    import tensorflow as tf
+
+    if task == "mnist":
+        return tf.keras.optimizers.Adam(0.001 * size)  # Horovod's example: lr scaled by the ranks
+    return tf.keras.optimizers.SGD(0.025 * size, momentum=0.9)
+
+
+def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """hvdx.DistributedOptimizer's keywords for a method name (see the module docstring)."""
+    base, *aids = method.split("+")
+    if base in ("allreduce", "hierarchical"):
+        return {"communication": base}
+    if base not in ("hitopk", "sparse_allgather"):
+        raise ValueError(f"unknown method {method!r}")
+    options: Dict[str, Any] = {"communication": base, "density": args.density}
+    if "plain" in aids or aids:  # every aid not named is off
+        options.update(momentum_correction=False, clip_norm=None, warmup_steps=0, residual_decay=1.0)
+    for aid in aids:
+        if aid == "mc":
+            options["momentum_correction"] = True
+        elif aid == "clip":
+            options["clip_norm"] = args.clip_norm
+        elif aid in ("warmup", "dense"):
+            options["warmup_steps"] = args.warmup_steps or max(1, args.steps // 5)
+            if aid == "dense":
+                options["warmup_density"] = 1.0
+        elif aid == "decay":
+            options["residual_decay"] = 0.9
+        elif aid != "plain":
+            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, plain)")
+    return options
+
+
+# -- the ranks -------------------------------------------------------------------------------
+def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
+    """Every method of the task, taking turns every --eval-every steps. Returns per method
+    the steps, test accuracies and cumulative training seconds (slowest rank) of each eval."""
+    import horovod.tensorflow as hvd
+    import horovod.tensorflow.keras as hvd_keras
+    import numpy as np
+    import tensorflow as tf
+
+    import hvdx
+
+    x_train, y_train, x_test, y_test = digits(task)
+    mine = np.arange(hvd.rank(), len(x_train), hvd.size())
+    runs: Dict[str, Dict[str, Any]] = {}
+    for method in args.methods or METHODS[task]:
+        tf.keras.utils.set_random_seed(args.seed)  # the same initial weights and batches for every method
+        model = build_model(task, args)
+        inner = inner_optimizer(task, hvd.size())
+        if method == "horovod":
+            optimizer = hvd_keras.DistributedOptimizer(inner)
+        else:
+            options = method_options(method, task, args)
+            if not hasattr(inner, "momentum"):
+                options.pop("momentum_correction", None)
+            optimizer = hvdx.DistributedOptimizer(inner, **options)
+        model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(),
+                      metrics=["accuracy"])
+        data = tf.data.Dataset.from_tensor_slices((x_train[mine], y_train[mine])).repeat().shuffle(
+            2048, seed=args.seed).batch(args.batch)
+        hvdx.barrier()
+        model.fit(data, steps_per_epoch=1, epochs=1, verbose=0,  # builds and broadcasts the initial state
+                  callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+        runs[method] = {"model": model, "iterator": iter(data), "train": model.make_train_function(),
+                        "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1}
+    for chunk in range(-(-(args.steps - 1) // args.eval_every)):
+        for method, run in runs.items():
+            n = min(args.eval_every, args.steps - run["done"])
+            hvdx.barrier()
+            start = time.perf_counter()
+            for _ in range(n):
+                logs = run["train"](run["iterator"])
+            float(logs["loss"])  # waits for the last step
+            run["clock"] += common.slowest(time.perf_counter() - start, f"conv.{task}.{method}.{chunk}")
+            run["done"] += n
+            _, accuracy = run["model"].evaluate(x_test, y_test, batch_size=256, verbose=0)
+            run["steps"].append(run["done"])
+            run["accuracy"].append(float(accuracy))
+            run["seconds"].append(run["clock"])
+            if hvd.rank() == 0:
+                print(f"{task} {method}: step {run['done']} test accuracy {accuracy:.3f} "
+                      f"({run['clock']:.1f} s training)", flush=True)
+    return {method: {k: run[k] for k in ("steps", "accuracy", "seconds")} for method, run in runs.items()}
+
+
+def run_ranks(args: argparse.Namespace) -> None:
+    import horovod.tensorflow as hvd
+
+    import hvdx
+
+    topo = hvdx.init()
+    results = {task: run_task(task, args) for task in args.tasks}
+    if hvd.rank() == 0:
+        Path(args.worker_json).write_text(json.dumps({
+            "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
+            "network": common.cluster_description(), "tasks": results}, indent=1))
+    hvdx.barrier()
+
+
+# -- the summary -------------------------------------------------------------------------------
+def summarize(tasks: Dict[str, Dict[str, dict]], targets: Dict[str, float]) -> Dict[str, Dict[str, dict]]:
+    """Per task and method: final accuracy, its gap to Horovod's (points), the best
+    accuracy, the seconds per step and the seconds (and steps) to reach the target."""
+    out: Dict[str, Dict[str, dict]] = {}
+    for task, methods in tasks.items():
+        reference = methods.get("horovod", {}).get("accuracy", [None])[-1]
+        out[task] = {}
+        for method, run in methods.items():
+            final = run["accuracy"][-1]
+            reached = next((i for i, a in enumerate(run["accuracy"]) if a >= targets[task]), None)
+            out[task][method] = {
+                "final_accuracy": final,
+                "gap_points": None if reference is None else round(100 * (final - reference), 2),
+                "best_accuracy": max(run["accuracy"]),
+                "seconds_per_step": run["seconds"][-1] / max(1, run["steps"][-1] - 1),
+                "target": targets[task],
+                "steps_to_target": None if reached is None else run["steps"][reached],
+                "seconds_to_target": None if reached is None else run["seconds"][reached],
+            }
+    return out
+
+
+def table(summary: Dict[str, Dict[str, dict]], steps: int) -> str:
+    rows = []
+    for task, methods in summary.items():
+        for method, s in methods.items():
+            rows.append([task, method, f"{s['final_accuracy']:.3f}",
+                         "" if s["gap_points"] is None else f"{s['gap_points']:+.1f}", f"{s['best_accuracy']:.3f}",
+                         "-" if s["steps_to_target"] is None else s["steps_to_target"],
+                         "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}",
+                         f"{1000 * s['seconds_per_step']:.0f}"])
+    return common.markdown_table(["task", "method", f"test acc. after {steps} steps", "vs Horovod (points)",
+                                  "best", "steps to target", "s to target", "ms/step"], rows, text_columns=2)
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = result["tasks"]
+    fig, axes = plt.subplots(2, len(tasks), figsize=(5 * len(tasks), 8), squeeze=False)
+    for col, (task, methods) in enumerate(tasks.items()):
+        for method, run in methods.items():
+            axes[0][col].plot(run["steps"], run["accuracy"], label=method)
+            axes[1][col].plot(run["seconds"], run["accuracy"], label=method)
+        axes[0][col].set(title=f"{task}: accuracy vs steps", xlabel="step", ylabel="test accuracy")
+        axes[1][col].set(title=f"{task}: accuracy vs wall time", xlabel="training seconds", ylabel="test accuracy")
+        axes[0][col].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+
+
+def report(args: argparse.Namespace, result: dict) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "convergence.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / "convergence.png")
+    readme = common.readme_path(args)
+    if readme is not None:
+        network = result.get("network") or {}
+        body = (f"`python benchmarks/convergence.py {' '.join(sys.argv[1:])}`: "
+                f"{result['topology']['nodes']}x{result['topology']['ranks_per_node']} ranks, "
+                f"{'emulated cluster at ' + str(network.get('rate')) if network else 'loopback'}, "
+                f"batch {args.batch} per rank, density {args.density}, load average "
+                f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f}.\n\n"
+                + table(result["summary"], args.steps))
+        common.update_readme("convergence", body, readme)
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    common.add_topology_arguments(parser, topologies="2x2")
+    parser.add_argument("--tasks", default=",".join(TASKS), type=lambda s: s.split(","))
+    parser.add_argument("--methods", default=None, type=lambda s: s.split(","),
+                        help="comma-separated methods (default: each task's list, METHODS)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--eval-every", type=int, default=25)
+    parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--clip-norm", type=float, default=5.0)
+    parser.add_argument("--warmup-steps", type=int, default=0, help="density warm-up steps (0: steps / 5)")
+    parser.add_argument("--mlp-scale", type=float, default=0.5, help="width of the MLP (1: train_step.py's)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--smoke", action="store_true", help="tiny models, few steps (tests)")
+    common.add_output_arguments(parser, readme=None)
+    args = parser.parse_args(argv)
+    if args.smoke and not args.worker_json:
+        args.steps, args.eval_every = min(args.steps, 6), min(args.eval_every, 3)
+    if args.worker_json:
+        run_ranks(args)
+        return
+    worker_argv = [a for a in (argv if argv is not None else sys.argv[1:])]
+    if args.smoke:
+        worker_argv += ["--steps", str(args.steps), "--eval-every", str(args.eval_every)]
+    result = next(iter(common.run_topologies(__file__, args, worker_argv)))
+    result["summary"] = summarize(result["tasks"], TARGETS)
+    result["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    report(args, result)
+    print(table(result["summary"], args.steps))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""benchmarks/convergence.py runs end to end (tiny models, a few steps, over loopback; marked
+`slow`), and its summary reads accuracy curves as the table says (made-up numbers)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import harness
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_convergence_benchmark_writes_json_plot_and_table(tmp_path):
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "convergence.py"), "--smoke", "--local",
+                           "--tasks", "mnist,resnet", "--methods", "horovod,hitopk+plain,hitopk+mc+clip+warmup,hitopk",
+                           "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "convergence.json").read_text())
+    assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
+    for task in ("mnist", "resnet"):
+        runs = result["tasks"][task]
+        assert sorted(runs) == sorted(["horovod", "hitopk+plain", "hitopk+mc+clip+warmup", "hitopk"])
+        for run in runs.values():
+            assert run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"])
+            assert run["seconds"][1] > run["seconds"][0] > 0
+        assert result["summary"][task]["horovod"]["gap_points"] == 0
+    assert (tmp_path / "convergence.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- convergence:begin -->" in text and "| mnist | hitopk+plain |" in text
+
+
+def test_summary_gap_and_time_to_target_follow_the_curves():
+    from benchmarks import convergence
+
+    tasks = {"t": {"horovod": {"steps": [10, 20], "accuracy": [0.5, 0.95], "seconds": [2.0, 4.0]},
+                   "hitopk": {"steps": [10, 20], "accuracy": [0.92, 0.94], "seconds": [1.0, 2.0]}}}
+    summary = convergence.summarize(tasks, {"t": 0.9})["t"]
+    assert summary["hitopk"]["gap_points"] == -1.0 and summary["horovod"]["gap_points"] == 0
+    assert summary["hitopk"]["steps_to_target"] == 10 and summary["hitopk"]["seconds_to_target"] == 1.0
+    assert summary["horovod"]["steps_to_target"] == 20 and summary["horovod"]["seconds_to_target"] == 4.0
+
+
+def test_method_names_map_to_the_aids():
+    from benchmarks import convergence
+
+    args = convergence.main.__globals__["argparse"].Namespace(density=0.01, clip_norm=5.0, warmup_steps=0, steps=100)
+    options = convergence.method_options("hitopk+mc+dense", "resnet", args)
+    assert options["momentum_correction"] is True and options["warmup_steps"] == 20
+    assert options["warmup_density"] == 1.0 and options["clip_norm"] is None
+    assert convergence.method_options("allreduce", "mnist", args) == {"communication": "allreduce"}
+    with pytest.raises(ValueError, match="unknown aid"):
+        convergence.method_options("hitopk+nope", "mnist", args)
