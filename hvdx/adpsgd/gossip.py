@@ -4,7 +4,7 @@ Zhang, Zhang, Liu, "Asynchronous Decentralized Parallel Stochastic Gradient Desc
 
 The rank's model x lives in a buffer owned by this object. The computation (the caller's
 thread) computes a gradient on its copy x^ of the model, which may be stale, and hands
-`step()` the change its optimizer made (the paper's x <- x - gamma * grad F(x^), Algorithm 1
+`step()` the change its optimizer made to that copy (the paper's x <- x - gamma * grad F(x^), Algorithm 1
 line 6, with any Keras optimizer's rule); `step()` adds it to x under a lock held for one
 vector add and returns x, and never waits for the network (wait-free). Averaging (Algorithm
 1 line 5, x_a, x_p <- (x_a + x_p) / 2 with a random neighbour) runs on the transport's
@@ -72,7 +72,6 @@ class Gossip:
         self.neighbours = graph.neighbours(rank)
         self.timeout, self.finish_timeout = float(timeout), finish_timeout
         self._x = model.copy()
-        self._base = model.copy()              # what the caller's copy held after the last step
         self._lock = threading.Lock()          # the model: held for one vector operation at a time
         self._cv = threading.Condition()       # the gossip thread's state
         self._pending = 0
@@ -99,23 +98,28 @@ class Gossip:
     def failure(self) -> Optional[TransportError]:
         return self.peers.failure
 
-    def step(self, local: np.ndarray) -> np.ndarray:
-        """Adds the caller's change since the last call (local - what it got back then) to the
-        model and returns the model (a new array: copy it into the caller's variables).
+    def step(self, update: np.ndarray) -> np.ndarray:
+        """Adds this rank's update (the optimizer's change to the caller's copy since the
+        model was last handed out: -gamma * grad F(x^) for SGD) to the model and returns the
+        model (a new array: copy it into the caller's variables).
 
         Never waits for the network. Raises the transport's TransportError (naming the failed
         rank) once a failure is known.
         """
         self.peers.check()
         with self._lock:
-            self._x += local - self._base
+            self._x += update
             out = self._x.copy()
-        self._base = out
         self.steps += 1
         with self._cv:
             self._pending += 1
             self._cv.notify_all()
-        return out.copy()
+        return out
+
+    def idle(self) -> bool:
+        """Whether no exchange this rank starts is in flight or due (always True when passive)."""
+        with self._cv:
+            return not self.active or (self._idle and self._pending == 0)
 
     def model(self) -> np.ndarray:
         """A copy of the current model."""
@@ -161,7 +165,6 @@ class Gossip:
         mean = self._allreduce_mean(self.model(), deadline)
         with self._lock:
             self._x[...] = mean
-        self._base = mean.copy()
         if final:
             self.close()
             return mean

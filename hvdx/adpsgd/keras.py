@@ -84,6 +84,7 @@ class ADPSGD:
         self.topology = topology
         self.seed, self.timeout, self.finish_timeout, self.name = seed, timeout, finish_timeout, name
         self.gossip: Optional[Gossip] = None
+        self._last: Optional[np.ndarray] = None  # what the variables were last given
         self._shapes = [tuple(v.shape) for v in variables]
         self._sizes = [int(np.prod(s)) for s in self._shapes]
         self._dtype = np.float64 if any(v.dtype == tf.float64 for v in variables) else np.float32
@@ -113,7 +114,8 @@ class ADPSGD:
         """After the optimizer applied this rank's gradient: the update joins the model, and
         the variables take the model as averaged so far (wait-free). Raises TransportError
         naming a failed rank."""
-        self._assign(self._gossip().step(self._flat()))
+        gossip = self._gossip()
+        self._assign(gossip.step(self._flat() - self._last))
 
     def average(self) -> None:
         """Collective: every rank's variables become the average model (before an evaluation or
@@ -147,6 +149,7 @@ class ADPSGD:
         for v, shape, size in zip(self.variables, self._shapes, self._sizes):
             v.assign(flat[offset:offset + size].reshape(shape).astype(v.dtype.as_numpy_dtype, copy=False))
             offset += size
+        self._last = np.asarray(flat, self._dtype).copy()
 
 
 class ADPSGDCallback(tf.keras.callbacks.Callback):
