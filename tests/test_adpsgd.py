@@ -124,7 +124,7 @@ def test_peer_transport_refuses_asymmetric_peers_and_strangers():
     assert any("rank 0 lists rank 1 as its peer, rank 1 does not" in e for e in errors), errors
 
 
-def test_exchange_swaps_arrays_and_hold_delays_the_answer():
+def test_exchange_swaps_arrays_and_hold_delays_the_answer_and_early_notices_wait():
     gather = thread_allgather(2)
     transports = [None, None]
 
@@ -133,6 +133,12 @@ def test_exchange_swaps_arrays_and_hold_delays_the_answer():
     run_threads([lambda: build(0), lambda: build(1)], timeout=60)
     a, b = transports
     try:
+        a.notify(1, b"early")  # before b has a notice handler: kept for it, not dropped
+        a.flush(10)
+        time.sleep(0.2)
+        notices = []
+        b.set_notice_handler(lambda peer, body: notices.append((peer, body)))
+        assert notices == [(0, b"early")]
         b.set_handler(lambda peer, theirs: theirs * 0 + 7.0)
         got = a.exchange(1, np.arange(4.0), on_reply=lambda theirs: theirs.sum()).wait(10)
         assert got == 28.0 and b.served == 1 and a.initiated == 1

@@ -98,6 +98,7 @@ class PeerTransport:
         self._pending: Dict[int, Tuple[Request, int, Optional[Callable[[np.ndarray], Any]], np.dtype, int]] = {}
         self._handler: Optional[Handler] = None
         self._notice_handler: Optional[Callable[[int, bytes], None]] = None
+        self._early_notices: List[Tuple[int, bytes]] = []
         self._failure_callbacks: List[Callable[[TransportError], None]] = []
         self.failure: Optional[TransportError] = None
         self._closed = False
@@ -175,8 +176,13 @@ class PeerTransport:
             self.release()
 
     def set_notice_handler(self, handler: Callable[[int, bytes], None]) -> None:
-        """`handler(peer, body)` runs on the service thread for each `notify` from a peer."""
-        self._notice_handler = handler
+        """`handler(peer, body)` runs on the service thread for each `notify` from a peer;
+        notices that arrived before it was set are handed to it first, in order."""
+        with self._hold_lock:
+            self._notice_handler = handler
+            early, self._early_notices = self._early_notices, []
+            for peer, body in early:
+                handler(peer, body)
 
     def on_failure(self, callback: Callable[[TransportError], None]) -> None:
         """`callback(error)` runs once when the transport fails (at once if it already has)."""
@@ -312,8 +318,11 @@ class PeerTransport:
             else:
                 self._reply(peer, seq, theirs)
         elif kind == _NOTICE:
-            if self._notice_handler is not None:
-                self._notice_handler(peer, bytes(body))
+            with self._hold_lock:
+                if self._notice_handler is None:
+                    self._early_notices.append((peer, bytes(body)))
+                else:
+                    self._notice_handler(peer, bytes(body))
         elif kind == _FAIL:
             self._fail(TransportError(body.decode("utf-8", "replace")), peer)
         elif kind == _BYE:
