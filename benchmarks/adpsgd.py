@@ -12,14 +12,15 @@ rate, every rank the same number of steps (its shard's epochs), in one custom lo
 - `adpsgd`: `hvdx.adpsgd.ADPSGD` on the exponential graph, nobody waits.
 
 Scenarios: `homogeneous`; `slow_rank`: the last rank sleeps (factor - 1) x its measured step
-computation time after every step (4x slower by default). Methods take turns within each
+computation time after every step (4x slower by default); `slow_link` (emulated cluster
+only): the last node's uplink is re-shaped to `--slow-rate` (100 Mbit/s) for the run. Methods take turns within each
 round. Rank 0 (never the slowed one) evaluates its model's loss on a fixed training subset
 after every `--eval-every` steps, the clock stopped meanwhile; time to `--target` loss is
 read from that curve, as ratios to AllReduce-SGD in the same round. Final accuracy: the
 test accuracy of the model every rank holds at the end (AD-PSGD/D-PSGD: the average).
 
     python benchmarks/adpsgd.py                 # emulated cluster, 2x2 and 4x1, 1 Gbit/s (root)
-    python benchmarks/adpsgd.py --local         # horovodrun over loopback
+    python benchmarks/adpsgd.py --local         # horovodrun over loopback (no slow_link scenario)
     python benchmarks/adpsgd.py --smoke --out /tmp/x   # 2x1 over loopback, tiny, no README
 
 Writes <out>/adpsgd.json, adpsgd.png and the table of benchmarks/README.md.
@@ -38,16 +39,28 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
+    from common import (add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
                         readme_path, run_topologies, update_readme)
 except ImportError:
-    from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
+    from benchmarks.common import (add_output_arguments, add_topology_arguments, cluster_description,
                                    markdown_table, readme_path, run_topologies, update_readme)
 
 METHODS = ["allreduce", "dpsgd", "adpsgd"]
 LABELS = {"allreduce": "AllReduce-SGD (hvd.DistributedGradientTape)", "dpsgd": "D-PSGD (gossip + barrier)",
           "adpsgd": "AD-PSGD (hvdx.adpsgd)"}
-SCENARIOS = ["homogeneous", "slow_rank"]
+SCENARIOS = ["homogeneous", "slow_rank", "slow_link"]
+
+
+def shape_node_link(rate_bps: int) -> None:
+    """Re-shapes this node's uplink (eth0 of its namespace, tbf as hvdx/runner/shaping.py
+    sets it without netem) to `rate_bps`: run by one rank of the node, inside the emulated
+    cluster only. The node's downlink, shaped in the switch's namespace, keeps its rate."""
+    import subprocess
+
+    burst = max(rate_bps // 8 // 1000, 64 * 1024 + 2 * 1500)
+    limit = max(rate_bps // 8 // 50, 4 * burst)
+    subprocess.run(["tc", "qdisc", "change", "dev", "eth0", "root", "handle", "1:", "tbf", "rate", str(rate_bps),
+                    "burst", str(burst), "limit", str(limit)], check=True)
 
 
 # -- the ranks -------------------------------------------------------------------------------
@@ -95,6 +108,11 @@ def train(method: str, scenario: str, args, topo, data, compute_seconds: float, 
         return loss
 
     step_fn = allreduce_step if method == "allreduce" else local_step
+    cluster = cluster_description()
+    shaping = scenario == "slow_link" and topo.node == topo.num_nodes - 1 and topo.local_rank == 0
+    if shaping:
+        shape_node_link(parse_rate(args.slow_rate))
+    hvd.allreduce(tf.zeros([1]), name="adpsgd.bench.shaped")
     sleep = (args.slow_factor - 1) * compute_seconds if scenario == "slow_rank" and topo.rank == topo.size - 1 else 0.0
     rng = np.random.default_rng(args.seed + 100 * topo.rank + round_index)
     steps = args.epochs * max(1, len(x_mine) // args.batch)
@@ -124,10 +142,22 @@ def train(method: str, scenario: str, args, topo, data, compute_seconds: float, 
     exchanges = gossip.stats()["exchanges"] if gossip is not None else 0
     if gossip is not None:
         gossip.finish()
+    if shaping:
+        shape_node_link(cluster["rate_bps"])
+    hvd.allreduce(tf.zeros([1]), name="adpsgd.bench.unshaped")
     accuracy = float(tf.reduce_mean(tf.cast(tf.equal(tf.argmax(model(x_test, training=False), axis=1),
                                                      tf.cast(y_test, tf.int64)), tf.float32)))
     seconds = hvd.allgather(tf.constant([clock], tf.float64), name=f"adpsgd.bench.clock.{method}").numpy().tolist()
     return {"curve": curve, "accuracy": accuracy, "train_seconds": seconds, "steps": steps, "exchanges": exchanges}
+
+
+def parse_rate(text: str) -> int:
+    """tc's rate syntax ("100mbit", "1gbit") in bits per second."""
+    units = {"kbit": 10 ** 3, "mbit": 10 ** 6, "gbit": 10 ** 9, "bit": 1}
+    for unit, scale in units.items():
+        if text.endswith(unit):
+            return int(float(text[:-len(unit)]) * scale)
+    raise ValueError(f"rate {text!r}: give e.g. 100mbit")
 
 
 def run_ranks(args) -> None:
@@ -256,7 +286,7 @@ def report(args, results: List[dict]) -> None:
             f"{where}. Time to a training loss of {args.target} on rank 0's model (clock stopped while it "
             f"evaluates), median over rounds, and its ratio to AllReduce-SGD in the same round (range over "
             f"rounds); `slow rank`: the last rank sleeps {args.slow_factor - 1:g}x its step's computation after "
-            f"every step. Final accuracy: the test accuracy of the model every rank holds at the end. "
+            f"every step; `slow link`: the last node's uplink at {args.slow_rate}. Final accuracy: the test accuracy of the model every rank holds at the end. "
             f"`results/adpsgd.json`, `results/adpsgd.png`.\n\n"
             + markdown_table(["topology", "scenario", "method", "time to target (s)", "ratio to AllReduce",
                               "final accuracy", "load avg"], rows, text_columns=3))
@@ -274,6 +304,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--epochs", type=int, default=12)
     parser.add_argument("--eval-every", type=int, default=10, help="steps between rank 0's loss evaluations")
     parser.add_argument("--slow-factor", type=float, default=4.0)
+    parser.add_argument("--slow-rate", default="100mbit", help="the last node's uplink in the slow_link scenario")
     parser.add_argument("--target", type=float, default=0.25, help="training loss the time is measured to")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -289,6 +320,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.worker_json:
         run_ranks(args)
         return
+    if args.local and "slow_link" in args.scenarios:
+        args.scenarios = [s for s in args.scenarios if s != "slow_link"]  # no link to slow down over loopback
+        argv_out += ["--scenarios", ",".join(args.scenarios)]
     results = []
     for result in run_topologies(__file__, args, argv_out):
         result["summary"] = summarize(result, args.target)
