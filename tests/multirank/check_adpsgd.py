@@ -58,8 +58,8 @@ def check_consensus(topo, steps=300):
     before = adp.gossip.model()  # the same on every rank after start()
     for v in model.trainable_variables:  # a different model on every rank: an update of this rank
         v.assign_add(rng.normal(size=v.shape).astype(np.float32))
-    adp.step()
-    perturbation = adp._flat().astype(np.float64) - before
+    perturbation = adp._flat().astype(np.float64) - before  # this rank's update (read before step():
+    adp.step()                                                # an exchange may follow it at once)
     spread_before = spread([perturbation], "before")
     expected = before + hvd.allreduce(tf.constant(perturbation), op=hvd.Average, name="adpsgd.expected").numpy()
     for _ in range(steps):
