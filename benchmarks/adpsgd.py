@@ -173,8 +173,8 @@ def run_ranks(args) -> None:
     x = (digits.data / 16.0).astype(np.float32)
     x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.25, random_state=0,
                                                         stratify=digits.target)
-    data = (x_train[topo.rank::topo.size], y_train[topo.rank::topo.size], x_train[:512], y_train[:512],
-            x_test, y_test)
+    shard = slice(topo.rank, len(x_train) - len(x_train) % topo.size, topo.size)  # equal sizes: equal steps
+    data = (x_train[shard], y_train[shard], x_train[:512], y_train[:512], x_test, y_test)
     # one rank's computation per step, for the slowed rank's sleep (measured, then the same for all rounds)
     model = build_model(args.width, args.seed)
     opt = tf.keras.optimizers.SGD(args.lr)
@@ -199,8 +199,7 @@ def run_ranks(args) -> None:
             for method in order:
                 runs[scenario][method].append(train(method, scenario, args, topo, data, compute_seconds, r))
     if topo.rank == 0:
-        result = {"topology": {"nodes": topo.num_nodes if hasattr(topo, "num_nodes") else topo.size // topo.local_size,
-                               "ranks_per_node": topo.local_size},
+        result = {"topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
                   "compute_seconds": compute_seconds, "runs": runs, "cluster": cluster_description()}
         Path(args.worker_json).write_text(json.dumps(result))
     hvdx.barrier()
