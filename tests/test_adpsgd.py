@@ -328,3 +328,24 @@ def test_bad_arguments_get_clear_errors_on_horovod_ranks(ranks):
         assert "cannot run with the synchronous" in data["hvdx_optimizer"], data
         assert "unknown AD-PSGD topology" in data["topology"], data
         assert "is int32" in data["non_float"], data
+
+
+def test_ranks_that_average_at_different_points_are_told_so():
+    """A rank at its final average beside a neighbour at an epoch's average: ValueError naming both."""
+    world = build_world([np.zeros(10), np.ones(10)], "ring")
+    errors = {}
+
+    def run(rank, final):
+        try:
+            world[rank].average(final=final)
+        except (ValueError, TransportError) as exc:
+            errors[rank] = exc
+            world[rank].close()  # what a failing script's exit does: the other rank is released
+    try:
+        run_threads([lambda: run(0, True), lambda: run(1, False)], timeout=60)
+    finally:
+        for g in world:
+            g.close()
+    assert isinstance(errors[1], ValueError), errors  # rank 1 is passive: it compares the notices
+    assert "rank 1 is at average #1, its neighbour rank 0 at the final average" in str(errors[1])
+    assert isinstance(errors[0], TransportError), errors
