@@ -55,7 +55,9 @@ def check_consensus(topo, steps=300):
     model = make_model()
     adp = ADPSGD(model.trainable_variables, topology="exponential", timeout=60).start()
     rng = np.random.default_rng(topo.rank)
-    before = adp.gossip.model()  # the same on every rank after start()
+    # the variables hold start()'s average on every rank until this rank's step() (the gossip
+    # model may already be moving: other ranks' first exchanges can precede this line)
+    before = adp._flat().astype(np.float64)
     for v in model.trainable_variables:  # a different model on every rank: an update of this rank
         v.assign_add(rng.normal(size=v.shape).astype(np.float32))
     perturbation = adp._flat().astype(np.float64) - before  # this rank's update (read before step():
