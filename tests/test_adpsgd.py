@@ -300,7 +300,8 @@ def test_a_slow_rank_does_not_slow_the_others(ranks):
     steps = {rank: data["steps"] for rank, data in ranks.items()}
     for rank, count in steps.items():
         if rank != slow:
-            assert count >= 3 * steps[slow], steps  # synchronous SGD would make them equal
+            # synchronous SGD would make them equal; the margin leaves room for 6 ranks on 2 busy cores
+            assert count >= 2 * steps[slow], steps
     assert all(data["exchanges"] > 0 for data in ranks.values()), ranks  # the slow one still gossips
 
 

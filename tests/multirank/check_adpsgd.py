@@ -109,7 +109,7 @@ class Sleep(tf.keras.callbacks.Callback):
 
 
 def check_slow_rank(topo, seconds=8.0):
-    """The last rank sleeps 0.1 s per step; every rank trains `seconds` of its own wall clock."""
+    """The last rank sleeps 0.2 s per step; every rank trains `seconds` of its own wall clock."""
     x_train, _, y_train, _ = digits_split()
     model = make_model(width=16)
     model.compile(tf.keras.optimizers.SGD(0.05), LOSS)
@@ -117,7 +117,7 @@ def check_slow_rank(topo, seconds=8.0):
     model.fit(x_train[:16], y_train[:16], batch_size=16, epochs=1, verbose=0)
     gossip = ADPSGDCallback(topology="ring", max_seconds=seconds, timeout=60)
     slow = topo.rank == topo.size - 1
-    callbacks = [gossip] + ([Sleep(0.1)] if slow else [Sleep(0.002)])
+    callbacks = [gossip] + ([Sleep(0.2)] if slow else [Sleep(0.002)])
     model.fit(x_train[topo.rank::topo.size], y_train[topo.rank::topo.size], batch_size=16, epochs=10000,
               verbose=0, callbacks=callbacks)
     return {"steps": gossip.stats["steps"], "exchanges": gossip.stats["exchanges"], "slow": slow,
