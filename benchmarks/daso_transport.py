@@ -1,4 +1,4 @@
-"""DASO's group transport (hvdx/daso/transport.py): does the global exchange overlap computation?
+"""DASO's group transport (hvdx/transport/ring.py): does the global exchange overlap computation?
 
 coquelin2021, section 3 and Figure 5: in the cycling phase the parameters travel while the
 next forward-backward passes run. For a float32 vector of d elements this measures, on every
@@ -201,7 +201,7 @@ def main() -> None:
     import tensorflow as tf
 
     import hvdx
-    from hvdx.daso.transport import GroupTransport
+    from hvdx.transport.ring import GroupTransport
 
     # Each rank computes on its share of the machine's cores, as a rank would on its own GPU
     # (set before TensorFlow's runtime starts, i.e. before hvdx.init()).

@@ -6,10 +6,11 @@ and poorly connected between each other.
     print(topo)                 # rank, node, local rank, and the members of both sets
     opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk")
     opt = hvdx.DASO(tf.keras.optimizers.SGD(0.1), total_epochs=20)   # + hvdx.daso.DASOCallback()
+    model.fit(..., callbacks=[hvdx.adpsgd.ADPSGDCallback(topology="exponential")])   # AD-PSGD
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
 """
-from hvdx import buckets, callbacks, comm, daso, data, ops, optimizers, pto
+from hvdx import adpsgd, buckets, callbacks, comm, daso, data, ops, optimizers, pto, transport
 from hvdx.aggregator import GradientAggregator
 from hvdx.daso import DASO
 from hvdx.layout import RankMismatchError
@@ -22,5 +23,5 @@ from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topo
 __version__ = "0.2.0"
 
 __all__ = ["DASO", "DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "PartialDistributedOptimizer",
-           "RankMismatchError", "Topology", "TopologyError", "barrier", "buckets", "callbacks", "comm", "daso", "data", "init",
-           "load_model", "mstopk", "ops", "optimizers", "pto", "shutdown", "sparse_accumulate", "topology"]
+           "RankMismatchError", "Topology", "TopologyError", "adpsgd", "barrier", "buckets", "callbacks", "comm", "daso", "data", "init",
+           "load_model", "mstopk", "ops", "optimizers", "pto", "shutdown", "sparse_accumulate", "topology", "transport"]

@@ -5,7 +5,7 @@ merge (eq. 1), on a schedule of warm-up, cycling and cool-down phases.
 - `hvdx.daso.schedule`: when (a pure, serialisable state machine) and `plateau` (when the
   loss has plateaued);
 - `hvdx.daso.sync`: what moves (blocking, non-blocking, merge, drain) and
-  `hvdx.daso.transport`: how it moves between nodes without blocking Horovod's thread;
+  `hvdx.transport.ring`: how it moves between nodes without blocking Horovod's thread;
 - `hvdx.daso.optimizer.DASO` (also `hvdx.DASO`) and `hvdx.daso.keras.DASOCallback`: the
   Keras optimizer and the Model.fit glue.
 """

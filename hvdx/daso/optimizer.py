@@ -19,7 +19,7 @@ Every step, the gradients are averaged inside the node (hvdx.DistributedOptimize
 the node-local process set) and applied by the wrapped optimizer; then the schedule
 (hvdx.daso.schedule) says whether the parameters are averaged globally now (blocking),
 start to be (non-blocking) or a stale average is merged (eq. 1), and
-hvdx.daso.sync does it over hvdx's own transport (hvdx.daso.transport). Internals and
+hvdx.daso.sync does it over hvdx's own transport (hvdx.transport.ring). Internals and
 guarantees: docs/daso.md.
 
 Raises RuntimeError without hvdx.init(), ValueError for bad arguments (naming them), for
@@ -165,7 +165,7 @@ class DASO(DistributedOptimizer):
     def _setup(self) -> None:
         if self._params is None:
             raise RuntimeError("after_step() comes after the step's apply_gradients (no variables yet)")
-        from hvdx.daso.transport import GroupTransport
+        from hvdx.transport.ring import GroupTransport
 
         topo = self._topo
         check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),

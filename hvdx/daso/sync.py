@@ -47,7 +47,7 @@ from hvdx.comm import wire
 from hvdx.topology import Topology
 
 if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
-    from hvdx.daso.transport import GroupTransport, Request
+    from hvdx.transport.ring import GroupTransport, Request
 
 __all__ = ["FlatParameters", "ParameterSync"]
 

@@ -1,0 +1,219 @@
+"""AD-PSGD on TensorFlow variables: `ADPSGD` for custom `tf.GradientTape` loops and
+`ADPSGDCallback` for `Model.fit` (lian2018 Algorithm 1: Lian, Zhang, Zhang, Liu,
+"Asynchronous Decentralized Parallel Stochastic Gradient Descent", ICML 2018, arXiv
+1710.06952).
+
+    gossip = hvdx.adpsgd.ADPSGD(model.trainable_variables, topology="exponential").start()
+    for x, y in data:                              # each rank its own number of steps
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x))            # the gradient on the local, possibly stale model
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        gossip.step()                              # the update joins the model; averaging goes on
+    gossip.finish()                                # every rank holds the average model
+
+    model.fit(..., callbacks=[hvdx.adpsgd.ADPSGDCallback(topology="ring", max_seconds=600)])
+
+The optimizer is the plain Keras one (no hvdx/Horovod DistributedOptimizer: AD-PSGD has no
+gradient allreduce); its state (momentum) stays local to the rank.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from hvdx.adpsgd.gossip import Gossip
+from hvdx.adpsgd.graph import Edges, build_graph
+from hvdx.transport.peer import PeerTransport
+from hvdx.transport.ring import GroupTransport
+
+__all__ = ["ADPSGD", "ADPSGDCallback", "check_optimizer"]
+
+
+def check_optimizer(optimizer: Any) -> None:
+    """ValueError if `optimizer` averages gradients synchronously (an hvdx or Horovod
+    DistributedOptimizer, DASO): AD-PSGD replaces that averaging, it does not add to it."""
+    seen = optimizer
+    while seen is not None:
+        module = type(seen).__module__ or ""
+        names = {k.__name__ for k in type(seen).__mro__}
+        if "DistributedOptimizer" in names or "DASO" in names or module.startswith("horovod.") \
+                or "_hvdx_wrapper" in vars(type(seen)):
+            raise ValueError(f"AD-PSGD cannot run with the synchronous {type(seen).__name__} ({module}): it "
+                             f"would average the gradients over all ranks every step, the very wait AD-PSGD "
+                             f"removes. Pass the plain Keras optimizer (e.g. tf.keras.optimizers.SGD(0.1)).")
+        seen = getattr(seen, "inner_optimizer", None)
+
+
+class ADPSGD:
+    """AD-PSGD over `variables` on this rank (module docstring; the averaging: `Gossip`).
+
+    Args:
+      variables: the model's float variables (every rank the same list, in the same order).
+      topology: "ring", "exponential" (the paper's 2^i + 1 hops) or a function n -> edges
+        (`hvdx.adpsgd.graph`).
+      seed: the neighbour choice's seed (default: the rank).
+      timeout: seconds an exchange or a transfer may take before the peer is reported.
+      finish_timeout: seconds `average()`/`finish()` waits for the other ranks (None: as
+        long as they are alive; the slowest rank's remaining training time counts).
+      name: prefix of the transports' collective names (one per ADPSGD object and job).
+
+    Raises ValueError: a non-float variable (named), an empty list, a job of one rank, an
+    unknown topology, an `optimizer` that is synchronous.
+    """
+
+    def __init__(self, variables: Sequence[tf.Variable], *, topology: "str | Callable[[int], Edges]" = "ring",
+                 seed: Optional[int] = None, timeout: float = 60.0, finish_timeout: Optional[float] = None,
+                 optimizer: Any = None, name: str = "hvdx.adpsgd") -> None:
+        variables = list(variables)
+        if not variables:
+            raise ValueError("ADPSGD needs the model's variables, got none (build the model first)")
+        for v in variables:
+            if not isinstance(v, tf.Variable):
+                raise ValueError(f"ADPSGD averages tf.Variables, got {type(v).__name__}")
+            if not v.dtype.is_floating:
+                raise ValueError(f"variable {v.name!r} is {v.dtype.name}: AD-PSGD averages models, and only "
+                                 f"float variables can be averaged; pass the float ones (e.g. "
+                                 f"model.trainable_variables) and keep counters out of the list")
+        if optimizer is not None:
+            check_optimizer(optimizer)
+        self.variables = variables
+        self.topology = topology
+        self.seed, self.timeout, self.finish_timeout, self.name = seed, timeout, finish_timeout, name
+        self.gossip: Optional[Gossip] = None
+        self._last: Optional[np.ndarray] = None  # what the variables were last given
+        self._shapes = [tuple(v.shape) for v in variables]
+        self._sizes = [int(np.prod(s)) for s in self._shapes]
+        self._dtype = np.float64 if any(v.dtype == tf.float64 for v in variables) else np.float32
+        hvd = sys.modules.get("horovod.tensorflow")
+        if hvd is None or not hvd.is_initialized():
+            raise RuntimeError("ADPSGD needs Horovod initialized: call hvdx.init() first")
+        self.rank, self.size = hvd.rank(), hvd.size()
+        self.graph = build_graph(topology, self.size)  # ValueError for one rank or an unknown topology
+
+    def start(self) -> "ADPSGD":
+        """Collective over all ranks: connects the neighbours and the ring, and starts every
+        rank from the same model (the average of the ranks' initial ones, lian2018's X_0 with
+        equal columns). Returns self."""
+        if self.gossip is not None:
+            return self
+        peers = PeerTransport.create(list(self.graph.neighbours(self.rank)), self.rank,
+                                     name=f"{self.name}.peers", timeout=self.timeout)
+        ring_timeout = 3600.0 if self.finish_timeout is None else max(self.timeout, float(self.finish_timeout))
+        ring = GroupTransport.create([list(range(self.size))], self.rank, name=f"{self.name}.ring",
+                                     timeout=ring_timeout)
+        self.gossip = Gossip(self._flat(), self.graph, self.rank, peers, ring, seed=self.seed,
+                             timeout=self.timeout, finish_timeout=self.finish_timeout)
+        self._assign(self.gossip.average())
+        return self
+
+    def step(self) -> None:
+        """After the optimizer applied this rank's gradient: the update joins the model, and
+        the variables take the model as averaged so far (wait-free). Raises TransportError
+        naming a failed rank."""
+        gossip = self._gossip()
+        self._assign(gossip.step(self._flat() - self._last))
+
+    def average(self) -> None:
+        """Collective: every rank's variables become the average model (before an evaluation or
+        a checkpoint); gossip goes on afterwards. Every rank calls it as often."""
+        self._assign(self._gossip().average())
+
+    def finish(self) -> None:
+        """Collective: the final average on every rank, then the gossip ends (idempotent)."""
+        if self.gossip is None or self.gossip._closed:
+            return
+        self._assign(self.gossip.average(final=True))
+
+    def close(self) -> None:
+        """Ends the gossip without averaging (after an error); idempotent, never hangs."""
+        if self.gossip is not None:
+            self.gossip.close()
+
+    def stats(self) -> Dict[str, Any]:
+        return self._gossip().stats()
+
+    def _gossip(self) -> Gossip:
+        if self.gossip is None:
+            raise RuntimeError("call ADPSGD.start() first (collective over all ranks)")
+        return self.gossip
+
+    def _flat(self) -> np.ndarray:
+        return np.concatenate([np.ravel(v.numpy()).astype(self._dtype, copy=False) for v in self.variables])
+
+    def _assign(self, flat: np.ndarray) -> None:
+        offset = 0
+        for v, shape, size in zip(self.variables, self._shapes, self._sizes):
+            v.assign(flat[offset:offset + size].reshape(shape).astype(v.dtype.as_numpy_dtype, copy=False))
+            offset += size
+        self._last = np.asarray(flat, self._dtype).copy()
+
+
+class ADPSGDCallback(tf.keras.callbacks.Callback):
+    """AD-PSGD in `Model.fit`: the model's float weights gossip after every batch.
+
+    Args:
+      topology, seed, timeout, finish_timeout: as `ADPSGD`.
+      max_seconds: this rank stops training after that many seconds of `fit` (at the end of a
+        batch; the ranks end at their own times), else the epochs end it.
+      average_every_epoch: every rank averages at each epoch's end (a collective: callbacks
+        after this one, e.g. ModelCheckpoint, see the average model; needs the same number
+        of epochs on every rank, so not with `max_seconds`).
+
+    At the end of `fit` every rank holds the average model (`Model.evaluate` and
+    `Model.save` are then well defined). `stats` holds the last counts (steps, exchanges).
+    """
+
+    def __init__(self, *, topology: "str | Callable[[int], Edges]" = "ring", seed: Optional[int] = None,
+                 timeout: float = 60.0, finish_timeout: Optional[float] = None,
+                 max_seconds: Optional[float] = None, average_every_epoch: bool = False,
+                 name: str = "hvdx.adpsgd") -> None:
+        super().__init__()
+        if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
+                                        or max_seconds <= 0):
+            raise ValueError(f"max_seconds must be a positive number of seconds or None, got {max_seconds!r}")
+        if max_seconds is not None and average_every_epoch:
+            raise ValueError("average_every_epoch needs the same epochs on every rank; with max_seconds the "
+                             "ranks end after different epochs: use one or the other")
+        self._kwargs = dict(topology=topology, seed=seed, timeout=timeout, finish_timeout=finish_timeout, name=name)
+        build_graph(topology, 2)  # an unknown topology fails here, before fit
+        self.max_seconds, self.average_every_epoch = max_seconds, average_every_epoch
+        self.adpsgd: Optional[ADPSGD] = None
+        self.stats: Dict[str, Any] = {}
+        self._began = 0.0
+        self._calls = 0
+
+    def on_train_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        check_optimizer(self.model.optimizer)
+        self._calls += 1
+        kwargs = dict(self._kwargs)
+        kwargs["name"] = f"{kwargs['name']}.{self._calls}"
+        variables: List[tf.Variable] = [w for w in self.model.weights if w.dtype.is_floating]
+        self.adpsgd = ADPSGD(variables, **kwargs).start()
+        self._began = time.monotonic()
+
+    def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        try:
+            self.adpsgd.step()
+        except BaseException:
+            self.adpsgd.close()
+            raise
+        if self.max_seconds is not None and time.monotonic() - self._began >= self.max_seconds:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.average_every_epoch and not self.model.stop_training:
+            self.adpsgd.average()
+
+    def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.adpsgd is None:
+            return
+        self.stats = self.adpsgd.stats()
+        try:
+            self.adpsgd.finish()
+        except BaseException:
+            self.adpsgd.close()
+            raise

@@ -1,0 +1,352 @@
+"""AD-PSGD (lian2018: Lian, Zhang, Zhang, Liu, "Asynchronous Decentralized Parallel Stochastic
+Gradient Descent", ICML 2018, arXiv 1710.06952), claim by claim.
+
+In-process tests run one Gossip per rank on threads of this process (tests/adpsgd_world.py);
+the killed-peer test runs ranks as processes (tests/adpsgd_worker.py) and kills one; the
+multirank tests run tests/multirank/check_adpsgd.py on 2x2 and 3x2 Horovod ranks.
+"""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from hvdx.adpsgd.graph import TOPOLOGIES, build_graph
+from hvdx.transport.base import TransportError
+from hvdx.transport.peer import PeerTransport
+from tests import harness, suite
+from tests.adpsgd_world import build_world, thread_allgather
+
+
+def run_threads(fns, timeout=120):
+    """Runs each fn on its own thread; fails naming the ones still running after `timeout` s."""
+    errors = []
+
+    def wrap(fn):
+        try:
+            fn()
+        except BaseException as exc:  # noqa: B902
+            errors.append(exc)
+
+    threads = [threading.Thread(target=wrap, args=(fn,), daemon=True) for fn in fns]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [i for i, t in enumerate(threads) if t.is_alive()]
+    assert not stuck, f"threads {stuck} still running after {timeout} s (deadlock?)"
+    if errors:
+        raise errors[0]
+
+
+def settle(world, timeout=30):
+    """Waits until no exchange is in flight (the models are then a consistent snapshot)."""
+    deadline = time.monotonic() + timeout
+    while not all(g.idle() for g in world):
+        assert time.monotonic() < deadline, "exchanges still in flight"
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert all(g.idle() for g in world)
+
+
+def finish_all(world):
+    out = [None] * len(world)
+
+    def finish(i):
+        out[i] = world[i].average(final=True)
+    run_threads([lambda i=i: finish(i) for i in range(len(world))], timeout=60)
+    return out
+
+
+# -------------------------------------------------------------------- the graphs (sec. 3.1, 3.2)
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("n", range(2, 18))
+def test_every_edge_joins_an_active_and_a_passive_rank(topology, n):
+    graph = build_graph(topology, n)
+    assert graph.active and len(graph.active) < n
+    for a, b in graph.edges:
+        assert graph.is_active(a) != graph.is_active(b), (a, b)
+    assert all(graph.neighbours(r) for r in range(n))  # nobody is left out (connectivity: build_graph checks it)
+
+
+def diameter(graph):
+    worst = 0
+    for start in range(graph.size):
+        seen, frontier, depth = {start}, [start], 0
+        while frontier:
+            frontier = [s for r in frontier for s in graph.neighbours(r) if s not in seen and not seen.add(s)]
+            depth += bool(frontier)
+        worst = max(worst, depth)
+    return worst
+
+
+def test_exponential_graph_uses_hops_of_2_to_the_i_plus_1():
+    graph = build_graph("exponential", 16)
+    assert graph.neighbours(0) == (1, 3, 5, 7, 9, 11, 13, 15)  # 0 +- {1, 3, 5, 9} mod 16
+    assert diameter(graph) < diameter(build_graph("ring", 16)) / 2  # O(log n) instead of O(n) (sec. 3.2)
+
+
+def test_one_exchange_is_doubly_stochastic():
+    w = np.array(build_graph("ring", 6).mixing_matrix(2, 3))
+    np.testing.assert_allclose(w.sum(axis=0), 1.0)
+    np.testing.assert_allclose(w.sum(axis=1), 1.0)
+    np.testing.assert_allclose(w, w.T)
+
+
+@pytest.mark.parametrize("topology,n,match", [
+    ("star", 4, "unknown AD-PSGD topology 'star'"),
+    ("ring", 1, "at least 2 ranks"),
+    (lambda n: [(0, 1), (1, 2), (2, 0)], 3, "not bipartite"),
+    (lambda n: [(0, 1), (2, 3)], 4, "not connected"),
+    (lambda n: [(0, 0)], 2, "not two distinct ranks"),
+])
+def test_bad_topologies_are_refused(topology, n, match):
+    with pytest.raises(ValueError, match=match):
+        build_graph(topology, n)
+
+
+# -------------------------------------------------------------------- the transport's exchanges
+def test_peer_transport_refuses_asymmetric_peers_and_strangers():
+    gather = thread_allgather(3)
+    errors = []
+
+    def build(rank, peers):
+        try:
+            PeerTransport._create(peers, rank, "t", 10.0, 3, gather(rank))
+        except ValueError as exc:
+            errors.append(str(exc))
+    run_threads([lambda: build(0, [1]), lambda: build(1, [2]), lambda: build(2, [1])], timeout=60)
+    assert any("rank 0 lists rank 1 as its peer, rank 1 does not" in e for e in errors), errors
+
+
+def test_exchange_swaps_arrays_and_hold_delays_the_answer_and_early_notices_wait():
+    gather = thread_allgather(2)
+    transports = [None, None]
+
+    def build(rank):
+        transports[rank] = PeerTransport._create([1 - rank], rank, "t", 10.0, 2, gather(rank))
+    run_threads([lambda: build(0), lambda: build(1)], timeout=60)
+    a, b = transports
+    try:
+        a.notify(1, b"early")  # before b has a notice handler: kept for it, not dropped
+        a.flush(10)
+        time.sleep(0.2)
+        notices = []
+        b.set_notice_handler(lambda peer, body: notices.append((peer, body)))
+        assert notices == [(0, b"early")]
+        b.set_handler(lambda peer, theirs: theirs * 0 + 7.0)
+        got = a.exchange(1, np.arange(4.0), on_reply=lambda theirs: theirs.sum()).wait(10)
+        assert got == 28.0 and b.served == 1 and a.initiated == 1
+        b.hold()
+        request = a.exchange(1, np.ones(4))
+        time.sleep(0.3)
+        assert not request.done()  # held: the answer waits for release()
+        b.release()
+        np.testing.assert_array_equal(request.wait(10), np.full(4, 7.0))
+        with pytest.raises(ValueError, match="not a peer"):
+            a.exchange(5, np.ones(4))
+    finally:
+        a.close()
+        b.close()
+    with pytest.raises(TransportError, match="closed"):
+        a.exchange(1, np.ones(2)).wait(1)
+
+
+# -------------------------------------------------------------------- Algorithm 1 in process
+@pytest.mark.parametrize("topology", ["ring", "exponential"])
+def test_consensus_with_zero_gradients_preserves_the_mean_and_reaches_it(topology):
+    rng = np.random.default_rng(0)
+    models = [rng.normal(size=2000) for _ in range(6)]
+    mean = np.mean(models, axis=0)
+    world = build_world(models, topology)
+    spreads = []
+
+    def train(g):
+        zero = np.zeros(2000)
+        for _ in range(400):
+            g.step(zero)  # zero gradient: the model changes by averaging alone
+            time.sleep(0.002)
+    try:
+        run_threads([lambda g=g: train(g) for g in world])
+        settle(world)
+        now = [g.model() for g in world]
+        spreads.append(max(np.abs(m - mean).max() for m in now))
+        np.testing.assert_allclose(np.mean(now, axis=0), mean, atol=1e-12)  # doubly stochastic: mean kept
+        assert spreads[0] < 1e-3 * max(np.abs(m - mean).max() for m in models), spreads
+        final = finish_all(world)
+    finally:
+        for g in world:
+            g.close()
+    for m in final:
+        np.testing.assert_allclose(m, mean, atol=1e-12)
+
+
+def test_thousands_of_exchanges_lose_no_update():
+    n = 6
+    world = build_world([np.zeros(500) for _ in range(n)], "exponential")
+    applied = [np.zeros(500) for _ in range(n)]
+
+    def train(r):
+        g, rng = world[r], np.random.default_rng(r)
+        for k in range(1500):
+            update = rng.normal(size=500) * 1e-3  # the optimizer's step on a (possibly stale) copy
+            applied[r] += update
+            g.step(update)
+            if k % 4 == 0:
+                time.sleep(0.001)
+    try:
+        run_threads([lambda r=r: train(r) for r in range(n)], timeout=300)
+        final = finish_all(world)
+        stats = [g.stats() for g in world]  # after the final average: no exchange in flight
+    finally:
+        for g in world:
+            g.close()
+    print("exchanges per rank:", [s["exchanges"] for s in stats])
+    started = sum(s["exchanges"] for s in stats if s["active"])
+    answered = sum(s["exchanges"] for s in stats if not s["active"])
+    assert started == answered >= 1000  # every exchange completed on both sides
+    # every update is in the models: the final average is the mean of everything applied
+    np.testing.assert_allclose(final[0], np.sum(applied, axis=0) / n, atol=1e-10)
+
+
+def test_a_killed_peer_is_named_by_every_other_rank(tmp_path):
+    """Rank 2 of 4 dies (SIGKILL, mid-training); each survivor's next step raises naming it."""
+    world, victim = 4, 2
+    worker = os.path.join(os.path.dirname(__file__), "adpsgd_worker.py")
+    env = dict(os.environ, PYTHONPATH=str(harness.ROOT))
+    procs = [subprocess.Popen([sys.executable, worker, str(tmp_path), str(r), str(world), "exponential",
+                               str(victim), "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+             for r in range(world)]
+    outputs = {}
+    try:
+        for r, p in enumerate(procs):
+            outputs[r] = p.communicate(timeout=240)[0].decode(errors="replace")[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[victim].returncode == -9
+    for r in range(world):
+        if r == victim:
+            continue
+        path = tmp_path / f"result.{r}.json"
+        assert path.exists(), f"rank {r} wrote no result:\n{outputs[r]}"
+        result = json.loads(path.read_text())
+        assert result["error"] is not None and f"rank {victim}" in result["error"], result
+        assert result["step"] < 20000  # it stopped training at the failure, not at its end
+
+
+# -------------------------------------------------------------------- Keras glue, single process
+def test_callback_refuses_an_unknown_topology_and_bad_options():
+    from hvdx.adpsgd import ADPSGDCallback
+    with pytest.raises(ValueError, match="unknown AD-PSGD topology 'torus'"):
+        ADPSGDCallback(topology="torus")
+    with pytest.raises(ValueError, match="max_seconds"):
+        ADPSGDCallback(max_seconds=0)
+    with pytest.raises(ValueError, match="one or the other"):
+        ADPSGDCallback(max_seconds=5, average_every_epoch=True)
+
+
+def test_non_float_variables_are_refused():
+    import tensorflow as tf
+
+    from hvdx.adpsgd import ADPSGD
+    with pytest.raises(ValueError, match="'steps:0' is int64"):
+        ADPSGD([tf.Variable(1.0, name="w"), tf.Variable(np.int64(0), name="steps")])
+
+
+def test_a_synchronous_optimizer_is_refused():
+    import tensorflow as tf
+
+    from hvdx.adpsgd import check_optimizer
+
+    class DistributedOptimizer(tf.keras.optimizers.SGD):  # what hvdx's and Horovod's wrappers are called
+        pass
+    with pytest.raises(ValueError, match="cannot run with the synchronous DistributedOptimizer"):
+        check_optimizer(DistributedOptimizer(0.1))
+    check_optimizer(tf.keras.optimizers.SGD(0.1))  # a plain optimizer is what AD-PSGD takes
+
+
+# -------------------------------------------------------------------- multirank (Horovod ranks)
+@suite.runs(suite.check("adpsgd.consensus", "2x2"), suite.check("adpsgd.consensus", "3x2"))
+def test_gossip_reaches_consensus_on_horovod_ranks(ranks):
+    for rank, data in ranks.items():
+        assert data["mean_error"] < 1e-5, (rank, data)      # float32 model: the mean is kept
+        assert data["spread_after"] < 1e-3 * data["spread_before"], (rank, data)
+        assert data["final_spread"] == 0.0, (rank, data)  # one allreduce: the same model everywhere
+
+
+@suite.runs(suite.check("adpsgd.exchanges", "2x2"), suite.check("adpsgd.exchanges", "3x2"))
+def test_thousands_of_random_exchanges_complete_on_both_sides(ranks):
+    counts = {rank: data["exchanges"] for rank, data in ranks.items()}
+    print("exchanges per rank:", counts)
+    started = sum(d["exchanges"] for d in ranks.values() if d["active"])
+    answered = sum(d["exchanges"] for d in ranks.values() if not d["active"])
+    assert started == answered >= 1000, counts
+    for rank, data in ranks.items():  # each pair agrees on how often it exchanged
+        for peer, count in data["partners"].items():
+            assert ranks[int(peer)]["partners"][str(rank)] == count, (rank, peer, ranks)
+        assert data["lost"] < 1e-4, data  # the sum of the updates is in the final model
+
+
+@suite.runs(suite.check("adpsgd.slow_rank", "2x2"), suite.check("adpsgd.slow_rank", "3x2"))
+def test_a_slow_rank_does_not_slow_the_others(ranks):
+    slow = max(ranks)
+    steps = {rank: data["steps"] for rank, data in ranks.items()}
+    for rank, count in steps.items():
+        if rank != slow:
+            # synchronous SGD would make them equal; the margin leaves room for 6 ranks on 2 busy cores
+            assert count >= 2 * steps[slow], steps
+    assert all(data["exchanges"] > 0 for data in ranks.values()), ranks  # the slow one still gossips
+
+
+@suite.runs(suite.check("adpsgd.convergence", "2x2", timeout=600))
+def test_convergence_matches_allreduce_sgd_at_equal_epochs(ranks):
+    data = ranks[0]
+    print("digits test accuracy:", data)
+    assert abs(data["adpsgd"] - data["allreduce"]) <= 0.01, data
+    assert data["adpsgd"] > 0.9, data
+    assert all(d["adpsgd"] == data["adpsgd"] for d in ranks.values())  # every rank holds the average model
+
+
+@suite.runs(suite.check("adpsgd.checkpoint", "2x2"))
+def test_checkpoint_and_restore_mid_training(ranks):
+    for rank, data in ranks.items():
+        assert data["saved_spread"] == 0.0, (rank, data)     # the average model went to the checkpoint
+        assert data["restored_equal"], (rank, data)          # restore gives it back on every rank
+        assert data["final_spread"] == 0.0, (rank, data)
+        assert data["loss_after"] < data["loss_before"], (rank, data)
+
+
+@suite.runs(suite.check("adpsgd.errors", "2x2"))
+def test_bad_arguments_get_clear_errors_on_horovod_ranks(ranks):
+    for rank, data in ranks.items():
+        assert "cannot run with the synchronous" in data["hvdx_optimizer"], data
+        assert "unknown AD-PSGD topology" in data["topology"], data
+        assert "is int32" in data["non_float"], data
+
+
+def test_ranks_that_average_at_different_points_are_told_so():
+    """A rank at its final average beside a neighbour at an epoch's average: ValueError naming both."""
+    world = build_world([np.zeros(10), np.ones(10)], "ring")
+    errors = {}
+
+    def run(rank, final):
+        try:
+            world[rank].average(final=final)
+        except (ValueError, TransportError) as exc:
+            errors[rank] = exc
+            world[rank].close()  # what a failing script's exit does: the other rank is released
+    try:
+        run_threads([lambda: run(0, True), lambda: run(1, False)], timeout=60)
+    finally:
+        for g in world:
+            g.close()
+    assert isinstance(errors[1], ValueError), errors  # rank 1 is passive: it compares the notices
+    assert "rank 1 is at average #1, its neighbour rank 0 at the final average" in str(errors[1])
+    assert isinstance(errors[0], TransportError), errors

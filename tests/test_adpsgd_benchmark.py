@@ -1,0 +1,28 @@
+"""benchmarks/adpsgd.py's smoke mode (lian2018 Figs. 3-6 in miniature): the script runs all
+three methods and both scenarios, and writes its JSON and plot (no timing asserted)."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests import harness
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_adpsgd_benchmark_smoke_writes_json_and_plot(tmp_path):
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "adpsgd.py"), "--smoke",
+                           "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "adpsgd.json").read_text())
+    (run,) = result["results"]
+    assert run["topology"] == {"nodes": 2, "ranks_per_node": 1}
+    for scenario in ("homogeneous", "slow_rank"):
+        for method in ("allreduce", "dpsgd", "adpsgd"):
+            (one,) = run["runs"][scenario][method]
+            assert len(one["curve"]) >= 2 and one["accuracy"] > 0.3, (scenario, method, one)
+            assert (one["exchanges"] > 0) == (method != "allreduce")
+        assert run["summary"][scenario]["allreduce"]["median_ratio"] in (None, 1.0)
+    assert (tmp_path / "adpsgd.png").stat().st_size > 10_000
