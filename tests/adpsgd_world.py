@@ -4,7 +4,6 @@ of separate processes (tests/adpsgd_worker.py)."""
 import json
 import os
 import pathlib
-import threading
 import time
 from typing import Callable, List, Optional
 
@@ -14,19 +13,12 @@ from hvdx.adpsgd.gossip import Gossip
 from hvdx.adpsgd.graph import build_graph
 from hvdx.transport.peer import PeerTransport
 from hvdx.transport.ring import GroupTransport
+from tests import harness
 
 
 def thread_allgather(world: int) -> Callable[[int], Callable]:
-    """allgather(obj) for `world` threads of this process; obj[0] is the caller's rank."""
-    slots: list = [None] * world
-    barrier = threading.Barrier(world, timeout=60)
-
-    def allgather(obj):
-        slots[obj[0]] = obj
-        barrier.wait()
-        out = list(slots)
-        barrier.wait()
-        return out
+    """allgather(obj) for `world` threads of this process, by rank; obj[0] is the caller's rank."""
+    allgather = harness.thread_allgather(world, timeout=60)
     return lambda rank: allgather
 
 
@@ -70,20 +62,5 @@ def build_world(models: List[np.ndarray], topology: str = "ring", timeout: float
     """One Gossip per model (rank = index), built concurrently on threads."""
     world = len(models)
     gather = thread_allgather(world)
-    out: list = [None] * world
-    errors: list = []
-
-    def build(rank):
-        try:
-            out[rank] = make_gossip(models[rank], rank, world, topology, gather(rank), timeout)
-        except BaseException as exc:  # noqa: B902
-            errors.append(exc)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(90)
-    if errors:
-        raise errors[0]
-    return out
+    return harness.on_threads(lambda rank: make_gossip(models[rank], rank, world, topology, gather(rank), timeout),
+                              world, join_timeout=90)

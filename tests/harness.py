@@ -20,7 +20,7 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import psutil
 
@@ -148,3 +148,40 @@ def _run(command: List[str], script_path: str, np: int, timeout: float, env: Opt
             results[result["rank"]] = result
     return Launch(command=command, script=script_path, np=np, returncode=job.returncode, timed_out=job.timed_out,
                   output=job.output, results=results)
+
+
+def thread_allgather(world: int, timeout: float = 60) -> Callable[[Any], List[Any]]:
+    """allgather(obj) for `world` threads of this process standing in for ranks; obj[0] is
+    the caller's rank. Two barriers per call, so it can be called again at once."""
+    slots: list = [None] * world
+    barrier = threading.Barrier(world, timeout=timeout)
+
+    def allgather(obj):
+        slots[obj[0]] = obj
+        barrier.wait()
+        out = list(slots)
+        barrier.wait()
+        return out
+    return allgather
+
+
+def on_threads(build: Callable[[int], Any], world: int, join_timeout: float = 60) -> List[Any]:
+    """[build(0), ..., build(world - 1)], each called on its own thread (ranks that set up
+    together); the first exception raised by any of them is raised here."""
+    out: list = [None] * world
+    errors: list = []
+
+    def run_one(rank: int) -> None:
+        try:
+            out[rank] = build(rank)
+        except BaseException as exc:  # noqa: B902 - handed to the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run_one, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(join_timeout)
+    if errors:
+        raise errors[0]
+    return out

@@ -8,7 +8,6 @@ and on the emulated cluster.
 import json
 import subprocess
 import sys
-import threading
 import time
 from typing import List, Sequence
 
@@ -23,31 +22,9 @@ from tests import harness, suite
 def ring(groups: Sequence[Sequence[int]], timeout: float = 30.0) -> List[GroupTransport]:
     """One transport per rank of `groups`, all in this process (one thread per rank sets up)."""
     world = sum(len(g) for g in groups)
-    slots: list = [None] * world
-    barrier = threading.Barrier(world, timeout=30)
-
-    def allgather(obj):
-        slots[obj[0]] = obj
-        barrier.wait()
-        return list(slots)
-
-    transports: list = [None] * world
-    errors: list = []
-
-    def build(rank: int) -> None:
-        try:
-            transports[rank] = GroupTransport._create(groups, rank, "test", timeout, world, allgather)
-        except BaseException as exc:  # noqa: B902
-            errors.append(exc)
-
-    threads = [threading.Thread(target=build, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return transports
+    allgather = harness.thread_allgather(world, timeout=30)
+    return harness.on_threads(lambda rank: GroupTransport._create(groups, rank, "test", timeout, world, allgather),
+                              world, join_timeout=60)
 
 
 @pytest.fixture
