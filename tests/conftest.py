@@ -8,7 +8,9 @@
 - Tests that launch are marked `multirank`; benchmark smoke tests `slow` (pyproject.toml).
 """
 import os
+import resource
 import subprocess
+import time
 
 import pytest
 
@@ -16,6 +18,13 @@ from tests import suite
 from tests.harness import ROOT
 
 SUITE = pytest.StashKey[suite.Suite]()
+COST = pytest.StashKey[dict]()
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its children that ended (subprocesses, launches)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _status():
@@ -98,7 +107,35 @@ def ranks(request, multirank_suite) -> suite.RankResults:
     return multirank_suite.result(request.param, request.session.items)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Each test's wall and CPU seconds (setup, call, teardown; its subprocesses included) for
+    the session's summary. Launching ahead (the default), a launch's ranks are counted in the
+    test that runs when they end: HVDX_LAUNCH_AHEAD=0 charges each launch to its first test."""
+    wall, cpu = time.monotonic(), _cpu()
+    yield
+    item.config.stash.setdefault(COST, {})[item.nodeid] = (time.monotonic() - wall, _cpu() - cpu)
+
+
+def _cost_summary(terminalreporter, config, top: int = 25) -> None:
+    costs = config.stash.get(COST, {})
+    if not costs:
+        return
+    total_cpu = sum(cpu for _, cpu in costs.values())
+    by_file: dict = {}
+    for nodeid, (wall, cpu) in costs.items():
+        w, c = by_file.get(nodeid.split("::")[0], (0.0, 0.0))
+        by_file[nodeid.split("::")[0]] = (w + wall, c + cpu)
+    terminalreporter.section(f"cost: {len(costs)} tests, {total_cpu:.0f} CPU s in all")
+    for name, (wall, cpu) in sorted(by_file.items(), key=lambda kv: -kv[1][1])[:top]:
+        terminalreporter.write_line(f"{cpu:7.0f} CPU s {wall:7.0f} s  {name}")
+    terminalreporter.write_line("tests:")
+    for name, (wall, cpu) in sorted(costs.items(), key=lambda kv: -kv[1][1])[:top]:
+        terminalreporter.write_line(f"{cpu:7.0f} CPU s {wall:7.0f} s  {name}")
+
+
 def pytest_terminal_summary(terminalreporter, config):
+    _cost_summary(terminalreporter, config)
     if SUITE not in config.stash or not config.stash[SUITE].launches:
         return
     launches = config.stash[SUITE].launches
