@@ -39,10 +39,10 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
-                        readme_path, run_topologies, update_readme)
+    from common import (add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
+                        markdown_table, readme_path, run_topologies, update_readme)
 except ImportError:
-    from benchmarks.common import (add_output_arguments, add_topology_arguments, cluster_description,
+    from benchmarks.common import (add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
                                    markdown_table, readme_path, run_topologies, update_readme)
 
 METHODS = ["allreduce", "dpsgd", "adpsgd"]
@@ -164,20 +164,13 @@ def parse_rate(text: str) -> int:
 
 
 def run_ranks(args) -> None:
-    import numpy as np
     import tensorflow as tf
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     import hvdx
 
     topo = hvdx.init()
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.25, random_state=0,
-                                                        stratify=digits.target)
-    shard = slice(topo.rank, len(x_train) - len(x_train) % topo.size, topo.size)  # equal sizes: equal steps
-    data = (x_train[shard], y_train[shard], x_train[:512], y_train[:512], x_test, y_test)
+    x_shard, y_shard, x_train, y_train, x_test, y_test = digits_shards(topo.rank, topo.size)
+    data = (x_shard, y_shard, x_train[:512], y_train[:512], x_test, y_test)
     # one rank's computation per step, for the slowed rank's sleep (measured, then the same for all rounds)
     model = build_model(args.width, args.seed)
     opt = tf.keras.optimizers.SGD(args.lr)

@@ -6,6 +6,7 @@
 - timing, inside a Horovod job: `slowest` (the slowest rank's time), `timed_rounds` (calls
   taking turns, round after round), `by_key`, `medians`; `load_during` (how busy the
   machine was);
+- data: `digits_shards` (scikit-learn's digits, split and sharded the same way everywhere);
 - reporting: `add_output_arguments` + `readme_path` (where results and the README go),
   `markdown_table`, `update_readme` (a script's section of benchmarks/README.md).
 
@@ -29,6 +30,27 @@ from typing import Callable, Dict, Iterable, Iterator, List, Mapping, Optional, 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "benchmarks" / "README.md"
+
+
+# -- data ---------------------------------------------------------------------------------
+def digits_shards(rank: int, size: int):
+    """scikit-learn's digits as float32 in [0, 1], 75/25 stratified split (seed 0), the training
+    part sharded over `size` ranks in equal parts (every rank runs the same number of steps).
+
+    Returns:
+        (x_shard, y_shard, x_train, y_train, x_test, y_test): this rank's shard, the whole
+        training set, the test set.
+    """
+    import numpy as np
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.data / 16.0).astype(np.float32)
+    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.25, random_state=0,
+                                                        stratify=digits.target)
+    shard = slice(rank, len(x_train) - len(x_train) % size, size)
+    return x_train[shard], y_train[shard], x_train, y_train, x_test, y_test
 
 
 # -- launching -----------------------------------------------------------------------------

@@ -32,11 +32,11 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
-                        run_topologies, update_readme)
+    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
+                        markdown_table, run_topologies, update_readme)
 except ImportError:
     from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
-                                   markdown_table, run_topologies, update_readme)
+                                   digits_shards, markdown_table, run_topologies, update_readme)
 
 METHODS = ["horovod", "daso"]
 LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO"}
@@ -131,19 +131,12 @@ def train(method: str, args, topo, data) -> dict:
 
 
 def run_ranks(args) -> None:
-    import numpy as np
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
     import hvdx
 
     topo = hvdx.init()
-    digits = load_digits()
-    x = (digits.data / 16.0).astype(np.float32)
-    x_train, x_test, y_train, y_test = train_test_split(x, digits.target, test_size=0.25, random_state=0,
-                                                        stratify=digits.target)
-    per_rank = len(x_train) // topo.size  # equal shards: every rank runs the same number of steps
-    data = (x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank], x_test, y_test)
+    x_shard, y_shard, _, _, x_test, y_test = digits_shards(topo.rank, topo.size)
+    data = (x_shard, y_shard, x_test, y_test)
     runs: Dict[str, list] = {m: [] for m in args.methods}
     short = argparse.Namespace(**{**vars(args), "epochs": args.warmup_epochs + args.cooldown_epochs + 1})
     for method in args.methods:  # warm-up: TF's, Horovod's and the transport's first-use costs
