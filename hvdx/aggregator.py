@@ -203,9 +203,16 @@ class GradientAggregator(tf.Module):
 
     @strategy.setter
     def strategy(self, communication: Union[str, comm.Strategy]) -> None:
-        # A name: built from the options given at construction that apply to it.
-        strategy = comm.get(communication, **({} if isinstance(communication, comm.Strategy) else
-                                              dict(self._book.options, strict=False)))
+        self.switch(communication)
+
+    def switch(self, communication: Union[str, comm.Strategy], defaults: Optional[Dict[str, Any]] = None) -> None:
+        """Uses `communication` from the next trace on: an instance as it is, a name built from
+        the options given at construction that apply to it, then `defaults` (options this
+        name gets when the user gave none, e.g. the optimizer's convergence aids); an earlier
+        instance equal to it is reused (its residuals with it)."""
+        options = {} if isinstance(communication, comm.Strategy) else \
+            dict(defaults or {}, **self._book.options, strict=False)
+        strategy = comm.get(communication, **options)
         for known in self._book.strategies:  # reuse an earlier instance of the same kind
             if type(known) is type(strategy) and repr(known) == repr(strategy):
                 strategy = known

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -125,9 +125,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
-        aids = dict(clip_norm=clip_norm, warmup_steps=_warmup_steps(warmup_steps, optimizer, communication, density), warmup_density=warmup_density,
-                    residual_decay=residual_decay, momentum=_corrected_momentum(optimizer, _momentum_correction(
-                        momentum_correction, optimizer, communication, density)))
+        self._aid_args = dict(momentum_correction=momentum_correction, warmup_steps=warmup_steps, density=density)
+        aids = dict(clip_norm=clip_norm, warmup_density=warmup_density, residual_decay=residual_decay,
+                    **self._default_aids(communication))
         self._aggregator = GradientAggregator(
             communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
             bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
@@ -164,9 +164,23 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     def set_communication(self, communication: Union[str, comm.Strategy]) -> None:
         """Switches the strategy; takes effect when the step function is traced again
-        (hvdx.callbacks.SwitchCommunication does that for Model.fit)."""
-        self._aggregator.strategy = communication
+        (hvdx.callbacks.SwitchCommunication does that for Model.fit). A name gets the
+        convergence aids it would have had at construction (momentum correction, the Adam
+        density warm-up) unless the constructor's arguments said otherwise."""
+        defaults = None
+        if isinstance(communication, str):
+            defaults = {k: v for k, v in self._default_aids(communication).items() if v is not None}
+        self._aggregator.switch(communication, defaults)
         self._check_momentum_correction()
+
+    def _default_aids(self, communication) -> Dict[str, Any]:
+        """momentum and warmup_steps for `communication` from the constructor's
+        momentum_correction / warmup_steps / density (None: the strategy's own default)."""
+        given = self._aid_args
+        return dict(
+            warmup_steps=_warmup_steps(given["warmup_steps"], self._optimizer, communication, given["density"]),
+            momentum=_corrected_momentum(self._optimizer, _momentum_correction(
+                given["momentum_correction"], self._optimizer, communication, given["density"])))
 
     def _check_momentum_correction(self) -> None:
         """A strategy with momentum correction needs a wrapped optimizer whose momentum the

@@ -254,3 +254,24 @@ def test_a_reloaded_optimizer_keeps_the_aids_it_was_saved_with_not_the_defaults(
     on = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), communication="hitopk")
     again = type(on).from_config(on.get_config())
     assert again.communication.momentum == pytest.approx(0.9) and repr(again.communication) == repr(on.communication)
+
+
+def test_switching_to_hitopk_by_name_gets_the_aids_of_a_wrapper_built_with_it(one_rank):
+    """A dense start then HiTopK (CommunicationPolicy, SwitchCommunication) trains with the
+    same convergence aids as `communication="hitopk"` from the start, unless the constructor
+    turned them off; switching back to a dense strategy leaves the wrapped momentum alone."""
+    sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = hvdx.DistributedOptimizer(sgd, communication="allreduce")
+    opt.set_communication("hitopk")
+    assert opt.communication.momentum == pytest.approx(0.9)
+    assert repr(opt.communication) == repr(hvdx.DistributedOptimizer(
+        tf.keras.optimizers.SGD(0.1, momentum=0.9), communication="hitopk").communication)
+    opt.set_communication("hierarchical")
+    assert not hasattr(opt.communication, "momentum")
+    off = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), communication="allreduce",
+                                    momentum_correction=False)
+    off.set_communication("hitopk")
+    assert off.communication.momentum == 0
+    adam = hvdx.DistributedOptimizer(tf.keras.optimizers.Adam(0.001), communication="allreduce")
+    adam.set_communication("hitopk")
+    assert adam.communication.warmup_steps == 100
