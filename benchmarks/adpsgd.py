@@ -11,8 +11,9 @@ rate, every rank the same number of steps (its shard's epochs), in one custom lo
   for its exchange and then for every rank (a one-element Horovod allreduce);
 - `adpsgd`: `hvdx.adpsgd.ADPSGD` on the exponential graph, nobody waits.
 
-Scenarios: `homogeneous`; `slow_rank`: the last rank sleeps (factor - 1) x its measured step
-computation time after every step (4x slower by default); `slow_link` (emulated cluster
+Scenarios: `homogeneous`; `slow_rank`: the last rank sleeps (factor - 1) x AllReduce-SGD's
+homogeneous step time (computation and allreduce, measured first) after every step: it takes
+factor (4) times as long per step as the others; `slow_link` (emulated cluster
 only): the last node's uplink is re-shaped to `--slow-rate` (100 Mbit/s) for the run. Methods take turns within each
 round. Step 0 (which traces the step function) is not timed. Rank 0 (never the slowed one) evaluates its model's loss on a fixed training subset
 after every `--eval-every` steps, the clock stopped meanwhile; time to `--target` loss is
@@ -72,7 +73,7 @@ def build_model(width: int, seed: int):
                                 tf.keras.layers.Dense(width, activation="relu"), tf.keras.layers.Dense(10)])
 
 
-def train(method: str, scenario: str, args, topo, data, compute_seconds: float, round_index: int) -> dict:
+def train(method: str, scenario: str, args, topo, data, step_seconds: float, round_index: int) -> dict:
     import horovod.tensorflow as hvd
     import numpy as np
     import tensorflow as tf
@@ -113,7 +114,7 @@ def train(method: str, scenario: str, args, topo, data, compute_seconds: float, 
     if shaping:
         shape_node_link(parse_rate(args.slow_rate))
     hvd.allreduce(tf.zeros([1]), name="adpsgd.bench.shaped")
-    sleep = (args.slow_factor - 1) * compute_seconds if scenario == "slow_rank" and topo.rank == topo.size - 1 else 0.0
+    sleep = (args.slow_factor - 1) * step_seconds if scenario == "slow_rank" and topo.rank == topo.size - 1 else 0.0
     rng = np.random.default_rng(args.seed + 100 * topo.rank + round_index)
     steps = args.epochs * max(1, len(x_mine) // args.batch)
     curve: List[List[float]] = []
@@ -171,7 +172,10 @@ def run_ranks(args) -> None:
     topo = hvdx.init()
     x_shard, y_shard, x_train, y_train, x_test, y_test = digits_shards(topo.rank, topo.size)
     data = (x_shard, y_shard, x_train[:512], y_train[:512], x_test, y_test)
-    # one rank's computation per step, for the slowed rank's sleep (measured, then the same for all rounds)
+    # AllReduce-SGD's step (computation and allreduce), homogeneous: the slowed rank takes
+    # slow_factor times as long per step (measured once, then the same for all rounds)
+    import horovod.tensorflow as hvd
+
     model = build_model(args.width, args.seed)
     opt = tf.keras.optimizers.SGD(args.lr)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -180,23 +184,25 @@ def run_ranks(args) -> None:
     def step(xb, yb):
         with tf.GradientTape() as tape:
             loss = loss_fn(yb, model(xb, training=True))
-        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        grads = hvd.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
     xb, yb = tf.constant(x_train[:args.batch]), tf.constant(y_train[:args.batch])
     times = []
     for _ in range(30):
         began = time.perf_counter()
         step(xb, yb)
         times.append(time.perf_counter() - began)
-    compute_seconds = statistics.median(times[5:])
+    step_seconds = max(hvd.allgather(tf.constant([statistics.median(times[5:])], tf.float64),
+                                     name="adpsgd.bench.step_seconds").numpy().tolist())
     runs: Dict[str, Dict[str, list]] = {s: {m: [] for m in args.methods} for s in args.scenarios}
     for r in range(args.rounds):
         for scenario in args.scenarios:
             order = args.methods[r % len(args.methods):] + args.methods[:r % len(args.methods)]
             for method in order:
-                runs[scenario][method].append(train(method, scenario, args, topo, data, compute_seconds, r))
+                runs[scenario][method].append(train(method, scenario, args, topo, data, step_seconds, r))
     if topo.rank == 0:
         result = {"topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
-                  "compute_seconds": compute_seconds, "runs": runs, "cluster": cluster_description()}
+                  "step_seconds": step_seconds, "runs": runs, "cluster": cluster_description()}
         Path(args.worker_json).write_text(json.dumps(result))
     hvdx.barrier()
 
@@ -280,7 +286,8 @@ def report(args, results: List[dict]) -> None:
             f"{args.epochs} epochs of each rank's shard, {args.rounds} round(s) with the methods taking turns, "
             f"{where}. Time to a training loss of {args.target} on rank 0's model (clock stopped while it "
             f"evaluates), median over rounds, and its ratio to AllReduce-SGD in the same round (range over "
-            f"rounds); `slow rank`: the last rank sleeps {args.slow_factor - 1:g}x its step's computation after "
+            f"rounds); `slow rank`: the last rank sleeps {args.slow_factor - 1:g}x AllReduce-SGD's homogeneous step "
+            f"(computation and allreduce, measured on each topology: `step_seconds` in the JSON) after "
             f"every step; `slow link`: the last node's uplink at {args.slow_rate}. Final accuracy: the test accuracy of the model every rank holds at the end. "
             f"`results/adpsgd.json`, `results/adpsgd.png`.\n\n"
             + markdown_table(["topology", "scenario", "method", "time to target (s)", "ratio to AllReduce",
