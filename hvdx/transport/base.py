@@ -3,11 +3,12 @@ on, and socket helpers (blocking sockets bounded by kernel timeouts)."""
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import struct
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 __all__ = ["Request", "TransportError", "listen_address"]
 
@@ -126,3 +127,34 @@ def _tune(sock: socket.socket, timeout: float) -> None:
     timeval = struct.pack("ll", seconds, int((timeout - seconds) * 1e6))
     for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
         sock.setsockopt(socket.SOL_SOCKET, opt, timeval)
+
+
+def send_loop(items: "queue.Queue[Any]", send: Callable[[Any], None], dropped: Callable[[Any], bool],
+              failed: Callable[[Any, BaseException], None]) -> None:
+    """A transport's sender thread: sends queued items in order until None arrives.
+
+    A `threading.Event` in the queue is set when every item before it was sent (a flush);
+    `dropped(item)` items are skipped (e.g. data after a failure); `send(item)` writes one
+    item; `failed(item, exc)` handles an exception `send` raised, and the loop goes on.
+    """
+    while True:
+        item = items.get()
+        if item is None:
+            return
+        if isinstance(item, threading.Event):
+            item.set()
+            continue
+        if dropped(item):
+            continue
+        try:
+            send(item)
+        except BaseException as exc:  # noqa: B902 - reported through `failed`, the thread goes on
+            failed(item, exc)
+
+
+def send_failure(rank: int, peer: int, timeout: float, exc: BaseException) -> TransportError:
+    """The error of a send to `peer` that raised `exc`: a kernel send timeout (the peer took
+    no data for `timeout` s) or a broken connection (the peer exited or died)."""
+    if isinstance(exc, (socket.timeout, BlockingIOError)):  # SO_SNDTIMEO expired
+        return TransportError(f"rank {rank}: rank {peer} took no data for {timeout} s")
+    return TransportError(f"rank {rank}: sending to rank {peer} failed ({exc}): rank {peer} exited or died")

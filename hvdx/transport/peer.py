@@ -47,7 +47,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
-from hvdx.transport.base import Request, TransportError, _recv_exact, _tune, listen_address
+from hvdx.transport.base import Request, TransportError, _recv_exact, _tune, listen_address, send_failure, send_loop
 
 __all__ = ["PeerTransport"]
 
@@ -367,32 +367,25 @@ class PeerTransport:
 
     # ------------------------------------------------------------------ sender thread
     def _send_loop(self) -> None:
-        while True:
-            item = self._sends.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            peer, head, payload = item
-            if peer in self._gone:
-                continue
-            if self.failure is not None and head[4] != _FAIL:
-                continue
-            sock = self._socks[peer]
-            try:
-                sock.sendall(head)
-                if len(payload):
-                    sock.sendall(payload)
-            except BaseException as exc:  # noqa: B902
-                if head[4] in (_FAIL, _BYE) or peer in self._gone or self._closed:
-                    continue
-                if isinstance(exc, (socket.timeout, BlockingIOError)):
-                    error = TransportError(f"rank {self.rank}: rank {peer} took no data for {self.timeout} s")
-                else:
-                    error = TransportError(f"rank {self.rank}: sending to rank {peer} failed ({exc}): "
-                                           f"rank {peer} exited or died")
-                threading.Thread(target=self._fail, args=(error, None), daemon=True).start()
+        send_loop(self._sends, self._send, self._dropped, self._send_failed)
+
+    def _dropped(self, item: Tuple[int, bytes, Any]) -> bool:
+        peer, head, _ = item
+        return peer in self._gone or (self.failure is not None and head[4] != _FAIL)
+
+    def _send(self, item: Tuple[int, bytes, Any]) -> None:
+        peer, head, payload = item
+        sock = self._socks[peer]
+        sock.sendall(head)
+        if len(payload):
+            sock.sendall(payload)
+
+    def _send_failed(self, item: Tuple[int, bytes, Any], exc: BaseException) -> None:
+        peer, head, _ = item
+        if head[4] in (_FAIL, _BYE) or peer in self._gone or self._closed:
+            return
+        error = send_failure(self.rank, peer, self.timeout, exc)
+        threading.Thread(target=self._fail, args=(error, None), daemon=True).start()
 
     # ------------------------------------------------------------------ failure and close
     def _fail(self, error: TransportError, source: Optional[int]) -> TransportError:

@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvdx.transport.base import Request, TransportError, _recv_exact, _tune, listen_address
+from hvdx.transport.base import Request, TransportError, _recv_exact, _tune, listen_address, send_failure, send_loop
 
 __all__ = ["GroupTransport", "Request", "TransportError", "listen_address"]
 
@@ -397,40 +397,34 @@ class GroupTransport:
 
     # ---------------------------------------------------------------- sender thread
     def _send_loop(self) -> None:
-        while True:
-            item = self._sends.get()
-            if item is None:
-                return
-            if isinstance(item, threading.Event):
-                item.set()
-                continue
-            if (self._failure is not None or self._send_error is not None) and not isinstance(item, _Abort):
-                continue  # drop data after a failure; only the abort notice goes out
-            try:
-                if isinstance(item, _Abort):
-                    self._send_sock.settimeout(min(self.timeout, 5.0))
-                    self._send_sock.sendall(item.frame)
-                    item.sent.set()
-                    continue
-                head, payload = item
-                self._send_sock.sendall(head)
-                self._send_sock.sendall(payload)
-            except BaseException as exc:  # noqa: B902
-                if isinstance(item, _Abort):
-                    item.sent.set()
-                    continue
-                if isinstance(exc, (socket.timeout, BlockingIOError)):  # SO_SNDTIMEO expired
-                    error = TransportError(f"rank {self.rank}: rank {self.right} took no data for "
-                                           f"{self.timeout} s")
-                else:
-                    error = TransportError(f"rank {self.rank}: sending to rank {self.right} failed: {exc}")
-                # The right neighbour is gone or stuck. If it left because it found a problem
-                # (a mismatch), that reason is on its way to us around the ring as an abort
-                # notice from the left: give it a moment to win over this vaguer error.
-                self._send_error = error
-                timer = threading.Timer(_ABORT_GRACE, self._fail, (error,))
-                timer.daemon = True
-                timer.start()
+        send_loop(self._sends, self._send, self._dropped, self._send_failed)
+
+    def _dropped(self, item: Any) -> bool:
+        # after a failure, data is dropped; only the abort notice goes out
+        return (self._failure is not None or self._send_error is not None) and not isinstance(item, _Abort)
+
+    def _send(self, item: Any) -> None:
+        if isinstance(item, _Abort):
+            self._send_sock.settimeout(min(self.timeout, 5.0))
+            self._send_sock.sendall(item.frame)
+            item.sent.set()
+            return
+        head, payload = item
+        self._send_sock.sendall(head)
+        self._send_sock.sendall(payload)
+
+    def _send_failed(self, item: Any, exc: BaseException) -> None:
+        if isinstance(item, _Abort):
+            item.sent.set()
+            return
+        error = send_failure(self.rank, self.right, self.timeout, exc)
+        # The right neighbour is gone or stuck. If it left because it found a problem
+        # (a mismatch), that reason is on its way to us around the ring as an abort
+        # notice from the left: give it a moment to win over this vaguer error.
+        self._send_error = error
+        timer = threading.Timer(_ABORT_GRACE, self._fail, (error,))
+        timer.daemon = True
+        timer.start()
 
     # ---------------------------------------------------------------- failure and close
     def _fail(self, error: TransportError) -> TransportError:
