@@ -11,11 +11,10 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hvdx
 from hvdx.adpsgd import ADPSGD, ADPSGDCallback
+from tests.multirank import digits
 
 
 def spread(values, tag):
@@ -35,16 +34,7 @@ def settle(adp, tag):
     hvdx.barrier()
 
 
-def digits_split():
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    return train_test_split(x, data.target, test_size=0.25, random_state=0, stratify=data.target)
-
-
-def make_model(seed=0, width=64):
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.layers.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
-                                tf.keras.layers.Dense(10)])
+make_model = digits.mlp
 
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -110,7 +100,7 @@ class Sleep(tf.keras.callbacks.Callback):
 
 def check_slow_rank(topo, seconds=8.0):
     """The last rank sleeps 0.2 s per step; every rank trains `seconds` of its own wall clock."""
-    x_train, _, y_train, _ = digits_split()
+    x_train, _, y_train, _ = digits.split()
     model = make_model(width=16)
     model.compile(tf.keras.optimizers.SGD(0.05), LOSS)
     # trace the training step first: on loaded cores tracing alone can take the whole budget
@@ -131,7 +121,7 @@ def equal_shard(topo, n):
 
 
 def check_convergence(topo, epochs=20, batch=16, lr=0.1):
-    x_train, x_test, y_train, y_test = digits_split()
+    x_train, x_test, y_train, y_test = digits.split()
     shard = equal_shard(topo, len(x_train))
     results = {}
     for method in ("allreduce", "adpsgd"):
@@ -165,7 +155,7 @@ class SaveAndMeasure(tf.keras.callbacks.Callback):
 
 
 def check_checkpoint(topo, epochs=2):
-    x_train, x_test, y_train, y_test = digits_split()
+    x_train, x_test, y_train, y_test = digits.split()
     shard = slice(topo.rank, None, topo.size)
     with tempfile.TemporaryDirectory() as directory:
         model = make_model()

@@ -9,11 +9,10 @@ import tempfile
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hvdx
 from hvdx.daso import DASO, DASOCallback
+from tests.multirank import digits
 
 
 def spread(values, tag):
@@ -24,16 +23,8 @@ def spread(values, tag):
     return float(np.max(high - low)) if flat.shape[0] else 0.0
 
 
-def digits_split():
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    return train_test_split(x, data.target, test_size=0.25, random_state=0, stratify=data.target)
-
-
 def make_model(seed=0, width=32):
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.layers.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
-                                tf.keras.layers.Dense(10)])
+    return digits.mlp(seed, width)
 
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -41,7 +32,7 @@ LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 def batches(topo, steps, batch=16, seed=1):
     """This rank's own batches (different on every rank), the same in every run."""
-    x_train, _, y_train, _ = digits_split()
+    x_train, _, y_train, _ = digits.split()
     rng = np.random.default_rng(seed + 1000 * topo.rank)
     picks = [rng.choice(len(x_train), batch, replace=False) for _ in range(steps)]
     return [(tf.constant(x_train[p]), tf.constant(y_train[p])) for p in picks]
@@ -213,7 +204,7 @@ def check_checkpoint_mid_cycle(topo, before=9, after=11, epoch_steps=12):
 def check_convergence(topo, epochs=16, batch=16):
     import horovod.tensorflow.keras as hvd_keras
 
-    x_train, x_test, y_train, y_test = digits_split()
+    x_train, x_test, y_train, y_test = digits.split()
     per_rank = len(x_train) // topo.size
     x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
     out = {}
@@ -245,7 +236,7 @@ def check_convergence(topo, epochs=16, batch=16):
 
 # -- 5. mixed precision, and the .keras format ----------------------------------------------------
 def check_mixed_precision_and_keras_format(topo, steps=10):
-    x_train, _, y_train, _ = digits_split()
+    x_train, _, y_train, _ = digits.split()
     x, y = x_train[topo.rank::topo.size][:16 * steps], y_train[topo.rank::topo.size][:16 * steps]
     if topo.rank == 1:
         x = x.copy()

@@ -22,6 +22,7 @@ import hvdx
 from hvdx import pto
 from hvdx.optimizers import LAMB, LARS
 from hvdx.optimizers.layerwise import squared_norm
+from tests.multirank import digits
 
 PTO_COUNTS = [1, 2, 3, 5, 8, 13, 161, 300]
 STEPS = 20
@@ -181,13 +182,8 @@ def check_modes(topo, full: bool = False) -> dict:
     return out
 
 
-def digits():
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32).reshape(-1, 8, 8, 1)
-    return train_test_split(x, data.target, test_size=0.25, random_state=0, stratify=data.target)
+def digit_images():
+    return digits.split((8, 8, 1))
 
 
 def resnet(seed: int = 0) -> tf.keras.Model:
@@ -207,7 +203,7 @@ def resnet(seed: int = 0) -> tf.keras.Model:
 
 
 def check_digits(topo, epochs: int = 6) -> dict:
-    x_train, x_test, y_train, y_test = digits()
+    x_train, x_test, y_train, y_test = digit_images()
     per_rank = len(x_train) // topo.size
     x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
     accuracy = {}

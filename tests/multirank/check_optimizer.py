@@ -12,29 +12,18 @@ import tempfile
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hvdx
+from tests.multirank import digits
 
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
 
 
-def digits():
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    return train_test_split(x, data.target, test_size=0.25, random_state=0, stratify=data.target)
-
-
-def make_model(seed: int = 0) -> tf.keras.Model:
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.layers.Input(shape=(64,)),
-                                tf.keras.layers.Dense(64, activation="relu"),
-                                tf.keras.layers.Dense(10)])
+make_model = digits.mlp
 
 
 def train(topo, communication: str, epochs: int, legacy: bool = False, callbacks=()):
-    x_train, x_test, y_train, y_test = digits()
+    x_train, x_test, y_train, y_test = digits.split()
     per_rank = len(x_train) // topo.size  # equal shards: every rank runs the same steps
     x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
     model = make_model()
