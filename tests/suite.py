@@ -208,8 +208,9 @@ class LaunchRecord:
     check_cpu: Dict[str, float] = field(default_factory=dict)  # CPU seconds of every rank together, by check id
 
     def __str__(self) -> str:
-        slowest = sorted(self.check_seconds.items(), key=lambda kv: -kv[1])[:5]
-        text = f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s ({self.cpu_seconds:.0f} CPU s)"
+        slowest = sorted(self.check_seconds.items(), key=lambda kv: -kv[1])[:10]
+        text = (f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s ({self.cpu_seconds:.0f} CPU s, "
+                f"{sum(self.check_cpu.values()):.0f} in the checks)")
         if slowest:
             text += " (slowest: " + ", ".join(
                 f"{cid} {sec:.0f} s, {self.check_cpu.get(cid, 0):.0f} CPU s" for cid, sec in slowest) + ")"

@@ -14,7 +14,7 @@ from tests import harness
 def test_convergence_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "convergence.py"), "--smoke", "--local",
-                           "--tasks", "mnist,resnet", "--methods", "horovod,hitopk+plain,hitopk+mc+clip+warmup,hitopk",
+                           "--tasks", "mnist,resnet", "--methods", "horovod,hitopk+mc+clip+warmup",
                            "--out", str(tmp_path), "--readme", str(readme)],
                           capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -22,14 +22,14 @@ def test_convergence_benchmark_writes_json_plot_and_table(tmp_path):
     assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
     for task in ("mnist", "resnet"):
         runs = result["tasks"][task]
-        assert sorted(runs) == sorted(["horovod", "hitopk+plain", "hitopk+mc+clip+warmup", "hitopk"])
+        assert sorted(runs) == ["hitopk+mc+clip+warmup", "horovod"]
         for run in runs.values():
             assert run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"])
             assert run["seconds"][1] > run["seconds"][0] > 0
         assert result["summary"][task]["horovod"]["gap_points"] == 0
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
     text = readme.read_text()
-    assert "<!-- convergence:begin -->" in text and "| mnist | hitopk+plain |" in text
+    assert "<!-- convergence:begin -->" in text and "| mnist | hitopk+mc+clip+warmup |" in text
 
 
 def test_summary_gap_and_time_to_target_follow_the_curves():
