@@ -222,13 +222,15 @@ def inject_invalid_pointer(h: Harness, which: str) -> dict:
     out: dict = {"which": which}
     scratch_bytes = h.mstopk_gpu_scratch_bytes(d)
     from scripts.gpu_harness.lib import DeviceBuffer
+    workspace_bytes = h.sparse_accumulate_gpu_workspace_bytes(k, d, 32)
     with DeviceBuffer.upload(h, inputs.make("normal", d)) as x, DeviceBuffer(h, 4 * k) as v, \
-            DeviceBuffer(h, 4 * k) as i, DeviceBuffer(h, 16) as t, DeviceBuffer(h, scratch_bytes) as s:
+            DeviceBuffer.upload(h, np.arange(k, dtype=np.int32)) as i, DeviceBuffer(h, 16) as t, \
+            DeviceBuffer(h, scratch_bytes) as s, DeviceBuffer(h, workspace_bytes) as w:
         def mstopk(src: int) -> int:
             return h.mstopk_gpu_raw(src, d, k, 30, 12345, v.ptr, i.ptr, 32, t.ptr, s.ptr)
 
         def sparse(idx: int) -> int:
-            return h.sparse_accumulate_gpu_raw(v.ptr, idx, 32, k, None, x.ptr, d, s.ptr)
+            return h.sparse_accumulate_gpu_raw(v.ptr, idx, 32, k, None, x.ptr, d, w.ptr)
 
         bad = mstopk if which == "mstopk" else sparse
         good_arg = x.ptr if which == "mstopk" else i.ptr
