@@ -124,6 +124,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     n_cases = len(summary["mstopk"]["cases"]) + len(summary["sparse_accumulate"]["cases"])
     log(f"checks: {n_cases} cases, {len(summary['failures'])} failures")
 
+    summary["tensorflow_loaded"] = "tensorflow" in sys.modules
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))  # kept if the bench is cut
     report = [f"# hvdx kernel harness: {'GPU' if gpu else 'CPU'} run", "",
               f"Checks: {n_cases} parity cases (MSTopK vs tests/mstopk_reference.py"
               f"{', GPU vs CPU bit for bit, GPU run to run' if gpu else ''}; sparse accumulation vs np.add.at), "
