@@ -90,7 +90,7 @@ struct Ranges {
 template <typename F>
 void ParallelRanges(const CPUDevice& dev, const Ranges& ranges, double cycles_per_element, F f) {
   const OpCost cost(static_cast<double>(ranges.size) * 4, 0,
-                                 static_cast<double>(ranges.size) * cycles_per_element);
+                    static_cast<double>(ranges.size) * cycles_per_element);
   dev.parallelFor(ranges.count, cost, [&](Index first, Index last) {
     for (Index c = first; c < last; ++c) f(c, ranges.begin(c), ranges.end(c));
   });
@@ -339,7 +339,7 @@ struct MsTopK<CPUDevice, T, Tidx> {
   static int64_t ScratchBytes(int64_t) { return 0; }
 
   Status operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
+                    uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
     thresholds[0] = HUGE_VAL;
     thresholds[1] = 0.0;
     if (k == 0) return OkStatus();

@@ -302,7 +302,7 @@ struct MsTopK<GpuDevice, T, Tidx> {
   }
 
   Status operator()(const GpuDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch) {
+                    uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch) {
     cudaStream_t stream = dev.stream();
     if (k >= d || k == 0) {  // everything in index order (nothing when d == 0), or nothing
       return Launch("SelectAll", SelectAll<T, Tidx>, GridFor(k), kThreads, 0, stream, x, k, values, indices,

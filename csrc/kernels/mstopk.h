@@ -121,7 +121,7 @@ template <typename Device, typename T, typename Tidx>
 struct MsTopK {
   static int64_t ScratchBytes(int64_t d);
   Status operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
+                    uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
 };
 
 }  // namespace functor

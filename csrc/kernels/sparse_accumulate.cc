@@ -28,7 +28,7 @@ struct SparseAccumulate<CpuDevice, T, Tidx, Tout> {
   }
 
   Status operator()(const CpuDevice& d, const T* values, const Tidx* indices, int64_t nnz,
-                                  const Tout* dense, Tout* out, int64_t size, void* workspace) {
+                    const Tout* dense, Tout* out, int64_t size, void* workspace) {
     if (size == 0) return OkStatus();
     // Shards of 2^shift elements (a shift, not a division, per entry), about 4 per thread.
     const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(4 * d.numThreads(), size / 4096));
@@ -41,7 +41,7 @@ struct SparseAccumulate<CpuDevice, T, Tidx, Tout> {
     // start[c * shards + s]: where chunk c's entries of shard s go in `order`.
     std::vector<int64_t> start(chunks * shards + 1, 0);
     const OpCost count_cost(static_cast<double>(nnz) / chunks * sizeof(Tidx), 0,
-                                         static_cast<double>(nnz) / chunks * 4);
+                            static_cast<double>(nnz) / chunks * 4);
     d.parallelFor(chunks, count_cost, [&](Index first, Index last) {
       for (Index c = first; c < last; ++c) {
         int64_t* count = start.data() + c * shards;
@@ -68,9 +68,9 @@ struct SparseAccumulate<CpuDevice, T, Tidx, Tout> {
     auto shard_end = [&](int64_t s) { return s < 0 ? 0 : start[(chunks - 1) * shards + s]; };
     float* acc = static_cast<float*>(workspace);
     const OpCost cost(static_cast<double>(nnz) / shards * (sizeof(T) + 8) +
-                                       static_cast<double>(size) / shards * sizeof(Tout),
-                                   static_cast<double>(size) / shards * sizeof(Tout),
-                                   static_cast<double>(nnz + size) / shards);
+                          static_cast<double>(size) / shards * sizeof(Tout),
+                      static_cast<double>(size) / shards * sizeof(Tout),
+                      static_cast<double>(nnz + size) / shards);
     d.parallelFor(shards, cost, [&](Index first, Index last) {
       for (Index s = first; s < last; ++s) {
         const int64_t lo = s << shift, hi = std::min(size, (s + 1) << shift);

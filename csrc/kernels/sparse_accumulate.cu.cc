@@ -68,7 +68,7 @@ struct SparseAccumulate<GpuDevice, T, Tidx, Tout> {
   }
 
   Status operator()(const GpuDevice& d, const T* values, const Tidx* indices, int64_t nnz,
-                                  const Tout* dense, Tout* out, int64_t size, void* workspace) {
+                    const Tout* dense, Tout* out, int64_t size, void* workspace) {
     if (size == 0) return OkStatus();
     if (nnz > INT32_MAX)
       return errors::InvalidArgument("sparse_accumulate on the GPU takes at most 2^31 - 1 entries, got ", nnz);

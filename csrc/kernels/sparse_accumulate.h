@@ -24,7 +24,7 @@ template <typename Device, typename T, typename Tidx, typename Tout>
 struct SparseAccumulate {
   static int64_t WorkspaceBytes(int64_t nnz, int64_t size);
   Status operator()(const Device& d, const T* values, const Tidx* indices, int64_t nnz,
-                                  const Tout* dense, Tout* out, int64_t size, void* workspace);
+                    const Tout* dense, Tout* out, int64_t size, void* workspace);
 };
 
 }  // namespace functor
