@@ -42,6 +42,12 @@ DEADLINE=$(( $(date +%s) + ${HVDX_HARNESS_BUDGET_S:-540} ))
 budget() { local left=$(( DEADLINE - $(date +%s) - $2 )); [ "$left" -lt "$1" ] && echo "$left" || echo "$1"; }
 status=0
 cd "$ROOT"
+# CMake and nvcc: on PATH, else beside the Python (a pip-installed cmake) and CUDA's default place.
+CMAKE=$(command -v cmake || ls "$(dirname "$(command -v "$PY")")/cmake" 2>/dev/null || true)
+[ -n "$CMAKE" ] || { log "error: no cmake on PATH or beside $PY"; exit 1; }
+if ! command -v nvcc >/dev/null && [ -z "${CUDACXX:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export CUDACXX=/usr/local/cuda/bin/nvcc PATH=/usr/local/cuda/bin:$PATH
+fi
 
 log "repository $ROOT, results in $OUT_DIR, build in $BUILD"
 { nvidia-smi --query-gpu=name,driver_version,compute_cap,memory.total --format=csv 2>&1 || true
@@ -53,9 +59,9 @@ log "repository $ROOT, results in $OUT_DIR, build in $BUILD"
 
 # --- 1. build ------------------------------------------------------------------------------
 t0=$(date +%s)
-if ! { cmake -S csrc/harness -B "$BUILD" -DHVDX_HARNESS_CUDA=ON \
+if ! { "$CMAKE" -S csrc/harness -B "$BUILD" -DHVDX_HARNESS_CUDA=ON \
          -DHVDX_HARNESS_CUDA_ARCHITECTURES="${HVDX_HARNESS_CUDA_ARCHITECTURES:-native}" &&
-       cmake --build "$BUILD" -j "$(nproc)"; } > "$OUT_DIR/build.log" 2>&1; then
+       "$CMAKE" --build "$BUILD" -j "$(nproc)"; } > "$OUT_DIR/build.log" 2>&1; then
   tail -n 40 "$OUT_DIR/build.log" | tee -a "$LOG"
   log "error: the harness did not build (log: $OUT_DIR/build.log)"
   exit 1
