@@ -10,6 +10,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Tuple
@@ -56,7 +57,8 @@ def build(build_dir: Path, cuda: str = "AUTO", architectures: str = "native", jo
     Raises:
         RuntimeError: CMake is missing or the build failed (the log's tail is in the message).
     """
-    if shutil.which("cmake") is None:
+    cmake = shutil.which("cmake") or shutil.which("cmake", path=str(Path(sys.executable).parent))
+    if cmake is None:
         raise RuntimeError("cmake is not on PATH: install CMake >= 3.18 (pip install cmake works too)")
     build_dir = Path(build_dir)
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -65,9 +67,9 @@ def build(build_dir: Path, cuda: str = "AUTO", architectures: str = "native", jo
     nvcc = find_nvcc()
     if nvcc and "CUDACXX" not in env:
         env["CUDACXX"] = nvcc
-    steps = [["cmake", "-S", str(SOURCE), "-B", str(build_dir), f"-DHVDX_HARNESS_CUDA={cuda}",
+    steps = [[cmake, "-S", str(SOURCE), "-B", str(build_dir), f"-DHVDX_HARNESS_CUDA={cuda}",
               f"-DHVDX_HARNESS_CUDA_ARCHITECTURES={architectures}"],
-             ["cmake", "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 2)]]
+             [cmake, "--build", str(build_dir), "-j", str(jobs or os.cpu_count() or 2)]]
     with open(log, "w") as out:
         for step in steps:
             out.write("$ " + " ".join(step) + "\n")
