@@ -78,6 +78,17 @@ def test_sparse_accumulation_adds_every_element_s_entries_in_their_order(harness
     assert out[0] == 0.0 and harness.sparse_accumulate_cpu(values[[0, 2, 1]], np.zeros(3, np.int64), 1)[0] == 1.0
 
 
+def test_the_harness_s_own_thread_pool_gives_the_same_bits_on_any_number_of_threads(harness):
+    x = inputs.make("student_t3", 1_000_003, 9)
+    vals = np.random.default_rng(9).standard_normal(200_000).astype(np.float32)
+    idx = np.random.default_rng(10).integers(0, 50_000, 200_000).astype(np.int64)
+    one = harness.mstopk_cpu(x, 1000, random=99, threads=1)
+    one_sparse = harness.sparse_accumulate_cpu(vals, idx, 50_000, threads=1)
+    for threads in (2, 3, 8):
+        assert checks.topk_differences(harness.mstopk_cpu(x, 1000, random=99, threads=threads), one) == []
+        assert harness.sparse_accumulate_cpu(vals, idx, 50_000, threads=threads).tobytes() == one_sparse.tobytes()
+
+
 def test_bad_arguments_come_back_as_the_op_s_errors(harness):
     result = checks.check_argument_errors(harness)
     assert result["failures"] == []
