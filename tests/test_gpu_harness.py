@@ -135,3 +135,39 @@ def test_the_cuda_harness_compiles_with_nvcc(tmp_path):
         pytest.skip("no nvcc on this machine: the CUDA half of the harness cannot be compiled here")
     built = lib.Harness(lib.build(tmp_path / "cuda", cuda="ON", architectures="75", jobs=2))
     assert built.has_cuda and built.mstopk_gpu_scratch_bytes(1 << 20) > 0
+
+
+def _timings(speedup):
+    """Figure 6 rows as bench.bench_topk makes them, MSTopK `speedup` times faster than torch.topk."""
+    from scripts.gpu_harness import bench
+    rows = []
+    for d in bench.SIZES:
+        for density in bench.DENSITIES:
+            m = d * 1e-7
+            rows.append({"d": d, "density": density, "k": int(density * d), "floor_ms": m / 10, "mstopk_ms": m,
+                         "torch_topk_ms": m * speedup, "cupy_argpartition_ms": None, "cupy_partition_ms": m * 2,
+                         "speedup_vs_torch_topk": speedup, "speedup_vs_cupy": 2.0, "mstopk_over_floor": 10.0})
+    return rows
+
+
+@pytest.mark.parametrize("speedup", [25.0, 5.0])
+def test_the_gpu_section_states_the_issue_s_bar_and_lands_in_the_readme(tmp_path, speedup):
+    from scripts.gpu_harness import bench, publish
+    rows = _timings(speedup)
+    verdict = bench.goal(rows)
+    assert verdict["speedup"] == speedup and verdict["met"] == (speedup >= bench.GOAL_SPEEDUP)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("# run\n\nChecks: 1 cases\n\n" + bench.markdown("GPU", rows, [], [], verdict))
+    (out / "bench.json").write_text(json.dumps({"topk": rows, "goal": verdict}))
+    (out / "summary.json").write_text(json.dumps({"mstopk": {"cases": [{"d": 2**28}]},
+                                                  "sparse_accumulate": {"cases": []}, "failures": []}))
+    readme = tmp_path / "README.md"
+    readme.write_text("# b\n\n<!-- gpu-harness:begin -->\nNot yet run\n<!-- gpu-harness:end -->\n")
+    assert publish.main([str(out), "--readme", str(readme), "--results", str(tmp_path / "results")]) == 0
+    text = readme.read_text()
+    assert "Not yet run" not in text and "d up to 268,435,456" in text and f"**{speedup:.1f}x**" in text
+    assert ("goal >= 20x: met" in text) == (speedup >= 20)
+    if speedup < 20:
+        assert f"missed: {20 / speedup:.1f}x short" in text
+    assert json.loads((tmp_path / "results" / "gpu_harness.json").read_text())["checks"]["failures"] == []

@@ -20,7 +20,7 @@ from scripts.gpu_harness.lib import ROOT
 COMMAND = "scripts/gpu_harness.sh OUT"
 
 
-def section_body(report: str, summary: dict) -> str:
+def section_body(report: str, summary: dict, figure: bool = False) -> str:
     """The README text: how many checks passed, the tables, and the command."""
     mstopk = summary.get("mstopk", {}).get("cases", [])
     sparse = summary.get("sparse_accumulate", {}).get("cases", [])
@@ -31,7 +31,7 @@ def section_body(report: str, summary: dict) -> str:
              f"Made by `{COMMAND}` and `python3 -m scripts.gpu_harness.publish OUT` ([gpu.md](../docs/gpu.md)).", ""]
     tables = re.split(r"^# .*\n", report, maxsplit=1, flags=re.M)[-1].strip()
     lines.append(re.sub(r"^Checks: .*\n?", "", tables, flags=re.M).strip())
-    if (ROOT / "benchmarks" / "results" / "gpu_harness_fig6.png").exists():
+    if figure:
         lines += ["", "![Figure 6 on the GPU](results/gpu_harness_fig6.png)"]
     return "\n".join(lines)
 
@@ -40,12 +40,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path, help="the folder scripts/gpu_harness.sh wrote")
     parser.add_argument("--readme", type=Path, default=ROOT / "benchmarks" / "README.md")
+    parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     summary = json.loads((args.out / "summary.json").read_text())
     if not (args.out / "bench.json").exists():
         print(f"{args.out} has no bench.json: the run did not benchmark (no GPU, or PyTorch missing)", file=sys.stderr)
         return 1
-    results = ROOT / "benchmarks" / "results"
+    results = args.results
     results.mkdir(parents=True, exist_ok=True)
     bench = json.loads((args.out / "bench.json").read_text())
     bench["checks"] = {"mstopk_cases": len(summary["mstopk"]["cases"]),
@@ -56,7 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         shutil.copyfile(args.out / "fig6.png", results / "gpu_harness_fig6.png")
     sys.path.insert(0, str(ROOT))
     from benchmarks.common import update_readme
-    update_readme("gpu-harness", section_body((args.out / "report.md").read_text(), summary), args.readme)
+    body = section_body((args.out / "report.md").read_text(), summary, (args.out / "fig6.png").exists())
+    update_readme("gpu-harness", body, args.readme)
     print(f"wrote {results / 'gpu_harness.json'} and the gpu-harness section of {args.readme}")
     return 0
 

@@ -21,6 +21,7 @@ import platform
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -149,6 +150,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ImportError as err:
             log(f"benchmark skipped: {err} (it needs PyTorch with CUDA)")
             summary["bench_skipped"] = str(err)
+        except Exception as err:  # a failed MSTopK call, out of memory, ...: reported, checks kept
+            text = traceback.format_exc()
+            log(f"benchmark failed: {text}")
+            summary["failures"].append({"part": "bench", "check": "run", "differences": [f"{type(err).__name__}: {err}"]})
+            report.append(f"Benchmark failed: `{type(err).__name__}: {err}` (traceback in run.log).")
     summary["tensorflow_loaded"] = "tensorflow" in sys.modules
     summary["seconds"] = time.time() - t0
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
