@@ -1,4 +1,6 @@
 // CPU kernel of HvdxMstopk: Algorithm 1 of shi2021, reading x once in the common case.
+// (The OpKernel that calls it is csrc/ops/mstopk_kernel.cc; this file builds without
+// TensorFlow too, for the harness in csrc/harness.)
 //
 //   1. scan:    one multi-threaded pass computes the sum and max of the finite |x|
 //               (Algorithm 1 lines 1-3) and collects, per range of x, (position, |x|) of
@@ -28,19 +30,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <mutex>
-#include <random>
 #include <type_traits>
 #include <vector>
-
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/tensor.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace hvdx {
 namespace {
 
-using CPUDevice = Eigen::ThreadPoolDevice;
+using CPUDevice = CpuDevice;
 using mstopk::kSumBlock;
 using mstopk::kSumLanes;
 
@@ -93,10 +89,10 @@ struct Ranges {
 
 template <typename F>
 void ParallelRanges(const CPUDevice& dev, const Ranges& ranges, double cycles_per_element, F f) {
-  const Eigen::TensorOpCost cost(static_cast<double>(ranges.size) * 4, 0,
-                                 static_cast<double>(ranges.size) * cycles_per_element);
-  dev.parallelFor(ranges.count, cost, [&](Eigen::Index first, Eigen::Index last) {
-    for (Eigen::Index c = first; c < last; ++c) f(c, ranges.begin(c), ranges.end(c));
+  const OpCost cost(static_cast<double>(ranges.size) * 4, 0,
+                    static_cast<double>(ranges.size) * cycles_per_element);
+  dev.parallelFor(ranges.count, cost, [&](Index first, Index last) {
+    for (Index c = first; c < last; ++c) f(c, ranges.begin(c), ranges.end(c));
   });
 }
 
@@ -280,9 +276,9 @@ template <typename Visit>
 void Select(const CPUDevice& dev, int64_t ranges, double cycles, Visit visit, float f1, float f2,
             int64_t k, uint64_t random, std::vector<int64_t>* out) {
   std::vector<int64_t> above(ranges), band(ranges);
-  const Eigen::TensorOpCost cost(1 << 16, 0, cycles);
-  dev.parallelFor(ranges, cost, [&](Eigen::Index first, Eigen::Index last) {
-    for (Eigen::Index c = first; c < last; ++c) {
+  const OpCost cost(1 << 16, 0, cycles);
+  dev.parallelFor(ranges, cost, [&](Index first, Index last) {
+    for (Index c = first; c < last; ++c) {
       int64_t na = 0, nb = 0;
       visit(c, [&](int64_t, float a) {
         na += a >= f1;
@@ -305,8 +301,8 @@ void Select(const CPUDevice& dev, int64_t ranges, double cycles, Visit visit, fl
   const int64_t offset = need > 0 ? mstopk::WindowOffset(random, above_is_band ? k1 : nband, need) : 0;
   out->resize(k);
   int64_t* dst = out->data();
-  dev.parallelFor(ranges, cost, [&](Eigen::Index first, Eigen::Index last) {
-    for (Eigen::Index c = first; c < last; ++c) {
+  dev.parallelFor(ranges, cost, [&](Index first, Index last) {
+    for (Index c = first; c < last; ++c) {
       int64_t ra = above_start[c], rb = band_start[c];
       visit(c, [&](int64_t i, float a) {
         if (a >= f1) {
@@ -342,17 +338,17 @@ template <typename T, typename Tidx>
 struct MsTopK<CPUDevice, T, Tidx> {
   static int64_t ScratchBytes(int64_t) { return 0; }
 
-  ::tensorflow::Status operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
+  Status operator()(const CPUDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                    uint64_t random, T* values, Tidx* indices, double* thresholds, void*) {
     thresholds[0] = HUGE_VAL;
     thresholds[1] = 0.0;
-    if (k == 0) return ::tensorflow::OkStatus();
+    if (k == 0) return OkStatus();
     if (k >= d) {  // everything, in index order
       for (int64_t i = 0; i < d; ++i) {
         indices[i] = static_cast<Tidx>(i);
         values[i] = x[i];
       }
-      return ::tensorflow::OkStatus();
+      return OkStatus();
     }
     const Ranges ranges(d, dev.numThreads());
 
@@ -421,7 +417,7 @@ struct MsTopK<CPUDevice, T, Tidx> {
       const uint32_t min_bits = MagBits(all.min);
       auto live_cost = [&]() {
         const double per = static_cast<double>(total_live) / ranges.count + 1;
-        return Eigen::TensorOpCost(per * 4, 0, per);
+        return OpCost(per * 4, 0, per);
       };
       uint32_t lo_bits = lowest, hi_bits = 0xFFFFFFFFu;
       std::vector<Round> rounds;
@@ -434,8 +430,8 @@ struct MsTopK<CPUDevice, T, Tidx> {
         Round round{thres, f, false, at_lowest, f > min_bits ? d - 1 : d};
         if (f <= min_bits) round.lower = d;
         if (f >= lowest) {  // exact, and lo_bits <= f <= hi_bits
-          dev.parallelFor(ranges.count, live_cost(), [&](Eigen::Index first, Eigen::Index last) {
-            for (Eigen::Index c = first; c < last; ++c)
+          dev.parallelFor(ranges.count, live_cost(), [&](Index first, Index last) {
+            for (Index c = first; c < last; ++c)
               count[c] = listed[c] + CountAtLeast(live[c].data(), live[c].size(), f);
           });
           int64_t nnz = 0;
@@ -452,8 +448,8 @@ struct MsTopK<CPUDevice, T, Tidx> {
         if (new_hi < hi_bits || new_lo > lo_bits) {
           hi_bits = std::min(hi_bits, new_hi);
           lo_bits = std::max(lo_bits, new_lo);
-          dev.parallelFor(ranges.count, live_cost(), [&](Eigen::Index first, Eigen::Index last) {
-            for (Eigen::Index c = first; c < last; ++c) {
+          dev.parallelFor(ranges.count, live_cost(), [&](Index first, Index last) {
+            for (Index c = first; c < last; ++c) {
               std::vector<uint32_t>& v = live[c];
               size_t n = 0;
               for (uint32_t u : v) {
@@ -528,7 +524,7 @@ struct MsTopK<CPUDevice, T, Tidx> {
     }
     thresholds[0] = bis.thres1;
     thresholds[1] = bis.thres2;
-    return ::tensorflow::OkStatus();
+    return OkStatus();
   }
 
  private:
@@ -608,99 +604,11 @@ struct MsTopK<CPUDevice, T, Tidx> {
   }
 };
 
-template struct MsTopK<CPUDevice, float, int32_t>;
-template struct MsTopK<CPUDevice, float, int64_t>;
-template struct MsTopK<CPUDevice, Eigen::half, int32_t>;
-template struct MsTopK<CPUDevice, Eigen::half, int64_t>;
-template struct MsTopK<CPUDevice, Eigen::bfloat16, int32_t>;
-template struct MsTopK<CPUDevice, Eigen::bfloat16, int64_t>;
+#define HVDX_INSTANTIATE(T)                       \
+  template struct MsTopK<CpuDevice, T, int32_t>; \
+  template struct MsTopK<CpuDevice, T, int64_t>;
+HVDX_KERNEL_TYPES(HVDX_INSTANTIATE)
+#undef HVDX_INSTANTIATE
 
 }  // namespace functor
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::TensorShapeUtils;
-namespace errors = ::tensorflow::errors;
-
-template <typename Device, typename T, typename Tidx>
-class MsTopKOp : public OpKernel {
- public:
-  explicit MsTopKOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("num_samplings", &num_samplings_));
-    ::tensorflow::int64 seed, seed2;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed2", &seed2));
-    if (seed == 0 && seed2 == 0) {
-      std::random_device device;
-      rng_.seed((static_cast<uint64_t>(device()) << 32) ^ device());
-    } else {
-      std::seed_seq seq{static_cast<uint64_t>(seed), static_cast<uint64_t>(seed2)};
-      rng_.seed(seq);
-    }
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& k_tensor = ctx->input(1);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(x.shape()),
-                errors::InvalidArgument("mstopk: x must be 1-D, got shape ", x.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(k_tensor.shape()),
-                errors::InvalidArgument("mstopk: k must be a scalar, got shape ", k_tensor.shape().DebugString()));
-    const int64_t d = x.NumElements();
-    const int64_t k_requested = k_tensor.scalar<::tensorflow::int64>()();
-    OP_REQUIRES(ctx, k_requested >= 0, errors::InvalidArgument("mstopk: k must be >= 0, got ", k_requested));
-    OP_REQUIRES(ctx, (std::is_same_v<Tidx, int64_t> || d <= std::numeric_limits<int32_t>::max()),
-                errors::InvalidArgument("mstopk: int32 indices cannot address ", d, " elements; use int64"));
-    const int64_t k = std::min(k_requested, d);
-    Tensor *values, *indices, *thresholds;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({k}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({2}), &thresholds));
-    uint64_t random;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      random = rng_();
-    }
-    using Functor = functor::MsTopK<Device, T, Tidx>;
-    void* scratch_ptr = nullptr;
-    Tensor scratch;
-    const int64_t scratch_bytes = Functor::ScratchBytes(d);
-    if (scratch_bytes > 0) {
-      OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8, TensorShape({scratch_bytes}), &scratch));
-      scratch_ptr = scratch.flat<::tensorflow::int8>().data();
-    }
-    OP_REQUIRES_OK(ctx, Functor()(ctx->eigen_device<Device>(), x.flat<T>().data(), d, k, num_samplings_, random,
-                                  values->flat<T>().data(), indices->flat<Tidx>().data(),
-                                  thresholds->flat<double>().data(), scratch_ptr));
-  }
-
- private:
-  int num_samplings_;
-  std::mutex mu_;
-  std::mt19937_64 rng_;
-};
-
-#define HVDX_REGISTER_MSTOPK(DEV, DEVICE, T, TIDX)                                        \
-  REGISTER_KERNEL_BUILDER(Name("HvdxMstopk")                                            \
-                              .Device(::tensorflow::DEVICE_##DEV)                       \
-                              .HostMemory("k")                                          \
-                              .TypeConstraint<T>("T")                                   \
-                              .TypeConstraint<TIDX>("Tidx"),                            \
-                          MsTopKOp<DEVICE, T, TIDX>);
-#define HVDX_REGISTER_MSTOPK_ALL(DEV, DEVICE)                        \
-  HVDX_REGISTER_MSTOPK(DEV, DEVICE, float, int32_t)                  \
-  HVDX_REGISTER_MSTOPK(DEV, DEVICE, float, int64_t)                  \
-  HVDX_REGISTER_MSTOPK(DEV, DEVICE, Eigen::half, int32_t)            \
-  HVDX_REGISTER_MSTOPK(DEV, DEVICE, Eigen::half, int64_t)            \
-  HVDX_REGISTER_MSTOPK(DEV, DEVICE, Eigen::bfloat16, int32_t)        \
-  HVDX_REGISTER_MSTOPK(DEV, DEVICE, Eigen::bfloat16, int64_t)
-
-HVDX_REGISTER_MSTOPK_ALL(CPU, CPUDevice)
-#if GOOGLE_CUDA
-HVDX_REGISTER_MSTOPK_ALL(GPU, Eigen::GpuDevice)
-#endif
-
 }  // namespace hvdx

@@ -1,7 +1,7 @@
 // CUDA kernel of HvdxMstopk (shi2021, Algorithm 1), same semantics as the CPU kernel.
 //
-// Everything stays on the device; the host only enqueues kernels on TensorFlow's stream,
-// and checks every launch (kernels/gpu_launch.h):
+// Everything stays on the device; the host only enqueues kernels on the stream it is given
+// (TensorFlow's, or the harness's: csrc/harness), and checks every launch (kernels/gpu_launch.h):
 //   stats   one thread per (sum block, lane): the fixed-order sum of BlockStats (mstopk.cc),
 //           max and non-finite count; the 16 lanes of a block folded in order in shared
 //           memory; the block sums added pairwise by a parallel tree (mstopk::PairwiseSum's
@@ -25,7 +25,6 @@
 
 #include "kernels/gpu_launch.h"
 #include "kernels/mstopk.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace hvdx {
 namespace functor {
@@ -295,39 +294,39 @@ inline int GridFor(int64_t n) {
 }  // namespace
 
 template <typename T, typename Tidx>
-struct MsTopK<Eigen::GpuDevice, T, Tidx> {
+struct MsTopK<GpuDevice, T, Tidx> {
   static int64_t ScratchBytes(int64_t d) {
     const int64_t chunks = Chunks(d);
     return Align(sizeof(GpuState)) + Align(chunks * 8) + Align(((chunks + kTree - 1) / kTree) * 8) +
            4 * Align(chunks * 8) + Align(static_cast<int64_t>(ScanBytes(chunks)));
   }
 
-  ::tensorflow::Status operator()(const Eigen::GpuDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch) {
+  Status operator()(const GpuDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                    uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch) {
     cudaStream_t stream = dev.stream();
     if (k >= d || k == 0) {  // everything in index order (nothing when d == 0), or nothing
       return Launch("SelectAll", SelectAll<T, Tidx>, GridFor(k), kThreads, 0, stream, x, k, values, indices,
                     thresholds);
     }
     const int64_t chunks = Chunks(d), lanes = chunks * kSumLanes;
-    if (chunks > INT32_MAX) return ::tensorflow::errors::InvalidArgument("mstopk: x is too large for the GPU kernel");
+    if (chunks > INT32_MAX) return errors::InvalidArgument("mstopk: x is too large for the GPU kernel");
     Scratch s = Layout(scratch, d);
     const int grid_chunks = static_cast<int>(chunks);
-    TF_RETURN_IF_ERROR(Launch("ResetState", ResetState, 1, 1, 0, stream, s.st));
-    TF_RETURN_IF_ERROR(Launch("LaneStats", LaneStats<T>, static_cast<int>((lanes + kThreads - 1) / kThreads),
+    HVDX_RETURN_IF_ERROR(Launch("ResetState", ResetState, 1, 1, 0, stream, s.st));
+    HVDX_RETURN_IF_ERROR(Launch("LaneStats", LaneStats<T>, static_cast<int>((lanes + kThreads - 1) / kThreads),
                               kThreads, 0, stream, x, d, lanes, s.block_sums, s.st));
     double *in = s.block_sums, *out = s.tree;
     for (int64_t n = chunks; n > 1; n = (n + kTree - 1) / kTree) {
-      TF_RETURN_IF_ERROR(Launch("PairwiseLevel", PairwiseLevel, static_cast<int>((n + kTree - 1) / kTree), kThreads,
+      HVDX_RETURN_IF_ERROR(Launch("PairwiseLevel", PairwiseLevel, static_cast<int>((n + kTree - 1) / kTree), kThreads,
                                 0, stream, in, n, out));
       std::swap(in, out);
     }
-    TF_RETURN_IF_ERROR(Launch("InitBisection", InitBisection, 1, 1, 0, stream, in, d, k, s.st));
+    HVDX_RETURN_IF_ERROR(Launch("InitBisection", InitBisection, 1, 1, 0, stream, in, d, k, s.st));
     for (int r = 0; r < num_samplings; ++r) {
-      TF_RETURN_IF_ERROR(Launch("CountRound", CountRound<T>, GridFor(d), kThreads, 0, stream, x, d, s.st));
-      TF_RETURN_IF_ERROR(Launch("UpdateRound", UpdateRound, 1, 1, 0, stream, s.st));
+      HVDX_RETURN_IF_ERROR(Launch("CountRound", CountRound<T>, GridFor(d), kThreads, 0, stream, x, d, s.st));
+      HVDX_RETURN_IF_ERROR(Launch("UpdateRound", UpdateRound, 1, 1, 0, stream, s.st));
     }
-    TF_RETURN_IF_ERROR(
+    HVDX_RETURN_IF_ERROR(
         Launch("SelectCount", SelectCount<T>, grid_chunks, kThreads, 0, stream, x, d, s.st, s.above, s.band));
     size_t bytes = s.scan_bytes;
     HVDX_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(s.scan, bytes, s.above, s.above_start, grid_chunks, stream),
@@ -335,19 +334,18 @@ struct MsTopK<Eigen::GpuDevice, T, Tidx> {
     bytes = s.scan_bytes;
     HVDX_CUDA_RETURN_IF_ERROR(cub::DeviceScan::ExclusiveSum(s.scan, bytes, s.band, s.band_start, grid_chunks, stream),
                               "cub::DeviceScan::ExclusiveSum");
-    TF_RETURN_IF_ERROR(Launch("SelectPlan", SelectPlan, 1, 1, 0, stream, s.st, s.above, s.band, s.above_start,
+    HVDX_RETURN_IF_ERROR(Launch("SelectPlan", SelectPlan, 1, 1, 0, stream, s.st, s.above, s.band, s.above_start,
                               s.band_start, chunks, k, random, thresholds));
     return Launch("SelectWrite", SelectWrite<T, Tidx>, grid_chunks, kThreads, 0, stream, x, d, s.st, s.above_start,
                   s.band_start, values, indices);
   }
 };
 
-template struct MsTopK<Eigen::GpuDevice, float, int32_t>;
-template struct MsTopK<Eigen::GpuDevice, float, int64_t>;
-template struct MsTopK<Eigen::GpuDevice, Eigen::half, int32_t>;
-template struct MsTopK<Eigen::GpuDevice, Eigen::half, int64_t>;
-template struct MsTopK<Eigen::GpuDevice, Eigen::bfloat16, int32_t>;
-template struct MsTopK<Eigen::GpuDevice, Eigen::bfloat16, int64_t>;
+#define HVDX_INSTANTIATE(T)                       \
+  template struct MsTopK<GpuDevice, T, int32_t>; \
+  template struct MsTopK<GpuDevice, T, int64_t>;
+HVDX_KERNEL_TYPES(HVDX_INSTANTIATE)
+#undef HVDX_INSTANTIATE
 
 }  // namespace functor
 }  // namespace hvdx

@@ -7,7 +7,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "tensorflow/core/platform/status.h"
+#include "kernels/device.h"
+#include "kernels/status.h"
 
 #if defined(__CUDACC__)
 #define HVDX_HOST_DEVICE __host__ __device__
@@ -119,8 +120,8 @@ namespace functor {
 template <typename Device, typename T, typename Tidx>
 struct MsTopK {
   static int64_t ScratchBytes(int64_t d);
-  ::tensorflow::Status operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
-                                  uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
+  Status operator()(const Device& dev, const T* x, int64_t d, int64_t k, int num_samplings,
+                    uint64_t random, T* values, Tidx* indices, double* thresholds, void* scratch);
 };
 
 }  // namespace functor

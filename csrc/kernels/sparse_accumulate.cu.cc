@@ -14,7 +14,6 @@
 
 #include "kernels/gpu_launch.h"
 #include "kernels/sparse_accumulate.h"
-#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace hvdx {
 namespace functor {
@@ -61,18 +60,18 @@ int64_t SortBytes(int64_t nnz) {
 }  // namespace
 
 template <typename T, typename Tidx, typename Tout>
-struct SparseAccumulate<Eigen::GpuDevice, T, Tidx, Tout> {
+struct SparseAccumulate<GpuDevice, T, Tidx, Tout> {
   // sorted keys, positions (in, sorted), cub's temporary storage
   static int64_t WorkspaceBytes(int64_t nnz, int64_t) {
     if (nnz == 0) return 0;
     return Align(nnz * sizeof(Tidx)) + 2 * Align(nnz * sizeof(int64_t)) + Align(SortBytes<Tidx>(nnz));
   }
 
-  ::tensorflow::Status operator()(const Eigen::GpuDevice& d, const T* values, const Tidx* indices, int64_t nnz,
-                                  const Tout* dense, Tout* out, int64_t size, void* workspace) {
-    if (size == 0) return ::tensorflow::OkStatus();
+  Status operator()(const GpuDevice& d, const T* values, const Tidx* indices, int64_t nnz,
+                    const Tout* dense, Tout* out, int64_t size, void* workspace) {
+    if (size == 0) return OkStatus();
     if (nnz > INT32_MAX)
-      return ::tensorflow::errors::InvalidArgument("sparse_accumulate on the GPU takes at most 2^31 - 1 entries, got ", nnz);
+      return errors::InvalidArgument("sparse_accumulate on the GPU takes at most 2^31 - 1 entries, got ", nnz);
     cudaStream_t stream = d.stream();
     if (dense == nullptr) {
       HVDX_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(out, 0, size * sizeof(Tout), stream), "cudaMemsetAsync");
@@ -80,7 +79,7 @@ struct SparseAccumulate<Eigen::GpuDevice, T, Tidx, Tout> {
       HVDX_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(out, dense, size * sizeof(Tout), cudaMemcpyDeviceToDevice, stream),
                                 "cudaMemcpyAsync");
     }
-    if (nnz == 0) return ::tensorflow::OkStatus();
+    if (nnz == 0) return OkStatus();
     char* bytes = static_cast<char*>(workspace);
     Tidx* keys = reinterpret_cast<Tidx*>(bytes);
     bytes += Align(nnz * sizeof(Tidx));
@@ -89,7 +88,7 @@ struct SparseAccumulate<Eigen::GpuDevice, T, Tidx, Tout> {
     int64_t* order = reinterpret_cast<int64_t*>(bytes);
     bytes += Align(nnz * sizeof(int64_t));
     size_t sort_bytes = static_cast<size_t>(SortBytes<Tidx>(nnz));
-    TF_RETURN_IF_ERROR(Launch("Iota", Iota, Blocks(nnz), kThreads, 0, stream, positions, nnz));
+    HVDX_RETURN_IF_ERROR(Launch("Iota", Iota, Blocks(nnz), kThreads, 0, stream, positions, nnz));
     // Radix sort is stable: equal indices keep ascending positions.
     HVDX_CUDA_RETURN_IF_ERROR(
         cub::DeviceRadixSort::SortPairs(bytes, sort_bytes, indices, keys, positions, order, static_cast<int>(nnz), 0,
@@ -100,16 +99,13 @@ struct SparseAccumulate<Eigen::GpuDevice, T, Tidx, Tout> {
   }
 };
 
-#define HVDX_INSTANTIATE_OUT(T, TIDX)                                   \
-  template struct SparseAccumulate<Eigen::GpuDevice, T, TIDX, float>;       \
-  template struct SparseAccumulate<Eigen::GpuDevice, T, TIDX, Eigen::half>; \
-  template struct SparseAccumulate<Eigen::GpuDevice, T, TIDX, Eigen::bfloat16>;
-#define HVDX_INSTANTIATE_IDX(T)      \
-  HVDX_INSTANTIATE_OUT(T, int32_t) \
-  HVDX_INSTANTIATE_OUT(T, int64_t)
-HVDX_INSTANTIATE_IDX(float)
-HVDX_INSTANTIATE_IDX(Eigen::half)
-HVDX_INSTANTIATE_IDX(Eigen::bfloat16)
+#define HVDX_INSTANTIATE(Tout, T, Tidx) template struct SparseAccumulate<GpuDevice, T, Tidx, Tout>;
+#define HVDX_INSTANTIATE_IDX(T)                             \
+  HVDX_KERNEL_TYPES_WITH(HVDX_INSTANTIATE, T, int32_t) \
+  HVDX_KERNEL_TYPES_WITH(HVDX_INSTANTIATE, T, int64_t)
+HVDX_KERNEL_TYPES(HVDX_INSTANTIATE_IDX)
+#undef HVDX_INSTANTIATE_IDX
+#undef HVDX_INSTANTIATE
 
 }  // namespace functor
 }  // namespace hvdx

@@ -5,7 +5,8 @@
 
 #include <cstdint>
 
-#include "tensorflow/core/platform/status.h"
+#include "kernels/device.h"
+#include "kernels/status.h"
 
 namespace hvdx {
 namespace functor {
@@ -22,8 +23,8 @@ namespace functor {
 template <typename Device, typename T, typename Tidx, typename Tout>
 struct SparseAccumulate {
   static int64_t WorkspaceBytes(int64_t nnz, int64_t size);
-  ::tensorflow::Status operator()(const Device& d, const T* values, const Tidx* indices, int64_t nnz,
-                                  const Tout* dense, Tout* out, int64_t size, void* workspace);
+  Status operator()(const Device& d, const T* values, const Tidx* indices, int64_t nnz,
+                    const Tout* dense, Tout* out, int64_t size, void* workspace);
 };
 
 }  // namespace functor

@@ -1,0 +1,80 @@
+// The status the kernels return, in both builds of the same sources:
+//   - the TensorFlow op library (the default): hvdx::Status *is* tensorflow::Status, and
+//     hvdx::errors the tensorflow::errors factories, so the ops report exactly what they
+//     reported before;
+//   - the TensorFlow-free harness (csrc/harness, HVDX_WITHOUT_TENSORFLOW defined): a small
+//     standalone Status with the same codes (InvalidArgument = 3, Internal = 13) and the
+//     message concatenated from the same arguments.
+// Kernel code uses only: hvdx::Status, hvdx::OkStatus(), hvdx::errors::InvalidArgument /
+// Internal(args...), status.ok(), and HVDX_RETURN_IF_ERROR(expr).
+#ifndef HVDX_KERNELS_STATUS_H_
+#define HVDX_KERNELS_STATUS_H_
+
+#if defined(HVDX_WITHOUT_TENSORFLOW)
+
+#include <sstream>
+#include <string>
+#include <utility>
+
+namespace hvdx {
+
+// The subset of absl's status codes the kernels raise (the numbers are absl's).
+enum class Code : int { kOk = 0, kInvalidArgument = 3, kInternal = 13 };
+
+class Status {
+ public:
+  Status() = default;
+  Status(Code code, std::string message) : code_(code), message_(std::move(message)) {}
+  bool ok() const { return code_ == Code::kOk; }
+  Code code() const { return code_; }
+  const std::string& message() const { return message_; }
+
+ private:
+  Code code_ = Code::kOk;
+  std::string message_;
+};
+
+inline Status OkStatus() { return Status(); }
+
+namespace errors {
+
+// args... written one after another with operator<< (integers in decimal, as StrCat).
+template <typename... Args>
+std::string StrCat(const Args&... args) {
+  std::ostringstream out;
+  (out << ... << args);
+  return out.str();
+}
+template <typename... Args>
+Status InvalidArgument(const Args&... args) {
+  return Status(Code::kInvalidArgument, StrCat(args...));
+}
+template <typename... Args>
+Status Internal(const Args&... args) {
+  return Status(Code::kInternal, StrCat(args...));
+}
+
+}  // namespace errors
+}  // namespace hvdx
+
+#define HVDX_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    ::hvdx::Status _hvdx_status = (expr);        \
+    if (!_hvdx_status.ok()) return _hvdx_status; \
+  } while (0)
+
+#else  // the TensorFlow op library
+
+#include "tensorflow/core/platform/errors.h"
+#include "tensorflow/core/platform/status.h"
+
+namespace hvdx {
+using Status = ::tensorflow::Status;
+using ::tensorflow::OkStatus;
+namespace errors = ::tensorflow::errors;
+}  // namespace hvdx
+
+#define HVDX_RETURN_IF_ERROR(expr) TF_RETURN_IF_ERROR(expr)
+
+#endif  // HVDX_WITHOUT_TENSORFLOW
+#endif  // HVDX_KERNELS_STATUS_H_
