@@ -1,0 +1,1 @@
+"""Shared-memory asynchronous SGD (filled in by the following modules)."""
