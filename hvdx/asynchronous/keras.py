@@ -24,8 +24,9 @@ __all__ = ["SharedModelCallback"]
 class SharedModelCallback(tf.keras.callbacks.Callback):
     """Runs `method` during `fit` (module docstring).
 
-    At every epoch's end the model's variables hold its node's shared model (as of this
-    rank's last step), so callbacks placed after this one (ModelCheckpoint) save the shared
+    Each step reads the node's shared model at its start (AsyncMiniBatch: takes it from its
+    last update's read-back). At every epoch's end the model's variables hold its node's
+    shared model, so callbacks placed after this one (ModelCheckpoint) save the shared
     model; at the end of `fit` every rank holds the final model (identical on every rank:
     `finish()`). `stats` holds this rank's record (steps, staleness) after `fit`.
     Every rank must run the same number of epochs (equal shards).
@@ -49,13 +50,14 @@ class SharedModelCallback(tf.keras.callbacks.Callback):
     def _train_step(self, data):
         model, method = self.model, self.method
         x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        method.step_begin_ops()              # read the shared model now: the freshest x
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             loss = model.compute_loss(x, y, y_pred, sample_weight)
         own = method.variables_to_train()
         grads = tape.gradient(loss, own)     # PASSM: restricted backpropagation
         model.optimizer.apply_gradients(zip(grads, own))
-        method.push_ops()
+        method.push_ops(read_after=False)
         return model.compute_metrics(x, y, y_pred, sample_weight)
 
     def on_epoch_begin(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
@@ -64,6 +66,9 @@ class SharedModelCallback(tf.keras.callbacks.Callback):
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self.method.after_step()
+
+    def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
+        self.method.pull()                   # callbacks after this one (checkpoints) see the shared model
 
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
         model = self.model

@@ -183,7 +183,7 @@ class SharedModelMethod:
         topo = self.topology
         hvdx.barrier(topo.local_set)
         if topo.num_nodes > 1 and topo.local_rank == 0:
-            self._average(hvd)
+            self._average(hvd, final=True)
         hvdx.barrier(topo.local_set)
         self.pull()
         shared, self.shared = self.shared, None
@@ -218,10 +218,11 @@ class SharedModelMethod:
         values, version = ops.shared_read(self._address, self.modes()[0])
         self._assign(values, version)
 
-    def push_ops(self) -> None:
+    def push_ops(self, read_after: bool = True) -> None:
         """Graph-compatible: adds (own variables - what they were read as) to the shared model
-        in `update_mode`, records the staleness, then reads the model again (from the
-        update's read-back when the mode has one)."""
+        in `update_mode`, records the staleness, then reads the model again: from the
+        update's read-back when the mode has one (always), else with `read_after` (a step
+        that starts with `pull_ops` passes False)."""
         read_mode, update_mode, read_back = self.modes()
         first, last, begin, end = self.own_range()
         local = tf.concat([tf.reshape(v, [-1]) for v in self.variables[first:last]], 0)
@@ -230,9 +231,15 @@ class SharedModelMethod:
         self.staleness.record(before - self._version)
         if read_back:
             self._assign(back, before + 1)
-        else:
+        elif read_after:
             values, version = ops.shared_read(self._address, read_mode)
             self._assign(values, version)
+
+    def step_begin_ops(self) -> None:
+        """Graph-compatible, at the start of a step: reads the shared model unless the last
+        update read it back under its lock (gimpel2010: theta' <- theta inside the lock)."""
+        if not self.modes()[2]:
+            self.pull_ops()
 
     def _assign(self, values: tf.Tensor, version: tf.Tensor) -> None:
         self._pulled.assign(values)
@@ -281,11 +288,16 @@ class SharedModelMethod:
         if topo.num_nodes > 1 and topo.local_rank == 0 and self.steps % self.average_every == 0:
             self._average(_horovod())
 
-    def _average(self, hvd) -> None:
+    def _average(self, hvd, final: bool = False) -> None:
         values, _ = ops.shared_read(self._address, "none")
         mean = hvd.allreduce(values, op=hvd.Average, process_set=self.topology.cross_set,
                              name=f"{self.name}.average")
-        ops.shared_update(self._address, mean - values, 0, "atomic")
+        if final:
+            # the node's processes wait at a barrier: the mean is written as it is, so that every
+            # node ends with the same bits (x + (mean - x) may round differently on each node)
+            self.shared.params[:] = mean.numpy()
+        else:
+            ops.shared_update(self._address, mean - values, 0, "atomic")
         self.averagings += 1
 
     def _live(self) -> None:
