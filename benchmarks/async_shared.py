@@ -306,11 +306,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--width", type=int, default=256, help="the MLP's hidden width")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers (PASSM needs layers >= processes - 1)")
     parser.add_argument("--batch", type=int, default=16, help="per-process batch size")
-    parser.add_argument("--lr", type=float, default=0.02)
+    parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--eval-every", type=int, default=10, help="rank 0's steps between model copies")
-    parser.add_argument("--target", type=float, default=0.95, help="test accuracy the time is measured to")
+    parser.add_argument("--target", type=float, default=0.94,
+                        help="test accuracy the time is measured to (PASSM alone ends near 0.96 on this task)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="1x2, tiny: checks the script runs")
@@ -318,8 +319,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     raw = list(sys.argv[1:] if argv is None else argv)
     if args.smoke and not args.worker_json:
-        args.topologies, args.width, args.epochs, args.rounds, args.target, args.eval_every = "1x2", 32, 2, 1, 0.5, 5
-        raw += ["--topologies", "1x2", "--width", "32", "--epochs", "2", "--rounds", "1", "--target", "0.5",
+        args.topologies, args.width, args.epochs, args.rounds, args.target, args.eval_every = "1x2", 32, 2, 1, 0.3, 5
+        raw += ["--topologies", "1x2", "--width", "32", "--epochs", "2", "--rounds", "1", "--target", "0.3",
                 "--eval-every", "5"]
     if args.worker_json:
         run_ranks(args)

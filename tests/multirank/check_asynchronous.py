@@ -76,17 +76,23 @@ def equal_shard(topo, n):
 def check_convergence(topo, epochs=20, batch=16, lr=0.05, momentum=0.9):
     x_train, x_test, y_train, y_test = digits_split()
     shard = equal_shard(topo, len(x_train))
+    steps_per_epoch = len(x_train[shard]) // batch + (len(x_train[shard]) % batch > 0)
+    decay = 2 * epochs // 3   # the rate x0.1 at 2/3 of the epochs, every method (each rank counts its steps)
+
+    def sgd():
+        rate = tf.keras.optimizers.schedules.PiecewiseConstantDecay([decay * steps_per_epoch], [lr, lr * 0.1])
+        return tf.keras.optimizers.SGD(rate, momentum=momentum)
     results, stats = {}, {}
     methods = {"AsyncMiniBatch": lambda: AsyncMiniBatch(average_every=20),
                "ASSM": lambda: ASSM(average_every=20), "PASSM": lambda: PASSM(average_every=20),
-               "PASSM+": lambda: PASSMPlus(PASSMPlus.paper_schedule(epochs, decays=[epochs // 2]), average_every=20)}
+               "PASSM+": lambda: PASSMPlus(PASSMPlus.paper_schedule(epochs, decays=[decay]), average_every=20)}
     for label in ["sync"] + list(methods):
         model = make_model(depth=2)
         if label == "sync":
-            opt = hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(lr, momentum=momentum))
+            opt = hvd_keras.DistributedOptimizer(sgd())
             callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)]
         else:
-            opt = tf.keras.optimizers.SGD(lr, momentum=momentum)
+            opt = sgd()
             callback = SharedModelCallback(methods[label]())
             callbacks = [callback]
         model.compile(opt, LOSS, metrics=["accuracy"])
@@ -136,5 +142,24 @@ def check_checkpoint(topo, epochs=2):
             "train_step_restored": "train_step" not in vars(model)}
 
 
-CHECKS = {"no_lost_update": check_no_lost_update, "convergence": check_convergence, "partition": check_partition,
+# -- staleness: an artificial delay between read and update (gimpel2010 sec. 6.1) ---------------------
+def check_staleness(topo, steps=30):
+    import time
+    model = make_model(width=16)
+    opt = tf.keras.optimizers.SGD(0.01)
+    method = ASSM().start(model, opt)
+    x, _, y, _ = digits_split()
+    slow = topo.local_rank == topo.local_size - 1
+    for s in range(steps):
+        xb, yb = x[s * 8:(s + 1) * 8], y[s * 8:(s + 1) * 8]
+        # the variables hold the model as read after this process's last update
+        time.sleep(0.05 if slow else 0.002)        # the other processes of the node update meanwhile
+        with tf.GradientTape() as tape:
+            loss = LOSS(yb, model(xb, training=True))
+        method.apply_gradients(tape.gradient(loss, method.variables_to_train()))
+    method.finish()
+    return {"slow": slow, "staleness": method.stats()["staleness"], "steps": method.steps}
+
+
+CHECKS = {"staleness": check_staleness, "no_lost_update": check_no_lost_update, "convergence": check_convergence, "partition": check_partition,
           "checkpoint": check_checkpoint}
