@@ -307,7 +307,10 @@ def test_digits_asynchronous_methods_match_synchronous_sgd_at_equal_epochs(ranks
             assert d["accuracy"][f"{label}_spread"] == 0.0, (rank, label)   # one final model everywhere
     for rank, d in ranks.items():   # every update is counted once, with its staleness
         for label in ("AsyncMiniBatch", "ASSM", "PASSM", "PASSM+"):
-            assert d["stats"][label]["staleness"]["updates"] == d["stats"][label]["steps"], (rank, label)
+            stats = d["stats"][label]
+            assert stats["staleness"]["updates"] == stats["steps"], (rank, label)
+            # each node's first process (ranks 0 and 2) averages every 20 steps and once in finish()
+            assert stats["averagings"] == (stats["steps"] // 20 + 1 if rank in (0, 2) else 0), (rank, label, stats)
 
 
 @suite.runs(suite.check("asynchronous.staleness", "2x2"))
