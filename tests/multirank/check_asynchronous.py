@@ -142,24 +142,34 @@ def check_checkpoint(topo, epochs=2):
             "train_step_restored": "train_step" not in vars(model)}
 
 
-# -- staleness: an artificial delay between read and update (gimpel2010 sec. 6.1) ---------------------
-def check_staleness(topo, steps=30):
-    import time
+# -- staleness: updates of others between a read and an update (gimpel2010 eq. 5) -------------------
+def check_staleness(topo, rounds=10):
+    """The node's two processes take turns (node-local barriers between turns): in round r the
+    fast one (local rank 0) adds 2 updates, then the slow one (local rank 1), which read the
+    model before them, adds its own: staleness exactly 2 for each of the slow one's updates
+    (the delay of gimpel2010 sec. 6.1, made deterministic)."""
+    assert topo.local_size == 2, "a node of 2 processes"
     model = make_model(width=16)
-    opt = tf.keras.optimizers.SGD(0.01)
-    method = ASSM().start(model, opt)
+    method = ASSM(average_every=10 ** 9).start(model, tf.keras.optimizers.SGD(0.01))
     x, _, y, _ = digits_split()
-    slow = topo.local_rank == topo.local_size - 1
-    for s in range(steps):
-        xb, yb = x[s * 8:(s + 1) * 8], y[s * 8:(s + 1) * 8]
-        # the variables hold the model as read after this process's last update
-        time.sleep(0.05 if slow else 0.002)        # the other processes of the node update meanwhile
+
+    def step(s):
         with tf.GradientTape() as tape:
-            loss = LOSS(yb, model(xb, training=True))
-        method.apply_gradients(tape.gradient(loss, method.variables_to_train()))
+            loss = LOSS(y[s * 8:(s + 1) * 8], model(x[s * 8:(s + 1) * 8], training=True))
+        method.apply_gradients(tape.gradient(loss, method.variables_to_train()))   # then reads the model
+
+    for r in range(rounds):    # node-local barriers: each turn's update and read-back are over before the next
+        if topo.local_rank == 0:
+            step(2 * r)
+            step(2 * r + 1)
+        hvdx.barrier(topo.local_set)
+        if topo.local_rank == 1:
+            step(r)            # read at version 3r; the fast one made 2 updates since
+        hvdx.barrier(topo.local_set)
     method.finish()
-    return {"slow": slow, "staleness": method.stats()["staleness"], "steps": method.steps}
+    return {"slow": topo.local_rank == 1, "staleness": method.stats()["staleness"], "steps": method.steps,
+            "rounds": rounds}
 
 
-CHECKS = {"staleness": check_staleness, "no_lost_update": check_no_lost_update, "convergence": check_convergence, "partition": check_partition,
-          "checkpoint": check_checkpoint}
+CHECKS = {"no_lost_update": check_no_lost_update, "staleness": check_staleness, "partition": check_partition,
+          "checkpoint": check_checkpoint, "convergence": check_convergence}
