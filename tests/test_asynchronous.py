@@ -262,6 +262,75 @@ def test_methods_refuse_a_synchronous_optimizer_and_a_missing_init():
         ASSM(average_every=0)
 
 
+# -- one rank in this process: fit and a custom loop end to end ------------------------------------
+@pytest.fixture(scope="module")
+def one_rank():
+    import hvdx
+    return hvdx.init()
+
+
+class _SeesShared:
+    """Placed after SharedModelCallback: at each epoch's end, are the weights the shared model's?"""
+
+    def __new__(cls, callback):
+        import tensorflow as tf
+
+        class Probe(tf.keras.callbacks.Callback):
+            def __init__(self):
+                super().__init__()
+                self.equal = []
+
+            def on_epoch_end(self, epoch, logs=None):
+                flat = np.concatenate([np.ravel(w) for w in self.model.get_weights()])
+                self.equal.append(bool(np.array_equal(flat, callback.method.shared.params)))
+        return Probe()
+
+
+@pytest.mark.parametrize("name", ["AsyncMiniBatch", "ASSM", "PASSM", "PASSMPlus"])
+def test_fit_trains_the_shared_model_and_callbacks_after_it_see_it(one_rank, name):
+    import tensorflow as tf
+
+    from hvdx import asynchronous
+    model = _model((16,))
+    model.compile(tf.keras.optimizers.SGD(0.1, momentum=0.9),
+                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    method = asynchronous.PASSMPlus([0]) if name == "PASSMPlus" else getattr(asynchronous, name)()
+    callback = asynchronous.SharedModelCallback(method)
+    probe = _SeesShared(callback)
+    rng = np.random.default_rng(0)
+    x = rng.random((256, 64), np.float32)
+    y = (x[:, :10].argmax(1)).astype(np.int64)          # a learnable rule
+    history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, validation_data=(x, y),
+                        callbacks=[callback, probe])
+    assert probe.equal == [True, True, True]
+    assert history.history["loss"][-1] < history.history["loss"][0]
+    assert callback.stats["steps"] == 3 * 8 and callback.stats["staleness"]["updates"] == 24
+    assert "train_step" not in vars(model) and method.shared is None   # fit's own step back, segment unmapped
+
+
+def test_custom_loop_and_its_errors(one_rank):
+    import tensorflow as tf
+
+    from hvdx.asynchronous import ASSM
+    model = _model((16,))
+    method = ASSM()
+    with pytest.raises(RuntimeError, match="not started"):
+        method.pull()
+    method.start(model, tf.keras.optimizers.SGD(0.1))
+    x = np.ones((4, 64), np.float32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x))
+    with pytest.raises(ValueError, match="gradients for 4 variables"):
+        method.apply_gradients(tape.gradient(loss, method.variables_to_train())[:2])
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x))
+    method.apply_gradients(tape.gradient(loss, method.variables_to_train()))
+    flat = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables])
+    assert np.array_equal(flat, method.shared.params) and method.shared.updates == 1
+    method.finish()
+    assert method.stats()["staleness"]["updates"] == 1
+
+
 # -------------------------------------------------------------------- multirank (Horovod ranks)
 from tests import suite  # noqa: E402
 

@@ -70,6 +70,10 @@ class SharedModelCallback(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         self.method.pull()                   # callbacks after this one (checkpoints) see the shared model
 
+    def on_test_begin(self, logs: Optional[Dict[str, Any]] = None) -> None:
+        if self.method.shared is not None:   # fit's validation evaluates the shared model
+            self.method.pull()
+
     def on_train_end(self, logs: Optional[Dict[str, Any]] = None) -> None:
         model = self.model
         try:
