@@ -29,7 +29,7 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.asynchronous.partition import Unit, layer_units, partition
-from hvdx.asynchronous.shared import SharedModel
+from hvdx.asynchronous.shared import SharedModel, SharedModelError
 from hvdx.asynchronous.staleness import Staleness, merge
 
 __all__ = ["SharedModelMethod", "check_optimizer"]
@@ -64,7 +64,7 @@ def _horovod():
 
 class SharedModelMethod:
     """The common machinery (module docstring). Subclasses set the class attributes and may
-    override `own_groups` (which units this process updates in the current phase).
+    override `full_step` and `modes` (what a process updates, and how, in the current phase).
 
     Args:
       average_every: steps of the node's first process between two averagings of the nodes'
@@ -139,16 +139,24 @@ class SharedModelMethod:
         flat = np.concatenate([np.ravel(v.numpy()) for v in self.variables]).astype(np.float32)
         sizes = [u.size for u in self.units]
         root = topo.local_ranks[0]
+        shared, encoded, failure = None, np.zeros(_NAME_BYTES, np.uint8), None
         if topo.local_rank == 0:
-            shared = SharedModel.create(sizes, flat)
-            encoded = np.frombuffer(shared.name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8)
-        else:
-            shared, encoded = None, np.zeros(_NAME_BYTES, np.uint8)
+            try:
+                shared = SharedModel.create(sizes, flat)
+                encoded = np.frombuffer(shared.name.encode().ljust(_NAME_BYTES, b"\0"), np.uint8)
+            except Exception as exc:   # the others still get a (empty) name, and fail too
+                failure = exc
         try:
             got = hvd.broadcast(tf.constant(encoded), root_rank=root, process_set=topo.local_set,
                                 name=f"{self.name}.segment").numpy()
+            name = bytes(got).rstrip(b"\0").decode()
+            if failure is not None:
+                raise failure
+            if not name:
+                raise SharedModelError(f"rank {root}, this node's first rank, could not create the node's shared "
+                                       f"model (its error says why)")
             if shared is None:
-                shared = SharedModel.attach(bytes(got).rstrip(b"\0").decode(), timeout=self.timeout)
+                shared = SharedModel.attach(name, timeout=self.timeout)
             else:
                 shared.wait_attached(topo.local_size, timeout=self.timeout)
         finally:
