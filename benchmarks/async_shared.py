@@ -306,7 +306,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--width", type=int, default=256, help="the MLP's hidden width")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers (PASSM needs layers >= processes - 1)")
     parser.add_argument("--batch", type=int, default=16, help="per-process batch size")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.02)
     parser.add_argument("--momentum", type=float, default=0.9)
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--eval-every", type=int, default=10, help="rank 0's steps between model copies")
