@@ -17,7 +17,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["build_info", "gpu_problems", "library_path", "load_library", "mstopk", "sparse_accumulate"]
+__all__ = ["build_info", "gpu_problems", "library_path", "load_library", "mstopk", "shared_read", "shared_update",
+           "sparse_accumulate"]
 
 _MARKER = b"hvdx-build-info:"
 _LIBRARY_ENV = "HVDX_OPS_LIBRARY"  # overrides where the library is looked for
@@ -275,3 +276,34 @@ def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, 
                 and int(static_size) != out.shape[0]:
             raise ValueError(f"sparse_accumulate: size={int(static_size)} but out has {out.shape[0]} elements")
     return _sparse_accumulate(values, indices, out, name=name)
+
+
+# -- the shared model (hvdx.asynchronous; csrc/kernels/shared_model.cc) ---------------------------
+_SHARED_READ_MODES = ("none", "block", "whole")
+_SHARED_UPDATE_MODES = ("atomic", "block", "whole")
+
+
+def shared_read(address: TensorLike, mode: str = "none", name: Optional[str] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(values, version): a copy of the shared model at `address` (SharedModel.address) and
+    the number of updates applied to it before the copy began. `mode`: "none" (no lock: the
+    inconsistent read of kungurtsev2021 sec. 2), "block" (each block under its lock) or
+    "whole" (under the lock on the whole vector). Runs on the CPU."""
+    if mode not in _SHARED_READ_MODES:
+        raise ValueError(f"shared_read mode must be one of {_SHARED_READ_MODES}, got {mode!r}")
+    with tf.device("/CPU:0"):
+        return _ops.hvdx_shared_read(address=tf.cast(address, tf.int64), mode=mode, name=name)
+
+
+def shared_update(address: TensorLike, delta: TensorLike, offset: TensorLike = 0, mode: str = "atomic",
+                  read_back: bool = False, name: Optional[str] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+    """shared[offset:offset + len(delta)] += delta with word-sized atomic fetch-and-add;
+    `mode` "block" also holds each touched block's lock (ASSM), "whole" the lock on the whole
+    vector (gimpel2010 Algorithm 1). Returns (version before this update, the whole model
+    right after it when `read_back`, else an empty vector). Runs on the CPU (a GPU tensor is
+    copied through the host)."""
+    if mode not in _SHARED_UPDATE_MODES:
+        raise ValueError(f"shared_update mode must be one of {_SHARED_UPDATE_MODES}, got {mode!r}")
+    with tf.device("/CPU:0"):
+        return _ops.hvdx_shared_update(address=tf.cast(address, tf.int64), delta=tf.cast(delta, tf.float32),
+                                       offset=tf.cast(offset, tf.int64), mode=mode, read_back=read_back,
+                                       name=name)

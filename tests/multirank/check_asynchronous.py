@@ -1,0 +1,175 @@
+"""hvdx.asynchronous on every rank of an m x n Horovod job: one shared model per node
+(gimpel2010 Algorithm 1; kungurtsev2021's ASSM, PASSM, PASSM+), claim by claim. Run by
+tests/test_asynchronous.py through the suite (tests/multirank/suite.py): `CHECKS` below,
+each returning what the test asserts on. Every check ends in a collective (`finish()` or a
+barrier); every rank issues the same collectives in the same order.
+"""
+import os
+import tempfile
+
+import horovod.tensorflow as hvd
+import horovod.tensorflow.keras as hvd_keras
+import numpy as np
+import tensorflow as tf
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+
+import hvdx
+from hvdx import ops
+from hvdx.asynchronous import ASSM, PASSM, AsyncMiniBatch, PASSMPlus, SharedModelCallback
+
+LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def spread(values, tag):
+    """Largest difference between ranks of the concatenated values (0.0: bitwise identical)."""
+    flat = tf.constant(np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]))
+    low = hvd.allreduce(flat, op=hvd.Min, name=f"asynchronous.min.{tag}").numpy()
+    high = hvd.allreduce(flat, op=hvd.Max, name=f"asynchronous.max.{tag}").numpy()
+    return float(np.max(high - low))
+
+
+def digits_split():
+    data = load_digits()
+    x = (data.data / 16.0).astype(np.float32)
+    return train_test_split(x, data.target, test_size=0.25, random_state=0, stratify=data.target)
+
+
+def make_model(seed=0, width=64, depth=1):
+    tf.keras.utils.set_random_seed(seed)
+    layers = [tf.keras.layers.Input((64,))]
+    layers += [tf.keras.layers.Dense(width, activation="relu") for _ in range(depth)]
+    return tf.keras.Sequential(layers + [tf.keras.layers.Dense(10)])
+
+
+# -- no lost update: the node's processes add known increments concurrently --------------------------
+def check_no_lost_update(topo, rounds=100):
+    model = make_model(width=256, depth=3)          # ~150k elements, 4 blocks (layers) of different sizes
+    method = ASSM().start(model)
+    n = method.shared.size
+    unlinked = not method.shared.path.exists()
+    increments = {}
+    for mode in ("atomic", "block", "whole"):
+        delta = tf.fill([n], float(topo.local_rank + 1))
+        if topo.local_rank == 0:
+            method.shared.params[:] = 0.0            # integers from here on: every sum is exact in float32
+        hvdx.barrier()                               # the node's processes start together
+        for _ in range(rounds):
+            ops.shared_update(method._address, delta, 0, mode)
+        hvdx.barrier()                               # every process of every node is done
+        after = ops.shared_read(method._address)[0].numpy()
+        expected = rounds * sum(range(1, topo.local_size + 1))
+        increments[mode] = float(np.max(np.abs(after - expected)))
+        hvdx.barrier()                               # nobody starts the next mode before all read
+    version = method.shared.updates
+    method.close()
+    hvdx.barrier()
+    return {"error": increments, "version": version, "unlinked_after_start": unlinked,
+            "expected_version": 3 * rounds * topo.local_size}
+
+
+# -- convergence on the digits at equal epochs -------------------------------------------------------
+def equal_shard(topo, n):
+    return slice(topo.rank, n - n % topo.size, topo.size)
+
+
+def check_convergence(topo, epochs=20, batch=16, lr=0.05, momentum=0.9):
+    x_train, x_test, y_train, y_test = digits_split()
+    shard = equal_shard(topo, len(x_train))
+    steps_per_epoch = len(x_train[shard]) // batch + (len(x_train[shard]) % batch > 0)
+    decay = 2 * epochs // 3   # the rate x0.1 at 2/3 of the epochs, every method (each rank counts its steps)
+
+    def sgd():
+        rate = tf.keras.optimizers.schedules.PiecewiseConstantDecay([decay * steps_per_epoch], [lr, lr * 0.1])
+        return tf.keras.optimizers.SGD(rate, momentum=momentum)
+    results, stats = {}, {}
+    methods = {"AsyncMiniBatch": lambda: AsyncMiniBatch(average_every=20),
+               "ASSM": lambda: ASSM(average_every=20), "PASSM": lambda: PASSM(average_every=20),
+               "PASSM+": lambda: PASSMPlus(PASSMPlus.paper_schedule(epochs, decays=[decay]), average_every=20)}
+    for label in ["sync"] + list(methods):
+        model = make_model(depth=2)
+        if label == "sync":
+            opt = hvd_keras.DistributedOptimizer(sgd())
+            callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)]
+        else:
+            opt = sgd()
+            callback = SharedModelCallback(methods[label]())
+            callbacks = [callback]
+        model.compile(opt, LOSS, metrics=["accuracy"])
+        tf.keras.utils.set_random_seed(1 + topo.rank)
+        model.fit(x_train[shard], y_train[shard], batch_size=batch, epochs=epochs, verbose=0, callbacks=callbacks)
+        results[label] = float(model.evaluate(x_test, y_test, verbose=0)[1])
+        results[f"{label}_spread"] = spread(model.get_weights(), label)
+        if label != "sync":
+            stats[label] = callback.stats
+    return {"accuracy": results, "stats": stats}
+
+
+# -- PASSM's blocks on the node, restricted backprop, checkpoints -------------------------------------
+def check_partition(topo):
+    model = make_model(width=32, depth=3)
+    method = PASSM().start(model, tf.keras.optimizers.SGD(0.1))
+    own = method.own_range()
+    names = [v.name for v in method.variables_to_train()]
+    total = method.shared.size
+    x, y = digits_split()[0][:32], digits_split()[2][:32]
+    with tf.GradientTape(persistent=True) as tape:
+        loss = LOSS(y, model(x, training=True))
+    restricted = tape.gradient(loss, method.variables_to_train())
+    full = tape.gradient(loss, model.trainable_variables)[own[0]:own[1]]
+    equal = all(np.array_equal(a.numpy(), b.numpy()) for a, b in zip(restricted, full))
+    method.apply_gradients(restricted)
+    method.finish()
+    return {"own": [int(own[2]), int(own[3])], "total": int(total), "names": names, "restricted_equals_full": equal,
+            "steps": method.steps}
+
+
+def check_checkpoint(topo, epochs=2):
+    x_train, x_test, y_train, y_test = digits_split()
+    shard = equal_shard(topo, len(x_train))
+    model = make_model()
+    model.compile(tf.keras.optimizers.SGD(0.05, momentum=0.9), LOSS)
+    callback = SharedModelCallback(ASSM(average_every=10))
+    with tempfile.TemporaryDirectory() as directory:
+        path = os.path.join(directory, "final.weights.h5")
+        model.fit(x_train[shard], y_train[shard], batch_size=16, epochs=epochs, verbose=0, callbacks=[callback])
+        model.save_weights(path)
+        restored = make_model(seed=5)
+        restored.load_weights(path)
+    same = all(np.array_equal(a, b) for a, b in zip(model.get_weights(), restored.get_weights()))
+    return {"final_spread": spread(model.get_weights(), "final"), "restored_equal": same,
+            "segments_left": sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"hvdx-async-{os.getpid()}-")),
+            "train_step_restored": "train_step" not in vars(model)}
+
+
+# -- staleness: updates of others between a read and an update (gimpel2010 eq. 5) -------------------
+def check_staleness(topo, rounds=10):
+    """The node's two processes take turns (node-local barriers between turns): in round r the
+    fast one (local rank 0) adds 2 updates, then the slow one (local rank 1), which read the
+    model before them, adds its own: staleness exactly 2 for each of the slow one's updates
+    (the delay of gimpel2010 sec. 6.1, made deterministic)."""
+    assert topo.local_size == 2, "a node of 2 processes"
+    model = make_model(width=16)
+    method = ASSM(average_every=10 ** 9).start(model, tf.keras.optimizers.SGD(0.01))
+    x, _, y, _ = digits_split()
+
+    def step(s):
+        with tf.GradientTape() as tape:
+            loss = LOSS(y[s * 8:(s + 1) * 8], model(x[s * 8:(s + 1) * 8], training=True))
+        method.apply_gradients(tape.gradient(loss, method.variables_to_train()))   # then reads the model
+
+    for r in range(rounds):    # node-local barriers: each turn's update and read-back are over before the next
+        if topo.local_rank == 0:
+            step(2 * r)
+            step(2 * r + 1)
+        hvdx.barrier(topo.local_set)
+        if topo.local_rank == 1:
+            step(r)            # read at version 3r; the fast one made 2 updates since
+        hvdx.barrier(topo.local_set)
+    method.finish()
+    return {"slow": topo.local_rank == 1, "staleness": method.stats()["staleness"], "steps": method.steps,
+            "rounds": rounds}
+
+
+CHECKS = {"no_lost_update": check_no_lost_update, "staleness": check_staleness, "partition": check_partition,
+          "checkpoint": check_checkpoint, "convergence": check_convergence}
