@@ -1,7 +1,9 @@
 // CPU kernels of the shared model ops (csrc/ops/shared_model_ops.cc): reading one node's
 // shared float32 model into a tensor and adding an update to it, lock-free by word-sized
 // atomic fetch-and-add or under per-block / whole-vector locks (kungurtsev2021 sec. 2 and
-// Algorithm 1; gimpel2010 Algorithm 1). The layout is in shared_model.h.
+// Algorithm 1; gimpel2010 Algorithm 1). The layout is in shared_model.h. (The OpKernels are
+// csrc/ops/shared_model_kernel.cc; this file builds without TensorFlow too, for the harness
+// in csrc/harness.)
 #define EIGEN_USE_THREADS
 
 #include "kernels/shared_model.h"
@@ -16,15 +18,13 @@
 #include <string>
 #include <vector>
 
-#include "tensorflow/core/framework/op_kernel.h"
-#include "tensorflow/core/framework/tensor.h"
-#include "unsupported/Eigen/CXX11/Tensor"
+#include "kernels/device.h"
+#include "kernels/status.h"
 
 namespace hvdx {
 namespace shared {
 
-using CPUDevice = Eigen::ThreadPoolDevice;
-namespace errors = ::tensorflow::errors;
+using CPUDevice = ::hvdx::CpuDevice;
 
 namespace {
 
@@ -73,15 +73,15 @@ template <typename Fn>
 void ParallelChunks(const CPUDevice& d, int64_t n, double bytes_per_element, Fn fn) {
   const int64_t chunks = (n + kChunk - 1) / kChunk;
   if (chunks == 0) return;
-  const Eigen::TensorOpCost cost(kChunk * bytes_per_element, kChunk * 4.0, kChunk * 2.0);
-  d.parallelFor(chunks, cost, [&](Eigen::Index first, Eigen::Index last) {
-    for (Eigen::Index c = first; c < last; ++c) fn(c * kChunk, std::min<int64_t>(n, (c + 1) * kChunk));
+  const OpCost cost(kChunk * bytes_per_element, kChunk * 4.0, kChunk * 2.0);
+  d.parallelFor(chunks, cost, [&](Index first, Index last) {
+    for (Index c = first; c < last; ++c) fn(c * kChunk, std::min<int64_t>(n, (c + 1) * kChunk));
   });
 }
 
 }  // namespace
 
-::tensorflow::Status Open(uint64_t address, View* view) {
+Status Open(uint64_t address, View* view) {
   if (address == 0) return errors::InvalidArgument("shared model address is null: attach the segment first");
   Header* header = reinterpret_cast<Header*>(address);
   if (std::memcmp(header->magic, kMagic, sizeof(kMagic)) != 0) {
@@ -100,7 +100,7 @@ void ParallelChunks(const CPUDevice& d, int64_t n, double bytes_per_element, Fn 
   if (view->block_begin[0] != 0 || view->block_begin[header->num_blocks] != header->size) {
     return errors::InvalidArgument("shared model segment's blocks do not cover its ", header->size, " elements");
   }
-  return ::tensorflow::OkStatus();
+  return OkStatus();
 }
 
 void Lock(int32_t* word) {
@@ -130,10 +130,10 @@ uint64_t Read<CPUDevice>::operator()(const CPUDevice& d, const View& view, Mode 
   auto copy = [&](int64_t lo, int64_t hi) { std::memcpy(out + lo, params + lo, (hi - lo) * sizeof(float)); };
   if (mode == Mode::kBlock) {
     const int64_t nb = view.header->num_blocks;
-    const Eigen::TensorOpCost cost(static_cast<double>(n) / std::max<int64_t>(nb, 1) * 4, 
+    const OpCost cost(static_cast<double>(n) / std::max<int64_t>(nb, 1) * 4, 
                                    static_cast<double>(n) / std::max<int64_t>(nb, 1) * 4, 100);
-    d.parallelFor(nb, cost, [&](Eigen::Index first, Eigen::Index last) {
-      for (Eigen::Index b = first; b < last; ++b) {
+    d.parallelFor(nb, cost, [&](Index first, Index last) {
+      for (Index b = first; b < last; ++b) {
         Lock(&view.blocks[b].lock);
         copy(view.block_begin[b], view.block_begin[b + 1]);
         Unlock(&view.blocks[b].lock);
@@ -155,10 +155,10 @@ uint64_t Update<CPUDevice>::operator()(const CPUDevice& d, const View& view, Mod
   BlockRange(view, offset, offset + m, &first, &last);
   if (mode == Mode::kBlock) {
     // Each touched block is written under its own lock, by one thread; blocks in parallel.
-    const Eigen::TensorOpCost cost(static_cast<double>(m) / std::max<int64_t>(last - first, 1) * 8,
+    const OpCost cost(static_cast<double>(m) / std::max<int64_t>(last - first, 1) * 8,
                                    static_cast<double>(m) / std::max<int64_t>(last - first, 1) * 4, 100);
-    d.parallelFor(last - first, cost, [&](Eigen::Index lo_block, Eigen::Index hi_block) {
-      for (Eigen::Index b = first + lo_block; b < first + hi_block; ++b) {
+    d.parallelFor(last - first, cost, [&](Index lo_block, Index hi_block) {
+      for (Index b = first + lo_block; b < first + hi_block; ++b) {
         const uint64_t lo = std::max<uint64_t>(view.block_begin[b], offset);
         const uint64_t hi = std::min<uint64_t>(view.block_begin[b + 1], offset + m);
         Lock(&view.blocks[b].lock);
@@ -184,105 +184,4 @@ uint64_t Update<CPUDevice>::operator()(const CPUDevice& d, const View& view, Mod
 }
 
 }  // namespace shared
-
-namespace {
-
-using ::tensorflow::OpKernel;
-using ::tensorflow::OpKernelConstruction;
-using ::tensorflow::OpKernelContext;
-using ::tensorflow::Tensor;
-using ::tensorflow::TensorShape;
-using ::tensorflow::TensorShapeUtils;
-namespace errors = ::tensorflow::errors;
-using CPUDevice = Eigen::ThreadPoolDevice;
-
-::tensorflow::Status ParseMode(const std::string& name, bool allow_none, shared::Mode* mode) {
-  if (name == "atomic") *mode = shared::Mode::kAtomic;
-  else if (name == "block") *mode = shared::Mode::kBlock;
-  else if (name == "whole") *mode = shared::Mode::kWhole;
-  else if (name == "none" && allow_none) *mode = shared::Mode::kNone;
-  else return errors::InvalidArgument("unknown shared model mode '", name, "'");
-  return ::tensorflow::OkStatus();
-}
-
-::tensorflow::Status OpenInput(OpKernelContext* ctx, shared::View* view) {
-  const Tensor& address = ctx->input(0);
-  if (!TensorShapeUtils::IsScalar(address.shape())) {
-    return errors::InvalidArgument("address must be a scalar, got shape ", address.shape().DebugString());
-  }
-  return shared::Open(static_cast<uint64_t>(address.scalar<::tensorflow::int64>()()), view);
-}
-
-class SharedReadOp : public OpKernel {
- public:
-  explicit SharedReadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string mode;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("mode", &mode));
-    OP_REQUIRES_OK(ctx, ParseMode(mode, /*allow_none=*/true, &mode_));
-    OP_REQUIRES(ctx, mode_ != shared::Mode::kAtomic,
-                errors::InvalidArgument("a read is 'none', 'block' or 'whole', not 'atomic'"));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    shared::View view;
-    OP_REQUIRES_OK(ctx, OpenInput(ctx, &view));
-    Tensor* values = nullptr;
-    Tensor* version = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({static_cast<int64_t>(view.header->size)}), &values));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &version));
-    const uint64_t v = shared::Read<CPUDevice>()(ctx->eigen_device<CPUDevice>(), view, mode_,
-                                                 values->flat<float>().data());
-    version->scalar<::tensorflow::int64>()() = static_cast<::tensorflow::int64>(v);
-  }
-
- private:
-  shared::Mode mode_;
-};
-
-class SharedUpdateOp : public OpKernel {
- public:
-  explicit SharedUpdateOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string mode;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("mode", &mode));
-    OP_REQUIRES_OK(ctx, ParseMode(mode, /*allow_none=*/false, &mode_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("read_back", &read_back_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    shared::View view;
-    OP_REQUIRES_OK(ctx, OpenInput(ctx, &view));
-    const Tensor& delta = ctx->input(1);
-    const Tensor& offset = ctx->input(2);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(delta.shape()),
-                errors::InvalidArgument("delta must be 1-D, got shape ", delta.shape().DebugString()));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(offset.shape()),
-                errors::InvalidArgument("offset must be a scalar, got shape ", offset.shape().DebugString()));
-    const int64_t off = offset.scalar<::tensorflow::int64>()();
-    const int64_t m = delta.NumElements();
-    const int64_t n = static_cast<int64_t>(view.header->size);
-    OP_REQUIRES(ctx, off >= 0 && off + m <= n,
-                errors::InvalidArgument("update [", off, ", ", off + m, ") is outside the shared model's ", n,
-                                        " elements"));
-    Tensor* version = nullptr;
-    Tensor* values = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &version));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({read_back_ ? n : 0}), &values));
-    const uint64_t v = shared::Update<CPUDevice>()(ctx->eigen_device<CPUDevice>(), view, mode_,
-                                                   delta.flat<float>().data(), static_cast<uint64_t>(off),
-                                                   static_cast<uint64_t>(m),
-                                                   read_back_ ? values->flat<float>().data() : nullptr);
-    version->scalar<::tensorflow::int64>()() = static_cast<::tensorflow::int64>(v);
-  }
-
- private:
-  shared::Mode mode_;
-  bool read_back_;
-};
-
-// No CUDA kernels: the ops are registered for the CPU only, so TensorFlow places them there
-// (a GPU variable is copied through the host).
-REGISTER_KERNEL_BUILDER(Name("HvdxSharedRead").Device(::tensorflow::DEVICE_CPU), SharedReadOp);
-REGISTER_KERNEL_BUILDER(Name("HvdxSharedUpdate").Device(::tensorflow::DEVICE_CPU), SharedUpdateOp);
-
-}  // namespace
 }  // namespace hvdx

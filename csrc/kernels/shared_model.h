@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "tensorflow/core/platform/status.h"
+#include "kernels/status.h"
 
 namespace hvdx {
 namespace shared {
@@ -65,7 +65,7 @@ struct View {
 
 // Checks the header at `address` (magic, version, sizes within `bytes` when bytes > 0) and
 // fills `view`; InvalidArgument naming the problem otherwise.
-::tensorflow::Status Open(uint64_t address, View* view);
+Status Open(uint64_t address, View* view);
 
 // Spin lock on a pid word: acquire, release. A waiter that finds the owner's process gone
 // (kill(pid, 0) == ESRCH) takes the lock over.
