@@ -10,7 +10,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: bootstrap build demo test test-fast clean
 bootstrap:
-	bash scripts/bootstrap.sh
+	HVDX_VENV=$(abspath $(VENV)) bash scripts/bootstrap.sh
 
 # Incremental rebuild of the op library (csrc/) after a C++/CUDA change.
 build: bootstrap

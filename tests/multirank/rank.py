@@ -25,6 +25,7 @@ def run(main: Callable[[], Optional[dict]]) -> None:
     if hvd.is_initialized():
         result["rank"] = hvd.rank()
     out_dir = Path(os.environ.get("HVDX_RESULT_DIR") or tempfile.gettempdir())  # never the checkout
+    out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / f".rank-{result['rank']}.json"
     tmp.write_text(json.dumps(result, default=str))
     tmp.rename(out_dir / f"rank-{result['rank']}.json")
