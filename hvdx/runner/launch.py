@@ -24,13 +24,17 @@ from typing import IO, Dict, List, Optional, Sequence, Tuple
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 #: The emulated cluster's command line, run as a file (it loads without TensorFlow).
 CLUSTER_SCRIPT = Path(__file__).resolve().with_name("cluster.py")
-#: Controllers horovodrun_command can start. "mpi" (horovodrun --mpi, or mpirun with
-#: Horovod's environment) will join them with the same arguments; it is not supported yet.
-CONTROLLERS = ("gloo",)
+#: Controllers horovodrun_command can start: Gloo, or MPI (`horovodrun --mpi` runs mpirun;
+#: mpirun and srun themselves: hvdx/runner/mpi.py).
+CONTROLLERS = ("gloo", "mpi")
 
 
 def horovodrun_command(command: Sequence[str], *, np: int, hosts: str, controller: str = "gloo") -> List[str]:
-    """`horovodrun -np NP -H HOSTS --gloo COMMAND...`.
+    """`horovodrun -np NP -H HOSTS --gloo|--mpi COMMAND...`.
+
+    Under --mpi, horovodrun passes -H to mpirun with its slots: `-H localhost:4` on 2 cores is
+    4 ranks that mpirun does not know oversubscribe the machine (hvdx.init() then tells Open
+    MPI to yield; docs/launching.md).
 
     Args:
         command: what every rank runs (e.g. [sys.executable, "train.py"]).

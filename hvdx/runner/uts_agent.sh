@@ -1,0 +1,24 @@
+#!/bin/sh
+# Open MPI's rsh agent for nodes emulated on one machine (hvdx/runner/mpi.py; root only).
+#
+#   mpirun --mca plm_rsh_agent /path/to/uts_agent.sh --hostfile HOSTS ...
+#
+# Open MPI calls it as it would call ssh: `uts_agent.sh [ssh options] HOST COMMAND...`. Instead
+# of logging in, it starts COMMAND (Open MPI's daemon, orted) in a new UTS namespace whose host
+# name is HOST, so the daemon and the ranks it starts see a machine of that name: Open MPI and
+# Horovod group ranks into nodes by host name, and each node keeps its own session directory and
+# shared-memory segments. Like ssh, the command words are joined and run by a shell.
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -p|-i|-l|-o|-F) shift 2 ;;   # ssh options that take a value
+        -*) shift ;;                 # other ssh flags (-x, -q, -T, ...)
+        *) break ;;
+    esac
+done
+if [ $# -lt 2 ]; then
+    echo "uts_agent.sh: usage: uts_agent.sh HOST COMMAND..." >&2
+    exit 2
+fi
+host="$1"
+shift
+exec unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
