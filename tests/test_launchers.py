@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hvdx import launcher
-from hvdx.runner import launch, mpi
+from hvdx.runner import launch, mpi, slurm
 from tests import harness
 
 DEMO = str(harness.ROOT / "examples" / "train_digits.py")
@@ -20,6 +20,8 @@ MPI_UNAVAILABLE = mpi.mpi_unavailable()
 EMULATION_UNAVAILABLE = mpi.emulation_unavailable()
 needs_mpi = pytest.mark.skipif(MPI_UNAVAILABLE is not None, reason=str(MPI_UNAVAILABLE))
 needs_emulation = pytest.mark.skipif(EMULATION_UNAVAILABLE is not None, reason=str(EMULATION_UNAVAILABLE))
+SLURM_UNAVAILABLE = slurm.slurm_unavailable() or MPI_UNAVAILABLE
+needs_slurm = pytest.mark.skipif(SLURM_UNAVAILABLE is not None, reason=str(SLURM_UNAVAILABLE))
 
 
 # -- hvdx.launcher: what the environment tells before MPI_Init -----------------------------
@@ -115,6 +117,12 @@ def test_emulated_nodes_write_a_hostfile_and_remove_it():
         nodes.command(["x"])
 
 
+def test_srun_labels_and_failed_tasks_are_read_too():
+    output = "0: hello\n1: Traceback\n1: ValueError: boom\nsrun: error: hvdx-node0: task 1: Exited with exit code 1\n"
+    assert mpi.rank_lines(output) == {0: ["hello"], 1: ["Traceback", "ValueError: boom"]}
+    assert mpi.failed_ranks(output) == [1]
+
+
 def test_tagged_output_is_split_by_rank_and_failures_are_named():
     output = ("[1,0]<stdout>:hello\n[1,3]<stderr>:Traceback\n[1,3]<stderr>:ValueError: boom\n"
               "Primary job  terminated normally, but 1 process returned\n"
@@ -137,10 +145,10 @@ def test_uts_agent_starts_the_command_on_a_machine_of_the_hosts_name():
 
 # -- the digits demo under each MPI launcher, to its end -------------------------------------
 
-def train_digits(command: list, np: int, timeout: float = 420) -> dict:
+def train_digits(command: list, np: int, timeout: float = 420, env: dict = None) -> dict:
     """Runs the demo under `command` (an MPI launcher's line around it); returns rank 0's lines,
     or fails naming each rank that failed with its last output."""
-    job = launch.run(command, timeout=timeout, env=harness.test_env(), cwd=harness.ROOT)
+    job = launch.run(command, timeout=timeout, env=env or harness.test_env(), cwd=harness.ROOT)
     problems = mpi.explain(job.output, job.returncode, job.timed_out, np)
     assert not problems, f"{' '.join(command)}\n\n" + "\n\n".join(problems)
     lines = mpi.rank_lines(job.output) or {0: job.output.splitlines()}
@@ -180,3 +188,54 @@ def test_mpirun_two_emulated_nodes_of_two_train_the_demo_to_the_end():
     with mpi.EmulatedNodes(2, 2) as nodes:
         out = train_digits(nodes.command([sys.executable, DEMO, "--epochs", str(EPOCHS)]), np=4)
     assert_trained(out, nodes=2, per_node=2)
+
+
+# -- SLURM: a throwaway cluster of two nodes on this machine (hvdx/runner/slurm.py) ------------
+
+@pytest.fixture(scope="module")
+def local_slurm():
+    with slurm.LocalSlurm(nodes=2, cpus_per_node=2) as cluster:
+        yield cluster
+
+
+@needs_slurm
+def test_throwaway_slurm_places_tasks_on_its_named_nodes_and_leaves_nothing_behind():
+    with slurm.LocalSlurm(nodes=2, cpus_per_node=2) as cluster:
+        folder, pids = cluster.dir, [p.pid for p in cluster._procs]
+        out = launch.run(cluster.command(["sh", "-c", "echo $(hostname) $SLURM_LOCALID"]), timeout=120,
+                         env=cluster.environment())
+        assert out.returncode == 0, out.output + cluster.logs()
+        assert sorted(line.split(": ", 1)[1] for line in out.output.splitlines() if ": " in line) == [
+            "hvdx-node0 0", "hvdx-node0 1", "hvdx-node1 0", "hvdx-node1 1"]
+    assert not folder.exists()
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.multirank
+@needs_slurm
+def test_srun_two_nodes_of_two_trains_the_demo_to_the_end(local_slurm):
+    command = local_slurm.command([sys.executable, DEMO, "--epochs", str(EPOCHS)], ranks_per_node=2)
+    assert_trained(train_digits(command, np=4, env=local_slurm.environment(harness.test_env())), nodes=2, per_node=2)
+
+
+@pytest.mark.multirank
+@needs_slurm
+def test_sbatch_script_as_a_user_writes_it_trains_the_demo(local_slurm, tmp_path):
+    script = tmp_path / "digits.sbatch"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --job-name=digits
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=2
+#SBATCH --output={tmp_path}/digits-%j.out
+cd {harness.ROOT}
+srun --mpi=pmix --label {sys.executable} examples/train_digits.py --epochs {EPOCHS}
+""")
+    env = local_slurm.environment(harness.test_env())
+    job = launch.run(["sbatch", "--wait", str(script)], timeout=420, env=env, cwd=tmp_path)
+    (log,) = tmp_path.glob("digits-*.out")
+    output = log.read_text()
+    problems = mpi.explain(output, job.returncode, job.timed_out, np=4)
+    assert not problems, job.output + "\n\n" + "\n\n".join(problems)
+    assert_trained({"output": "\n".join(mpi.rank_lines(output)[0])}, nodes=2, per_node=2)

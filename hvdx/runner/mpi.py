@@ -10,8 +10,9 @@ command lines, so the tests and benchmarks run what the documentation shows:
   hostfile of m names and an rsh agent (uts_agent.sh) that starts Open MPI's daemon in a UTS
   namespace named after its host, so Open MPI and Horovod see m machines;
 - `srun_command`: `srun --mpi=pmix -N m --ntasks-per-node n COMMAND` (SLURM with PMIx);
-- `rank_lines` / `failed_ranks`: what each rank printed and which ranks failed, from the
-  output of `mpirun --tag-output`.
+- `rank_lines` / `failed_ranks` / `explain`: what each rank printed and which ranks failed,
+  from the output of `mpirun --tag-output` or `srun --label`;
+- a throwaway SLURM cluster for `srun` on one machine: hvdx/runner/slurm.py.
 
 Horovod's MPI controller busy-polls while it waits: ranks that outnumber the cores spin and
 steal the cores the working ranks need. `OVERSUBSCRIBED_MCA` is what a job whose ranks share
@@ -46,6 +47,7 @@ OVERSUBSCRIBED_MCA: Dict[str, str] = {"mpi_yield_when_idle": "1"}
 FORWARDED = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
 
 _TAG = re.compile(r"^\[(\d+),(\d+)\]<(stdout|stderr)>:(.*)$")
+_LABEL = re.compile(r"^\s*(\d+): (.*)$")
 
 
 def mpi_unavailable() -> Optional[str]:
@@ -183,27 +185,35 @@ class EmulatedNodes:
 
 
 def rank_lines(output: str) -> Dict[int, List[str]]:
-    """Each rank's lines from the output of `mpirun --tag-output` ("[job,rank]<stdout>:line")."""
+    """Each rank's lines from the output of `mpirun --tag-output` ("[job,rank]<stdout>:line")
+    or, when there are none of those, of `srun --label` ("rank: line")."""
     out: Dict[int, List[str]] = {}
     for line in output.splitlines():
         match = _TAG.match(line)
         if match:
             out.setdefault(int(match.group(2)), []).append(match.group(4))
+    if not out:
+        for line in output.splitlines():
+            match = _LABEL.match(line)
+            if match:
+                out.setdefault(int(match.group(1)), []).append(match.group(2))
     return out
 
 
 def failed_ranks(output: str) -> List[int]:
-    """The ranks mpirun reports as having failed (non-zero exit or killed by a signal)."""
+    """The ranks mpirun or srun reports as having failed (non-zero exit or killed by a signal)."""
     found = set()
     for match in re.finditer(r"Process name: \[\[\d+,\d+\],(\d+)\]", output):
         found.add(int(match.group(1)))
     for match in re.finditer(r"rank (\d+) with PID \d+ on node \S+ exited on signal", output):
         found.add(int(match.group(1)))
+    for match in re.finditer(r"task (\d+): (?:Exited with exit code|Killed|Terminated|Segmentation)", output):
+        found.add(int(match.group(1)))  # srun
     return sorted(found)
 
 
 def explain(output: str, returncode: int, timed_out: bool, np: int, lines: int = 15) -> List[str]:
-    """Why an `mpirun --tag-output` job failed, one entry per rank at fault (the ranks mpirun
+    """Why an `mpirun --tag-output` or `srun --label` job failed, one entry per rank at fault (the ranks mpirun
     names, else every rank when the job timed out), each with that rank's last output lines;
     empty when the job succeeded.
     """
@@ -211,11 +221,11 @@ def explain(output: str, returncode: int, timed_out: bool, np: int, lines: int =
         return []
     per_rank = rank_lines(output)
     ranks = failed_ranks(output) or list(range(np))
-    why = "timed out" if timed_out else f"failed (mpirun exited with {returncode})"
+    why = "timed out" if timed_out else f"failed (the launcher exited with {returncode})"
     out = []
     for rank in ranks:
         tail = "\n".join(per_rank.get(rank, [])[-lines:]) or "(no output)"
         out.append(f"rank {rank} {why}; its last output:\n{tail}")
     if not per_rank:
-        out.append("mpirun's own output:\n" + "\n".join(output.splitlines()[-lines:]))
+        out.append("the launcher's own output:\n" + "\n".join(output.splitlines()[-lines:]))
     return out
