@@ -13,8 +13,8 @@ Two measurements, two modes:
 
 - `--mode wall` (alone on the machine: `flock /tmp/hvdx-bench.lock`): wall time of the whole
   digits demo (`examples/train_digits.py`, launch to exit, and the training time it prints)
-  under `horovodrun --gloo` 2 x 2, `mpirun` 2 x 2 (emulated nodes), `mpirun` 1 x 4 and
-  `horovodrun --mpi` 1 x 4; the launchers take turns in each round; medians over rounds and
+  under `horovodrun --gloo` 2 x 2, `mpirun` 2 x 2 (emulated nodes), `mpirun` 1 x 4,
+  `horovodrun --mpi` 1 x 4 and `srun` 2 x 2 (hvdx/runner/slurm.py's throwaway cluster); the launchers take turns in each round; medians over rounds and
   each launcher's ratio to horovodrun --gloo 2 x 2 (issue 22's bar: within 1.5x).
 
     python benchmarks/launchers.py --mode cpu                        # ~5 min here
@@ -26,6 +26,7 @@ Writes <out>/launchers_<mode>.json and the "launchers-<mode>" section of benchma
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402
-from hvdx.runner import hosts, launch, mpi  # noqa: E402
+from hvdx.runner import hosts, launch, mpi, slurm  # noqa: E402
 
 DEMO = ROOT / "examples" / "train_digits.py"
 SECTION = "launchers"
@@ -123,16 +124,21 @@ def configurations(mode: str, rank_command: List[str]) -> Dict[str, tuple]:
         out["mpirun 1x4"] = (mpi.mpirun_command(rank_command, np=4, oversubscribe=4 > cores), why_mpi)
         out["horovodrun --mpi 1x4"] = (launch.horovodrun_command(rank_command, np=4, hosts="localhost:4",
                                                                  controller="mpi"), why_mpi)
+        out["srun 2x2 (throwaway SLURM)"] = ("slurm", slurm.slurm_unavailable() or why_mpi)
     return out
 
 
-def run_one(spec: tuple, rank_command: List[str], timeout: float) -> dict:
+def run_one(spec: tuple, rank_command: List[str], timeout: float,
+            cluster: Optional[slurm.LocalSlurm] = None) -> dict:
     command, why, env, mca = (tuple(spec) + ({}, {}))[:4]
     if why:
         return {"skipped": why}
     full_env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2", **env)
     start = time.perf_counter()
-    if command == "emulated":
+    if command == "slurm":
+        command = cluster.command(rank_command, ranks_per_node=2)
+        job = launch.run(command, timeout=timeout, env=cluster.environment(full_env), cwd=ROOT)
+    elif command == "emulated":
         with mpi.EmulatedNodes(2, 2) as nodes:
             command = nodes.command(rank_command, mca=mca)
             job = launch.run(command, timeout=timeout, env=full_env, cwd=ROOT)
@@ -214,10 +220,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         configs = {k: v for k, v in configs.items() if any(s in k for s in args.only.split(","))}
     rounds = 1 if args.mode == "cpu" else args.rounds
     results: Dict[str, List[dict]] = {name: [] for name in configs}
-    with common.load_during() as load:
+    with contextlib.ExitStack() as stack, common.load_during() as load:
+        cluster = None
+        if any(spec[0] == "slurm" and not spec[1] for spec in configs.values()):
+            cluster = stack.enter_context(slurm.LocalSlurm(nodes=2, cpus_per_node=2))
         for round_ in range(rounds):
             for name, spec in configs.items():
-                result = run_one(spec, rank_command, args.timeout)
+                result = run_one(spec, rank_command, args.timeout, cluster)
                 results[name].append(result)
                 print(f"round {round_} {name}: " + json.dumps({k: v for k, v in result.items() if k != "ranks"}),
                       flush=True)
