@@ -63,6 +63,31 @@ def test_mpi_defaults_leave_ranks_that_fit_and_the_users_choice_alone():
     assert launcher.apply_mpi_defaults(off, launcher.detect(off, cores=2)) == {}
 
 
+def test_hvdx_init_sets_the_defaults_before_horovod_initializes_mpi(monkeypatch):
+    import importlib
+
+    topology = importlib.import_module("hvdx.topology")  # the module (hvdx.topology is also a function)
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_init(**_):
+        seen.update(os.environ)
+        raise Stop
+
+    monkeypatch.setattr(topology, "_topology", None)
+    monkeypatch.setattr(topology.hvd, "is_initialized", lambda: False)
+    monkeypatch.setattr(topology.hvd, "init", fake_init)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "64")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(4 * launcher.usable_cores()))
+    monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)
+    monkeypatch.delenv("HVDX_MPI_DEFAULTS", raising=False)
+    with pytest.raises(Stop):
+        topology.init()
+    assert seen.get("OMPI_MCA_mpi_yield_when_idle") == "1"
+
+
 def test_cgroup_quota_caps_the_cores(tmp_path):
     (tmp_path / "cpu.max").write_text("150000 100000\n")
     assert launcher.usable_cores(str(tmp_path)) == 1
@@ -157,6 +182,7 @@ def train_digits(command: list, np: int, timeout: float = 420, env: dict = None)
 
 def assert_trained(out: dict, nodes: int, per_node: int) -> None:
     text = out["output"]
+    assert "more MPI ranks than cores" not in text, text  # the ranks yield: no warning
     assert f"hvdx topology: {nodes} node(s) x {per_node} rank(s)" in text, text
     assert f"trained {EPOCHS} epochs" in text and f"over {nodes * per_node} ranks" in text, text
     assert f"weights agree on all {nodes * per_node} ranks" in text, text
