@@ -216,6 +216,34 @@ def test_mpirun_two_emulated_nodes_of_two_train_the_demo_to_the_end():
     assert_trained(out, nodes=2, per_node=2)
 
 
+# -- mpirun on the emulated cluster (hvdx/runner/cluster.py): namespaces, shaped links --------
+
+CLUSTER_UNAVAILABLE = harness.cluster_unavailable() or EMULATION_UNAVAILABLE
+needs_cluster = pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
+MPI_ALLREDUCE = """
+import socket, subprocess
+from mpi4py import MPI
+comm = MPI.COMM_WORLD
+eth0 = subprocess.run(["ip", "-4", "-o", "addr", "show", "eth0"], capture_output=True, text=True).stdout.split()[3]
+total = comm.allreduce(comm.rank)
+print("RANK", comm.rank, socket.gethostname(), eth0, total, flush=True)
+"""
+
+
+@pytest.mark.multirank
+@needs_cluster
+def test_mpirun_on_the_emulated_cluster_places_ranks_in_their_nodes_namespace(tmp_path):
+    script = tmp_path / "allreduce.py"
+    script.write_text(MPI_ALLREDUCE)
+    with harness.network_lock():
+        job = launch.run(launch.cluster_command([sys.executable, str(script)], nodes=2, ranks_per_node=2,
+                                                timeout=120, mpi=True), timeout=180, env=harness.test_env())
+    assert job.returncode == 0, job.output
+    seen = sorted(line.split("RANK ", 1)[1] for line in job.output.splitlines() if "RANK " in line)
+    assert seen == ["0 node0 10.77.0.1/24 6", "1 node0 10.77.0.1/24 6", "2 node1 10.77.0.2/24 6",
+                    "3 node1 10.77.0.2/24 6"], job.output
+
+
 # -- SLURM: a throwaway cluster of two nodes on this machine (hvdx/runner/slurm.py) ------------
 
 @pytest.fixture(scope="module")

@@ -53,19 +53,21 @@ def horovodrun_command(command: Sequence[str], *, np: int, hosts: str, controlle
 
 
 def cluster_command(command: Sequence[str], *, nodes: int, ranks_per_node: int, rate: str = "1gbit",
-                    no_delay: bool = False, timeout: Optional[float] = None) -> List[str]:
+                    no_delay: bool = False, timeout: Optional[float] = None, mpi: bool = False) -> List[str]:
     """`python hvdx/runner/cluster.py --nodes N --ranks-per-node M --rate RATE [--no-delay]
-    [--timeout T] -- COMMAND...`: `command` on the emulated cluster (root only).
+    [--timeout T] [--mpi] -- COMMAND...`: `command` on the emulated cluster (root only).
 
     Args:
         rate: each node's link rate, tc syntax ("1gbit").
         no_delay: no netem delay on the links (else the cluster's default delay, where the
             kernel has netem).
         timeout: seconds before the cluster launcher kills the job (status 124).
+        mpi: start the ranks with mpirun (Open MPI) instead of Horovod's Gloo environment.
     """
     options = ["--nodes", str(nodes), "--ranks-per-node", str(ranks_per_node), "--rate", rate]
     options += ["--no-delay"] if no_delay else []
     options += ["--timeout", str(timeout)] if timeout is not None else []
+    options += ["--mpi"] if mpi else []
     return [sys.executable, str(CLUSTER_SCRIPT), *options, "--", *command]
 
 
