@@ -14,7 +14,8 @@ Two measurements, two modes:
 - `--mode wall` (alone on the machine: `flock /tmp/hvdx-bench.lock`): wall time of the whole
   digits demo (`examples/train_digits.py`, launch to exit, and the training time it prints)
   under `horovodrun --gloo` 2 x 2, `mpirun` 2 x 2 (emulated nodes), `mpirun` 1 x 4,
-  `horovodrun --mpi` 1 x 4 and `srun` 2 x 2 (hvdx/runner/slurm.py's throwaway cluster); the launchers take turns in each round; medians over rounds and
+  `horovodrun --mpi` 1 x 4, `srun` 2 x 2 (hvdx/runner/slurm.py's throwaway cluster), and Gloo
+  against mpirun on the emulated cluster's 1 Gbit/s links (hvdx/runner/cluster.py, --mpi); the launchers take turns in each round; medians over rounds and
   each launcher's ratio to horovodrun --gloo 2 x 2 (issue 22's bar: within 1.5x).
 
     python benchmarks/launchers.py --mode cpu                        # ~5 min here
@@ -40,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402
-from hvdx.runner import hosts, launch, mpi, slurm  # noqa: E402
+from hvdx.runner import hosts, launch, mpi, netns, slurm  # noqa: E402
 
 DEMO = ROOT / "examples" / "train_digits.py"
 SECTION = "launchers"
@@ -125,6 +126,11 @@ def configurations(mode: str, rank_command: List[str]) -> Dict[str, tuple]:
         out["horovodrun --mpi 1x4"] = (launch.horovodrun_command(rank_command, np=4, hosts="localhost:4",
                                                                  controller="mpi"), why_mpi)
         out["srun 2x2 (throwaway SLURM)"] = ("slurm", slurm.slurm_unavailable() or why_mpi)
+        why_cluster = netns.unavailable()
+        for label, use_mpi in (("gloo", False), ("mpirun", True)):
+            out[f"emulated cluster 1gbit, {label} 2x2"] = (
+                launch.cluster_command(rank_command, nodes=2, ranks_per_node=2, rate="1gbit", mpi=use_mpi),
+                why_cluster or (why_emulated if use_mpi else None))
     return out
 
 
