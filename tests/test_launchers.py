@@ -221,12 +221,13 @@ def test_mpirun_two_emulated_nodes_of_two_train_the_demo_to_the_end():
 CLUSTER_UNAVAILABLE = harness.cluster_unavailable() or EMULATION_UNAVAILABLE
 needs_cluster = pytest.mark.skipif(CLUSTER_UNAVAILABLE is not None, reason=str(CLUSTER_UNAVAILABLE))
 MPI_ALLREDUCE = """
-import socket, subprocess
+import socket, subprocess, sys
 from mpi4py import MPI
 comm = MPI.COMM_WORLD
 eth0 = subprocess.run(["ip", "-4", "-o", "addr", "show", "eth0"], capture_output=True, text=True).stdout.split()[3]
 total = comm.allreduce(comm.rank)
-print("RANK", comm.rank, socket.gethostname(), eth0, total, flush=True)
+sys.stdout.write(f"RANK {comm.rank} {socket.gethostname()} {eth0} {total}\\n")  # one write: one tagged line
+sys.stdout.flush()
 """
 
 
