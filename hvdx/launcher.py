@@ -169,7 +169,7 @@ def oversubscription_warning(facts: Sequence[MachineFacts], mpi: bool) -> Option
         return None
     return ("hvdx: more MPI ranks than cores on a machine (" + "; ".join(crowded) + "): ranks that wait "
             "for messages spin on the cores the others compute on, and training slows down many times. "
-            f"Launch with `mpirun --oversubscribe ...` (which makes Open MPI yield) or pass `{MPI_FLAGS}` "
-            f"to mpirun (`export {' '.join(f'{k}={v}' for k, v in MPI_DEFAULTS.items())}` for srun), "
+            f"Make Open MPI yield the core while it waits: pass `{MPI_FLAGS}` to mpirun (or "
+            f"`export {' '.join(f'{k}={v}' for k, v in MPI_DEFAULTS.items())}` before srun or horovodrun --mpi), "
             "or call hvdx.init() before anything initializes MPI (hvd.init(), mpi4py) so that hvdx can "
             "set it. See docs/launching.md.")

@@ -100,7 +100,7 @@ def test_warning_names_the_flags_when_emulated_nodes_share_a_machine_and_spin():
     spinning = [launcher.MachineFacts("boot-a", 2, yields=False)] * 4
     message = launcher.oversubscription_warning(spinning, mpi=True)
     assert "4 ranks on 2 core(s)" in message and "--mca mpi_yield_when_idle 1" in message
-    assert "--oversubscribe" in message and "docs/launching.md" in message
+    assert "export OMPI_MCA_mpi_yield_when_idle=1" in message and "docs/launching.md" in message
 
 
 def test_no_warning_when_ranks_yield_fit_or_do_not_use_mpi():
