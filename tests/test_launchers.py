@@ -40,7 +40,8 @@ def test_slurm_tasks_per_node_are_read_for_this_node():
 
 
 def test_gloo_and_plain_processes_are_not_mpi():
-    gloo = launcher.detect({"HOROVOD_RANK": "0", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "x", "HOROVOD_LOCAL_SIZE": "8"}, cores=2)
+    gloo_env = {"HOROVOD_RANK": "0", "HOROVOD_GLOO_RENDEZVOUS_ADDR": "x", "HOROVOD_LOCAL_SIZE": "8"}
+    gloo = launcher.detect(gloo_env, cores=2)
     assert (gloo.launcher, gloo.mpi, gloo.oversubscribed) == ("horovodrun", False, True)
     assert launcher.detect({}, cores=2) == launcher.LaunchInfo("none", None, 2)
     assert launcher.apply_mpi_defaults({}, gloo) == {}
