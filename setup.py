@@ -70,6 +70,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.9",
     packages=find_packages(include=["hvdx", "hvdx.*"]),
+    package_data={"hvdx.runner": ["uts_agent.sh"]},  # mpirun's agent for emulated nodes (hvdx/runner/mpi.py)
     ext_modules=[CMakeExtension("hvdx._hvdx_ops")],
     cmdclass={"build_ext": CMakeBuild},
     install_requires=["numpy<2", "horovod>=0.28.1", "lmdb>=1.4"],

@@ -2,8 +2,10 @@
 bundled digits with hvdx.DistributedOptimizer, across the nodes and ranks of a topology.
 
     horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python examples/train_digits.py
+    mpirun --allow-run-as-root --oversubscribe -np 4 python examples/train_digits.py
 
-(2 emulated nodes x 2 ranks on this machine; `make demo` runs examples/dawnbench.py.) Each rank
+(2 emulated nodes x 2 ranks, then 1 node x 4 ranks under Open MPI, on this machine; other
+launchers: docs/launching.md; `make demo` runs examples/dawnbench.py.) Each rank
 trains on its shard; gradients are aggregated with HiTopKComm (shi2021 Algorithm 2) at
 density 0.01 by default. At the end the job prints the test accuracy and the per-step
 communication time of the model's gradient buffer with the chosen strategy and with a
@@ -12,6 +14,7 @@ dense allreduce, measured in the same run.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import time
 
 import statistics
@@ -79,6 +82,9 @@ def main() -> None:
     loss, accuracy = model.evaluate(x_test, y_test, verbose=0)
     # Every rank holds the same weights, so every rank measures the same accuracy.
     accuracies = hvd.allgather_object(round(float(accuracy), 6), name="demo.accuracy")
+    # ... and bit for bit the same weights: a digest of every weight, compared across ranks.
+    digest = hashlib.sha256(b"".join(w.tobytes() for w in model.get_weights())).hexdigest()[:16]
+    digests = hvd.allgather_object(digest, name="demo.weights")
 
     # Per-step communication time of this model's fused gradient buffer (every rank calls).
     d = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
@@ -94,12 +100,14 @@ def main() -> None:
         times[label] = statistics.median(samples[5:])
     if topo.rank == 0:
         assert len(set(accuracies)) == 1, f"ranks disagree after training: {accuracies}"
+        assert len(set(digests)) == 1, f"ranks hold different weights after training: {digests}"
         print(f"trained {args.epochs} epochs on {len(x_train)} digits over {topo.size} ranks with "
               f"{optimizer.communication!r} in {elapsed:.1f} s: test accuracy {accuracy:.4f}, "
               f"loss {loss:.4f}", flush=True)
         print(f"communication per step for the {d}-element gradient buffer (median of 20): "
               + ", ".join(f"{label} {seconds * 1e3:.2f} ms" for label, seconds in times.items()),
               flush=True)
+        print(f"weights agree on all {topo.size} ranks: sha256 {digest}", flush=True)
     hvdx.barrier()
 
 

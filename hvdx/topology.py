@@ -16,11 +16,14 @@ from __future__ import annotations
 
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
+
+from . import launcher
 
 __all__ = ["Topology", "TopologyError", "barrier", "init", "initialized", "set_rank_and_size", "shutdown",
            "topology"]
@@ -115,16 +118,26 @@ def init(comm: Optional[Sequence[int]] = None) -> Topology:
     """Initializes Horovod (with dynamic process sets) and hvdx's topology; idempotent.
 
     Collective: every rank must call it. Returns this rank's `Topology`.
+
+    Under an MPI launcher on a machine with more ranks than cores, Open MPI is first told to
+    yield the core while it waits (`hvdx.launcher.apply_mpi_defaults`; `HVDX_MPI_DEFAULTS=0`
+    leaves the environment alone); where that could not take effect (MPI already initialized,
+    or emulated nodes sharing one machine), rank 0 warns with the flags to pass instead
+    (`hvdx.launcher.oversubscription_warning`, a RuntimeWarning).
     """
     global _topology
     if _topology is not None:
         return _topology
     if not hvd.is_initialized():
+        launcher.apply_mpi_defaults()
         hvd.init(comm=comm, process_sets="dynamic")
     rank, size = hvd.rank(), hvd.size()
-    entries = hvd.allgather_object((rank, hvd.local_rank(), hvd.local_size(), _node_key()),
-                                   name="hvdx.topology")
-    node_ranks = _group_nodes(entries)
+    entries = hvd.allgather_object((rank, hvd.local_rank(), hvd.local_size(), _node_key(),
+                                    launcher.machine_facts()), name="hvdx.topology")
+    message = launcher.oversubscription_warning([e[4] for e in entries], mpi=hvd.mpi_enabled())
+    if message and rank == 0:
+        warnings.warn(message, RuntimeWarning, stacklevel=2)
+    node_ranks = _group_nodes([e[:4] for e in entries])
     local_size = len(node_ranks[0])
     node = next(i for i, ranks in enumerate(node_ranks) if rank in ranks)
     sets = {}

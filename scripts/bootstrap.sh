@@ -9,8 +9,11 @@
 # second run takes seconds. Environment overrides:
 #   HVDX_VENV (default .venv), HVDX_PYTHON (default python3.11, else python3),
 #   HVDX_WHEEL_CACHE (default ~/.cache/hvdx/wheels), HVDX_WITH_CUDA (AUTO|ON|OFF),
-#   HVDX_REQUIREMENTS (default requirements-dev.txt; scripts/gpu_check.sh: the GPU wheel).
+#   HVDX_REQUIREMENTS (default requirements-dev.txt; scripts/gpu_check.sh: the GPU wheel),
+#   HVDX_WITH_SLURM=1 (or the flag --with-slurm; CI sets it): also SLURM and munge, for the
+#   srun/sbatch tests' throwaway cluster (hvdx/runner/slurm.py; no service is started).
 set -euo pipefail
+[ "${1:-}" = "--with-slurm" ] && HVDX_WITH_SLURM=1
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 VENV=${HVDX_VENV:-$ROOT/.venv}
@@ -24,7 +27,9 @@ t0=$(date +%s)
 
 # --- 1. system packages -----------------------------------------------------------
 missing=()
-for pkg in openmpi-bin libopenmpi-dev cmake g++ make iproute2; do
+pkgs=(openmpi-bin libopenmpi-dev cmake g++ make iproute2)
+[ "${HVDX_WITH_SLURM:-0}" = 1 ] && pkgs+=(slurmctld slurmd slurm-client munge)
+for pkg in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
 done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -50,8 +50,10 @@ def test_command_lines_of_both_launchers():
     rank = [sys.executable, "train.py", "--epochs", "2"]
     assert horovodrun_command(rank, np=4, hosts=hosts(2, 2)) == [
         str(HOROVODRUN), "-np", "4", "-H", "localhost:2,127.0.0.1:2", "--gloo", *rank]
-    with pytest.raises(ValueError, match="controller 'mpi' is not supported"):
-        horovodrun_command(rank, np=4, hosts=hosts(2, 2), controller="mpi")
+    assert horovodrun_command(rank, np=4, hosts="localhost:4", controller="mpi") == [
+        str(HOROVODRUN), "-np", "4", "-H", "localhost:4", "--mpi", *rank]
+    with pytest.raises(ValueError, match="controller 'nccl' is not supported"):
+        horovodrun_command(rank, np=4, hosts=hosts(2, 2), controller="nccl")
     with pytest.raises(ValueError, match="np >= 1"):
         horovodrun_command(rank, np=0, hosts="localhost:1")
     assert cluster_command(rank, nodes=2, ranks_per_node=1, rate="100mbit", no_delay=True, timeout=60) == [

@@ -6,7 +6,10 @@
 - the emulated cloud cluster (docs/cluster.md; root): netns (namespaces, veth pairs,
   addresses, cleanup), shaping (tc), probe (link measurements), cluster (composes them
   and places the ranks with horovodrun's Gloo environment), cli (`python -m hvdx.runner`,
-  also `python hvdx/runner/cluster.py`).
+  also `python hvdx/runner/cluster.py`; `--mpi` runs the ranks under mpirun);
+- MPI and SLURM (docs/launching.md): mpi (mpirun, horovodrun --mpi and srun command lines,
+  nodes emulated for mpirun with uts_agent.sh, which rank failed), slurm (a throwaway SLURM
+  cluster on one machine for srun and sbatch).
 
 Nothing here imports TensorFlow; the cluster imports Horovod's launcher parts only.
 """

@@ -2,7 +2,7 @@
 `python hvdx/runner/cluster.py ...` (which starts without importing TensorFlow).
 
     python -m hvdx.runner [--nodes N] [--ranks-per-node M] [--rate R] [--delay D | --no-delay]
-                          [--loss L] [--mtu B] [--timeout S] (-- command ... | --probe | --cleanup)
+                          [--loss L] [--mtu B] [--timeout S] [--mpi] (-- command ... | --probe | --cleanup)
 
 Exit status: the job's (the first failing rank's, 124 on timeout), 2 when the cluster cannot
 be built or the options are wrong (the reason on stderr, after `hvdx-cluster: `), 130 on Ctrl-C.
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .cluster import DESCRIPTION, Cluster, run_job
+from .cluster import DESCRIPTION, Cluster, run_job, run_mpi_job
 from .netns import ClusterError, cleanup_stale
 from .probe import client, endpoint, probe_links
 from .shaping import LinkSpec
@@ -40,6 +40,8 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--loss", default=None, help="loss per link end, e.g. 0.1%% (netem)")
     out.add_argument("--mtu", type=int, default=1500)
     out.add_argument("--timeout", type=float, default=None, help="seconds before the job is killed")
+    out.add_argument("--mpi", action="store_true",
+                     help="start the ranks with mpirun (Open MPI) instead of Horovod's Gloo launcher")
     out.add_argument("--probe", action="store_true", help="measure the links and exit")
     out.add_argument("--cleanup", action="store_true", help="remove namespaces of dead launchers")
     for hidden in ("--endpoint", "--client"):  # the two ends of a probe (hvdx/runner/probe.py)
@@ -96,7 +98,8 @@ def _on_cluster(args: argparse.Namespace, command: List[str]) -> int:
                 _print_probe(probe_links(built))
                 return 0
             print(f"hvdx-cluster: running {shlex.join(command)}", flush=True)
-            return run_job(built, args.ranks_per_node, command, timeout=args.timeout)
+            job = run_mpi_job if args.mpi else run_job
+            return job(built, args.ranks_per_node, command, timeout=args.timeout)
     except ClusterError as exc:
         print(f"hvdx-cluster: {exc}", file=sys.stderr)
         return 2

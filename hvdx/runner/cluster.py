@@ -57,7 +57,7 @@ from .netns import (ClusterError, add_bridge, add_namespace, add_port, cleanup_s
                     in_namespace, write_hosts)
 from .shaping import LinkSpec, netem_available, shape  # noqa: E402
 
-__all__ = ["Cluster", "ClusterError", "LinkSpec", "rank_environments", "run_job"]
+__all__ = ["Cluster", "ClusterError", "LinkSpec", "rank_environments", "run_job", "run_mpi_job"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -219,6 +219,52 @@ def run_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, ti
                          timeout=timeout, out=out, name="hvdx-cluster")
     finally:
         server.stop()
+
+
+def run_mpi_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, timeout: Optional[float] = None,
+                env: Optional[Dict[str, str]] = None, out: IO[str] = sys.stdout) -> int:
+    """Runs `command` under mpirun as ranks_per_node ranks on every node of `cluster`, as
+    run_job does under Horovod's Gloo: mpirun in the switch namespace, Open MPI's daemon of
+    node i started by hvdx/runner/uts_agent.sh in node i's network namespace and in a UTS
+    namespace named node<i>, Open MPI's TCP traffic between nodes on the nodes' shaped links
+    (the ranks of one node talk over shared memory). Output lines are mpirun's
+    (`[job,rank]<stdout>:`); returns mpirun's exit status, 124 on timeout.
+
+    Raises:
+        ClusterError: ranks_per_node < 1, an empty command, or no Open MPI (hvdx.runner.mpi).
+    """
+    import tempfile
+
+    from .launch import run
+    from .mpi import AGENT, OVERSUBSCRIBED_MCA, mpi_unavailable, mpirun_command
+
+    if ranks_per_node < 1 or not command:
+        raise ClusterError(f"need ranks_per_node >= 1 and a command, got {ranks_per_node}, {list(command)}")
+    why = mpi_unavailable()
+    if why:
+        raise ClusterError(why)
+    np = cluster.nodes * ranks_per_node
+    subnet = f"{SUBNET}.0/24"
+    mca = {"btl_tcp_if_include": subnet, "oob_tcp_if_include": subnet}
+    if np > (os.cpu_count() or 1):
+        mca.update(OVERSUBSCRIBED_MCA)  # the nodes share this machine's cores (docs/launching.md)
+    names = [cluster.node_hostname(i) for i in range(cluster.nodes)]
+    netns_map = " ".join(f"{name}:{cluster.node_namespace(i)}" for i, name in enumerate(names))
+    description = json.dumps(dict(cluster.describe(), ranks_per_node=ranks_per_node))
+    with tempfile.TemporaryDirectory(prefix="hvdx-mpi-") as folder:
+        hostfile = os.path.join(folder, "hostfile")
+        with open(hostfile, "w") as f:
+            f.write("".join(f"{name} slots={ranks_per_node}\n" for name in names))
+        mpirun = mpirun_command(command, np=np, hostfile=hostfile, agent=AGENT, bind_to="none", mca=mca,
+                                forward=("PATH", "PYTHONPATH", "HVDX_CLUSTER"))
+        job = run(["ip", "netns", "exec", cluster.switch, *mpirun], timeout=timeout,
+                  env={**os.environ, **(env or {}), "HVDX_NETNS_MAP": netns_map, "HVDX_CLUSTER": description,
+                       "PYTHONUNBUFFERED": "1"})
+    out.write(job.output or "")
+    if job.timed_out:
+        print(f"hvdx-cluster: timed out after {timeout:g} s", file=out, flush=True)
+        return 124
+    return job.returncode
 
 
 if __name__ == "__main__":  # python -m hvdx.runner.cluster

@@ -24,13 +24,17 @@ from typing import IO, Dict, List, Optional, Sequence, Tuple
 HOROVODRUN = Path(sys.executable).parent / "horovodrun"
 #: The emulated cluster's command line, run as a file (it loads without TensorFlow).
 CLUSTER_SCRIPT = Path(__file__).resolve().with_name("cluster.py")
-#: Controllers horovodrun_command can start. "mpi" (horovodrun --mpi, or mpirun with
-#: Horovod's environment) will join them with the same arguments; it is not supported yet.
-CONTROLLERS = ("gloo",)
+#: Controllers horovodrun_command can start: Gloo, or MPI (`horovodrun --mpi` runs mpirun;
+#: mpirun and srun themselves: hvdx/runner/mpi.py).
+CONTROLLERS = ("gloo", "mpi")
 
 
 def horovodrun_command(command: Sequence[str], *, np: int, hosts: str, controller: str = "gloo") -> List[str]:
-    """`horovodrun -np NP -H HOSTS --gloo COMMAND...`.
+    """`horovodrun -np NP -H HOSTS --gloo|--mpi COMMAND...`.
+
+    Under --mpi, horovodrun passes -H to mpirun with its slots: `-H localhost:4` on 2 cores is
+    4 ranks that mpirun does not know oversubscribe the machine (hvdx.init() then tells Open
+    MPI to yield; docs/launching.md).
 
     Args:
         command: what every rank runs (e.g. [sys.executable, "train.py"]).
@@ -49,19 +53,21 @@ def horovodrun_command(command: Sequence[str], *, np: int, hosts: str, controlle
 
 
 def cluster_command(command: Sequence[str], *, nodes: int, ranks_per_node: int, rate: str = "1gbit",
-                    no_delay: bool = False, timeout: Optional[float] = None) -> List[str]:
+                    no_delay: bool = False, timeout: Optional[float] = None, mpi: bool = False) -> List[str]:
     """`python hvdx/runner/cluster.py --nodes N --ranks-per-node M --rate RATE [--no-delay]
-    [--timeout T] -- COMMAND...`: `command` on the emulated cluster (root only).
+    [--timeout T] [--mpi] -- COMMAND...`: `command` on the emulated cluster (root only).
 
     Args:
         rate: each node's link rate, tc syntax ("1gbit").
         no_delay: no netem delay on the links (else the cluster's default delay, where the
             kernel has netem).
         timeout: seconds before the cluster launcher kills the job (status 124).
+        mpi: start the ranks with mpirun (Open MPI) instead of Horovod's Gloo environment.
     """
     options = ["--nodes", str(nodes), "--ranks-per-node", str(ranks_per_node), "--rate", rate]
     options += ["--no-delay"] if no_delay else []
     options += ["--timeout", str(timeout)] if timeout is not None else []
+    options += ["--mpi"] if mpi else []
     return [sys.executable, str(CLUSTER_SCRIPT), *options, "--", *command]
 
 

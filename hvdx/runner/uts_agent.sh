@@ -1,0 +1,33 @@
+#!/bin/sh
+# Open MPI's rsh agent for nodes emulated on one machine (hvdx/runner/mpi.py; root only).
+#
+#   mpirun --mca plm_rsh_agent /path/to/uts_agent.sh --hostfile HOSTS ...
+#
+# Open MPI calls it as it would call ssh: `uts_agent.sh [ssh options] HOST COMMAND...`. Instead
+# of logging in, it starts COMMAND (Open MPI's daemon, orted) in a new UTS namespace whose host
+# name is HOST, so the daemon and the ranks it starts see a machine of that name: Open MPI and
+# Horovod group ranks into nodes by host name, and each node keeps its own session directory and
+# shared-memory segments. Like ssh, the command words are joined and run by a shell.
+#
+# On the emulated cluster (hvdx/runner/cluster.py) HVDX_NETNS_MAP="node0:ns0 node1:ns1" names
+# each host's network namespace: the daemon then starts in it (`ip netns exec`), so its ranks
+# reach the other nodes only over that node's shaped link.
+while [ $# -gt 0 ]; do
+    case "$1" in
+        -p|-i|-l|-o|-F) shift 2 ;;   # ssh options that take a value
+        -*) shift ;;                 # other ssh flags (-x, -q, -T, ...)
+        *) break ;;
+    esac
+done
+if [ $# -lt 2 ]; then
+    echo "uts_agent.sh: usage: uts_agent.sh HOST COMMAND..." >&2
+    exit 2
+fi
+host="$1"
+shift
+for pair in ${HVDX_NETNS_MAP:-}; do
+    if [ "${pair%%:*}" = "$host" ]; then
+        exec ip netns exec "${pair#*:}" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+    fi
+done
+exec unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
