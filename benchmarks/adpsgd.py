@@ -273,9 +273,12 @@ def report(args, results: List[dict]) -> None:
                 ratio = "-" if s["median_ratio"] is None else (
                     f"{s['median_ratio']:.2f} ({min(s['ratio_to_allreduce']):.2f}-{max(s['ratio_to_allreduce']):.2f})")
                 times = [t for t in s["time_to_target"] if t is not None]
+                runs = result["runs"][scenario][method]
+                per_step = statistics.median(run["exchanges"] / run["steps"] for run in runs)
                 rows.append([topo, scenario.replace("_", " "), LABELS[method],
                              f"{statistics.median(times):.2f}" if times else "not reached", ratio,
-                             f"{statistics.median(s['accuracy']):.4f}", f"{result['load_average'][0]:.1f}"])
+                             f"{statistics.median(s['accuracy']):.4f}",
+                             "-" if method == "allreduce" else f"{per_step:.2f}", f"{result['load_average'][0]:.1f}"])
     readme = readme_path(args)
     if readme is None:
         return
@@ -289,9 +292,11 @@ def report(args, results: List[dict]) -> None:
             f"rounds); `slow rank`: the last rank sleeps {args.slow_factor - 1:g}x AllReduce-SGD's homogeneous step "
             f"(computation and allreduce, measured on each topology: `step_seconds` in the JSON) after "
             f"every step; `slow link`: the last node's uplink at {args.slow_rate}. Final accuracy: the test accuracy of the model every rank holds at the end. "
+            f"Averagings per step: the exchanges rank 0 took part in over its steps (Algorithm 1 averages once per "
+            f"step; fewer means the gossip did not keep up with the computation and the ranks trained mostly alone). "
             f"`results/adpsgd.json`, `results/adpsgd.png`.\n\n"
             + markdown_table(["topology", "scenario", "method", "time to target (s)", "ratio to AllReduce",
-                              "final accuracy", "load avg"], rows, text_columns=3))
+                              "final accuracy", "rank 0's averagings per step", "load avg"], rows, text_columns=3))
     update_readme("adpsgd", body, readme)
 
 
