@@ -56,6 +56,28 @@ def is_horovods(optimizer) -> bool:
     return False
 
 
+def check_not_synchronous(optimizer, method: str, example: str = "tf.keras.optimizers.SGD(0.1)") -> None:
+    """Raises ValueError when `optimizer`, or an optimizer it wraps (`inner_optimizer`),
+    averages gradients over all ranks every step (an hvdx or Horovod DistributedOptimizer,
+    DASO): an asynchronous `method` replaces that averaging, it does not add to it.
+
+    Args:
+      optimizer: what the user passed.
+      method: the asynchronous method's name in the message ("AD-PSGD").
+      example: a plain optimizer to pass instead, for the message.
+    """
+    seen = optimizer
+    while seen is not None:
+        module = type(seen).__module__ or ""
+        names = {k.__name__ for k in type(seen).__mro__}
+        if "DistributedOptimizer" in names or "DASO" in names or module.startswith("horovod.") \
+                or "_hvdx_wrapper" in vars(type(seen)):
+            raise ValueError(f"{method} cannot run with the synchronous {type(seen).__name__} ({module}): it "
+                             f"would average the gradients over all ranks every step, the very wait {method} "
+                             f"removes. Pass the plain Keras optimizer (e.g. {example}).")
+        seen = getattr(seen, "inner_optimizer", None)
+
+
 def check_not_horovods(optimizer, wrapper: str, why: str = "its gradients would be averaged twice, by Horovod's "
                        "wrapper and by hvdx's", kind: str = "tf.keras",
                        example: str = "tf.keras.optimizers.SGD(...)") -> None:

@@ -29,6 +29,7 @@ from hvdx.adpsgd.gossip import Gossip
 from hvdx.adpsgd.graph import Edges, build_graph
 from hvdx.transport.peer import PeerTransport
 from hvdx.transport.ring import GroupTransport
+from hvdx.wrapped import check_not_synchronous
 
 __all__ = ["ADPSGD", "ADPSGDCallback", "check_optimizer"]
 
@@ -36,16 +37,7 @@ __all__ = ["ADPSGD", "ADPSGDCallback", "check_optimizer"]
 def check_optimizer(optimizer: Any) -> None:
     """ValueError if `optimizer` averages gradients synchronously (an hvdx or Horovod
     DistributedOptimizer, DASO): AD-PSGD replaces that averaging, it does not add to it."""
-    seen = optimizer
-    while seen is not None:
-        module = type(seen).__module__ or ""
-        names = {k.__name__ for k in type(seen).__mro__}
-        if "DistributedOptimizer" in names or "DASO" in names or module.startswith("horovod.") \
-                or "_hvdx_wrapper" in vars(type(seen)):
-            raise ValueError(f"AD-PSGD cannot run with the synchronous {type(seen).__name__} ({module}): it "
-                             f"would average the gradients over all ranks every step, the very wait AD-PSGD "
-                             f"removes. Pass the plain Keras optimizer (e.g. tf.keras.optimizers.SGD(0.1)).")
-        seen = getattr(seen, "inner_optimizer", None)
+    check_not_synchronous(optimizer, "AD-PSGD")
 
 
 class ADPSGD:

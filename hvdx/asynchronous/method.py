@@ -31,6 +31,7 @@ from hvdx import ops
 from hvdx.asynchronous.partition import Unit, layer_units, partition
 from hvdx.asynchronous.shared import SharedModel, SharedModelError
 from hvdx.asynchronous.staleness import Staleness, merge
+from hvdx.wrapped import check_not_synchronous
 
 __all__ = ["SharedModelMethod", "check_optimizer"]
 
@@ -40,17 +41,7 @@ _NAME_BYTES = 64
 def check_optimizer(optimizer: Any) -> None:
     """ValueError if `optimizer` averages gradients synchronously (an hvdx or Horovod
     DistributedOptimizer, DASO): the shared model replaces that averaging."""
-    seen = optimizer
-    while seen is not None:
-        module = type(seen).__module__ or ""
-        names = {k.__name__ for k in type(seen).__mro__}
-        if "DistributedOptimizer" in names or "DASO" in names or module.startswith("horovod.") \
-                or "_hvdx_wrapper" in vars(type(seen)):
-            raise ValueError(f"a shared-model method cannot run with the synchronous {type(seen).__name__} "
-                             f"({module}): it would average the gradients over all ranks every step, the very "
-                             f"wait the asynchronous methods remove. Pass the plain Keras optimizer (e.g. "
-                             f"tf.keras.optimizers.SGD(0.05, momentum=0.9)).")
-        seen = getattr(seen, "inner_optimizer", None)
+    check_not_synchronous(optimizer, "a shared-model method", "tf.keras.optimizers.SGD(0.05, momentum=0.9)")
 
 
 def _horovod():
