@@ -11,12 +11,11 @@ import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import numpy as np
 import tensorflow as tf
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 import hvdx
 from hvdx import ops
 from hvdx.asynchronous import ASSM, PASSM, AsyncMiniBatch, PASSMPlus, SharedModelCallback
+from tests.multirank import digits
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
@@ -27,12 +26,6 @@ def spread(values, tag):
     low = hvd.allreduce(flat, op=hvd.Min, name=f"asynchronous.min.{tag}").numpy()
     high = hvd.allreduce(flat, op=hvd.Max, name=f"asynchronous.max.{tag}").numpy()
     return float(np.max(high - low))
-
-
-def digits_split():
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    return train_test_split(x, data.target, test_size=0.25, random_state=0, stratify=data.target)
 
 
 def make_model(seed=0, width=64, depth=1):
@@ -74,7 +67,7 @@ def equal_shard(topo, n):
 
 
 def check_convergence(topo, epochs=20, batch=16, lr=0.05, momentum=0.9):
-    x_train, x_test, y_train, y_test = digits_split()
+    x_train, x_test, y_train, y_test = digits.split()
     shard = equal_shard(topo, len(x_train))
     steps_per_epoch = len(x_train[shard]) // batch + (len(x_train[shard]) % batch > 0)
     decay = 2 * epochs // 3   # the rate x0.1 at 2/3 of the epochs, every method (each rank counts its steps)
@@ -112,7 +105,7 @@ def check_partition(topo):
     own = method.own_range()
     names = [v.name for v in method.variables_to_train()]
     total = method.shared.size
-    x, y = digits_split()[0][:32], digits_split()[2][:32]
+    x, y = digits.split()[0][:32], digits.split()[2][:32]
     with tf.GradientTape(persistent=True) as tape:
         loss = LOSS(y, model(x, training=True))
     restricted = tape.gradient(loss, method.variables_to_train())
@@ -125,7 +118,7 @@ def check_partition(topo):
 
 
 def check_checkpoint(topo, epochs=2):
-    x_train, x_test, y_train, y_test = digits_split()
+    x_train, x_test, y_train, y_test = digits.split()
     shard = equal_shard(topo, len(x_train))
     model = make_model()
     model.compile(tf.keras.optimizers.SGD(0.05, momentum=0.9), LOSS)
@@ -151,7 +144,7 @@ def check_staleness(topo, rounds=10):
     assert topo.local_size == 2, "a node of 2 processes"
     model = make_model(width=16)
     method = ASSM(average_every=10 ** 9).start(model, tf.keras.optimizers.SGD(0.01))
-    x, _, y, _ = digits_split()
+    x, _, y, _ = digits.split()
 
     def step(s):
         with tf.GradientTape() as tape:
