@@ -14,11 +14,9 @@ services, no /etc. Nothing here imports TensorFlow or Horovod.
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import secrets
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -26,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
+from .launch import stop
 from .mpi import OVERSUBSCRIBED_MCA, srun_command
 
 __all__ = ["DAEMONS", "LocalSlurm", "SlurmError", "slurm_unavailable"]
@@ -196,18 +195,7 @@ class LocalSlurm:
         return self
 
     def __exit__(self, *exc) -> None:
-        for proc in reversed(self._procs):
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in reversed(self._procs):
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+        stop(list(reversed(self._procs)), grace=10)
         self._procs = []
         if self._tmp is not None:
             self._tmp.cleanup()
