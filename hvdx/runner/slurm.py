@@ -14,6 +14,7 @@ services, no /etc. Nothing here imports TensorFlow or Horovod.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -195,7 +196,20 @@ class LocalSlurm:
         return self
 
     def __exit__(self, *exc) -> None:
+        import psutil  # Horovod's dependency
+
+        # slurmd's step daemons (slurmstepd) run in sessions of their own: stopping slurmd's
+        # process group can leave one behind (seen after a CI run), so they are collected first
+        # and killed if they outlive it.
+        steps = []
+        for proc in self._procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                steps += psutil.Process(proc.pid).children(recursive=True)
         stop(list(reversed(self._procs)), grace=10)
+        for step in steps:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                step.kill()
+        psutil.wait_procs(steps, timeout=10)
         self._procs = []
         if self._tmp is not None:
             self._tmp.cleanup()
