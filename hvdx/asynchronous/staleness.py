@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Dict
 
-import numpy as np
 import tensorflow as tf
 
 __all__ = ["Staleness"]
