@@ -84,9 +84,14 @@ _kill_tree = kill_tree  # SIGKILL to a process and all its descendants (hvdx/run
 #: Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1) and, under Gloo,
 #: negotiates with the other ranks even when no tensor is pending: 4 idle ranks on this 2-core
 #: machine burn about one core between them (0.3 CPU s per rank per second, against 0.03 at
-#: 5 ms), the cores the working ranks need. Tests run many ranks on few cores; a user's job
-#: may set its own (the environment wins).
-TEST_CYCLE_TIME_MS = "5"
+#: 5 ms), the cores the working ranks need. Busy ranks pay per cycle too (futex and epoll
+#: system time): optimizer.training, training_path.horovod_options and .checkpoints in one
+#: 2x2 launch took 210 CPU s at 5 ms, 192 at 10 and 166 at 20, while a collective waits for
+#: the next cycle (half of one on average), which lengthens checks of many small sequential
+#: steps (optimizer.training: 85 s at 5 ms, 109 s at 20). 10 ms: most of the saving, little
+#: of the wait. Tests run many ranks on few cores; a user's job may set its own (the
+#: environment wins).
+TEST_CYCLE_TIME_MS = "10"
 
 
 def test_env(result_dir: str = ".") -> Dict[str, str]:

@@ -103,7 +103,7 @@ def check_bad_input() -> None:
             raise AssertionError(f"{kwargs} accepted")
 
 
-def check_training(topo, epochs: int = 20) -> dict:
+def check_training(topo, epochs: int = 14) -> dict:
     check_bad_input()
     check_tape(topo)
     check_tape_keeps_residuals_across_steps(topo)

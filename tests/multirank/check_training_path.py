@@ -242,12 +242,14 @@ def check_checkpoints(topo):
                                   root_rank=0, name="ckpt.dir")
     mine = tempfile.mkdtemp(prefix=f"hvdx-ckpt-r{topo.rank}-")
     try:
-        for fmt in ("keras", "savedmodel", "h5", "checkpoint"):
-            for legacy in (False, True):
-                model, opt = trained_hitopk_model(topo, legacy)
-                residuals = [r.numpy().copy() for r in opt.aggregator.residuals]
-                iterations = int(opt.iterations.numpy())
-                inner_state = [w.copy() for w in opt.get_weights()]
+        for legacy in (False, True):
+            # One trained model per kind, saved in every format (saving changes neither it nor
+            # its optimizer): the same state each format must give back.
+            model, opt = trained_hitopk_model(topo, legacy)
+            residuals = [r.numpy().copy() for r in opt.aggregator.residuals]
+            iterations = int(opt.iterations.numpy())
+            inner_state = [w.copy() for w in opt.get_weights()]
+            for fmt in ("keras", "savedmodel", "h5", "checkpoint"):
                 for who, folder in (("own", mine), ("rank0", shared)):
                     path = os.path.join(folder, f"{fmt}-{legacy}" + {"keras": ".keras", "h5": ".h5"}.get(fmt, ""))
                     if who == "own" or topo.rank == 0:
