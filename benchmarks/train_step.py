@@ -155,6 +155,82 @@ def measure(kind: str, args: argparse.Namespace) -> Dict[str, List[float]]:
     return {"rounds": per_round}
 
 
+# -- graph census ----------------------------------------------------------------------------
+#: Op types counted by `graph_census`, by what they cost (the first match wins).
+CENSUS_KINDS = [
+    ("collectives", lambda t: t.startswith("Horovod") and t not in ("HorovodSize", "HorovodRank",
+                                                                     "HorovodLocalSize", "HorovodLocalRank",
+                                                                     "HorovodProcessSetIncluded")),
+    ("tf.cond (If) on a computed predicate", lambda t: t in ("If", "StatelessIf")),
+    ("finiteness checks (IsFinite)", lambda t: t == "IsFinite"),
+    ("casts", lambda t: t == "Cast"),
+    ("concats, splits, slices", lambda t: t in ("ConcatV2", "Split", "SplitV", "Slice", "StridedSlice", "Pack",
+                                                 "Unpack")),
+    ("reshapes, identities", lambda t: t in ("Reshape", "Identity", "IdentityN")),
+]
+_BRANCH_ATTRS = ("then_branch", "else_branch", "branches", "body", "cond", "f")
+
+
+def _constant_predicate(op) -> Optional[bool]:
+    """The value of an If op's predicate when it is a constant (Horovod's `_allreduce_cond`
+    on a fixed number of ranks), else None."""
+    source = op.inputs[0].op
+    while source.type == "Identity":
+        source = source.inputs[0].op
+    if source.type != "Const":
+        return None
+    from tensorflow.python.framework import tensor_util
+
+    return bool(tensor_util.MakeNdarray(source.get_attr("value")))
+
+
+def _step_ops(graph, depth: int = 0):
+    """Every op one call of `graph` runs (into called functions; of an If on a constant
+    predicate only the branch taken)."""
+    for op in graph.get_operations():
+        branches = []
+        for attr in _BRANCH_ATTRS:
+            try:
+                value = op.get_attr(attr)
+            except (ValueError, TypeError):
+                continue
+            branches.extend(value if isinstance(value, list) else [value])
+        fixed = _constant_predicate(op) if op.type in ("If", "StatelessIf") else None
+        if fixed is not None:
+            branches = branches[:1] if fixed else branches[1:2]  # then_branch, else_branch
+        else:
+            yield op
+        for branch in branches:
+            name = getattr(branch, "name", None)
+            function = graph._get_function(name) if name and depth < 8 else None  # noqa: SLF001
+            sub = getattr(function, "graph", None)
+            if sub is not None:
+                yield from _step_ops(sub, depth + 1)
+
+
+def graph_census(train, iterator) -> Dict[str, object]:
+    """What one call of Keras' train function runs, counted on its traced graph (before
+    TensorFlow's graph optimizer): ops in all, ops by costly kind (`CENSUS_KINDS`), and the
+    Horovod collectives as [op type, float tensors it takes, their bytes] (static sizes). Counts do
+    not depend on the machine's load, so they compare optimizers where wall times cannot."""
+    graph = train.get_concrete_function(iterator).graph
+    counts: Dict[str, int] = collections.Counter()
+    collectives: List[List] = []
+    total = 0
+    for op in _step_ops(graph):
+        total += 1
+        for kind, test in CENSUS_KINDS:
+            if test(op.type):
+                counts[kind] += 1
+                break
+        if CENSUS_KINDS[0][1](op.type):
+            data = [x for x in op.inputs if x.dtype.is_floating]
+            nbytes = sum(x.shape.num_elements() * x.dtype.size for x in data if x.shape.is_fully_defined())
+            collectives.append([op.type, len(data), nbytes])
+    return {"ops": total, "kinds": dict(counts), "collectives": collectives,
+            "collective_bytes": sum(b for _, _, b in collectives)}
+
+
 # -- profile -------------------------------------------------------------------------------
 _STRATEGY_SCOPE = re.compile(r"^(?:.*/)?(hitopk|hierarchical|allreduce|sparse_allgather)(?:_\d+)?/")
 CATEGORIES = [  # (category, test on (name with scopes, op type)); the first match wins
