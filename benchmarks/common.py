@@ -67,22 +67,37 @@ def cluster_description() -> Optional[dict]:
 
 
 def launch_ranks(argv: Sequence[str], nodes: int, per_node: int, *, cluster: bool = False, rate: str = "1gbit",
-                 no_delay: bool = False, env: Optional[Dict[str, str]] = None) -> int:
+                 no_delay: bool = False, env: Optional[Dict[str, str]] = None, engine: str = "gloo") -> int:
     """Runs `python ARGV...` as nodes x per_node ranks, with this checkout importable: on
     horovodrun over loopback (emulated nodes, hvdx.runner.hosts), or with `cluster` on the
-    emulated cluster, `rate` links between nodes (root; `no_delay`: no netem). Prints the
-    command line first; output goes to this process's. Returns the job's exit status."""
+    emulated cluster, `rate` links between nodes (root; `no_delay`: no netem). `engine`:
+    "gloo" (Horovod's Gloo controller and collectives) or "mpi" (mpirun, Open MPI's: on the
+    emulated cluster its `--mpi` mode, else nodes emulated with `hvdx.runner.mpi.EmulatedNodes`;
+    root). Prints the command line first; output goes to this process's. Returns the job's
+    exit status.
+
+    Raises:
+        ValueError: an engine other than "gloo" or "mpi".
+    """
+    if engine not in ("gloo", "mpi"):
+        raise ValueError(f"engine must be 'gloo' or 'mpi', got {engine!r}")
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from hvdx.runner import cluster_command, horovodrun_command, hosts, run
+    from hvdx.runner.mpi import EmulatedNodes
 
     worker = [sys.executable, *argv]
-    if cluster:
-        command = cluster_command(worker, nodes=nodes, ranks_per_node=per_node, rate=rate, no_delay=no_delay)
-    else:
-        command = horovodrun_command(worker, np=nodes * per_node, hosts=hosts(nodes, per_node))
-    print("launching:", " ".join(command), flush=True)
-    return run(command, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})), capture=False).returncode
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    with contextlib.ExitStack() as stack:
+        if cluster:
+            command = cluster_command(worker, nodes=nodes, ranks_per_node=per_node, rate=rate, no_delay=no_delay,
+                                      mpi=engine == "mpi")
+        elif engine == "mpi":
+            command = stack.enter_context(EmulatedNodes(nodes, per_node)).command(worker)
+        else:
+            command = horovodrun_command(worker, np=nodes * per_node, hosts=hosts(nodes, per_node))
+        print("launching:", " ".join(command), flush=True)
+        return run(command, env=env, capture=False).returncode
 
 
 def add_topology_arguments(parser: argparse.ArgumentParser, topologies: str = "2x2,2x1") -> None:
@@ -94,12 +109,12 @@ def add_topology_arguments(parser: argparse.ArgumentParser, topologies: str = "2
 
 
 def run_topologies(script: str, args: argparse.Namespace, argv: Sequence[str],
-                   env: Optional[Dict[str, str]] = None) -> Iterator[dict]:
+                   env: Optional[Dict[str, str]] = None, engine: str = "gloo") -> Iterator[dict]:
     """For each "MxN" of args.topologies: `script --worker-json PATH ARGV...` on M nodes x N
-    ranks (the emulated cluster at args.rate without delay, or loopback with args.local),
-    then the JSON its rank 0 wrote to PATH, with the machine's 1-minute load average before
-    and after the run as "load_average" (the cores may be shared: a reader should know how
-    busy they were).
+    ranks (the emulated cluster at args.rate without delay, or loopback with args.local;
+    `engine` as `launch_ranks`), then the JSON its rank 0 wrote to PATH, with the machine's
+    1-minute load average before and after the run as "load_average" (the cores may be
+    shared: a reader should know how busy they were).
 
     Raises:
         SystemExit: a run failed (its exit status in the message).
@@ -109,9 +124,9 @@ def run_topologies(script: str, args: argparse.Namespace, argv: Sequence[str],
         with tempfile.TemporaryDirectory() as tmp, load_during() as load:
             path = Path(tmp) / "ranks.json"
             code = launch_ranks([script, "--worker-json", str(path), *argv], nodes, per_node, cluster=not args.local,
-                                rate=args.rate, no_delay=True, env=env)
+                                rate=args.rate, no_delay=True, env=env, engine=engine)
             if code:
-                raise SystemExit(f"the {nodes}x{per_node} run failed (exit status {code})")
+                raise SystemExit(f"the {nodes}x{per_node} run ({engine}) failed (exit status {code})")
             result = json.loads(path.read_text())
         result["load_average"] = [load["start"][0], load["end"][0]]
         yield result

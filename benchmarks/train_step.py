@@ -10,11 +10,14 @@ machine hits all of them alike); a time is the slowest rank's time of `--steps` 
     python benchmarks/train_step.py                     # emulated cluster, 2x2 and 2x1, 1 Gbit/s (root)
     python benchmarks/train_step.py --local             # horovodrun over loopback (no shaping)
     python benchmarks/train_step.py --profile           # also: where the time of one step goes
+    python benchmarks/train_step.py --engines gloo,mpi  # each topology under Gloo, then under mpirun (root)
 
 With `--profile`, rank 0 records one step of each optimizer with TensorFlow's profiler and
 Horovod's timeline and sums the time of the step's operations by what they do (forward and
 backward, fusion copies and casts, residual update, MSTopK, sparse accumulation, each
-collective, split, apply). Writes <out>/train_step.json, .png and the table of
+collective, split, apply). Every run also counts what one step runs on its traced graph
+(`graph_census`: ops, collectives and their bytes, casts, concats, conds, finiteness
+checks), which no load changes. Writes <out>/train_step.json, .png and the tables of
 benchmarks/README.md.
 """
 from __future__ import annotations
@@ -54,9 +57,16 @@ GOALS = {"hitopk": 3.0, "hierarchical": 1.25, "allreduce": 1.0}
 
 
 # -- models --------------------------------------------------------------------------------
+MODELS = ("mlp", "cnn", "resnet")
+DEFAULT_MODELS = ["mlp", "cnn", "resnet"]
+
+
 def build_model(kind: str, scale: float = 1.0):
-    """The issue's MLP (1024-4096-4096-10, 21M parameters) or a convolutional model (VGG-like
-    on 32x32x3, 5.2M parameters); `scale` shrinks widths (the tests' tiny runs)."""
+    """The issue's MLP (1024-4096-4096-10, 21M parameters), a convolutional model (VGG-like
+    on 32x32x3, 5.2M parameters) or a small ResNet (conv + batch norm: a 3x3 stem and three
+    stages of two basic blocks, 32-64-128 filters, on 32x32x3, 1.2M parameters; He et al.,
+    "Deep Residual Learning for Image Recognition", 2016, arXiv:1512.03385, sec. 4.2's CIFAR
+    networks); `scale` shrinks widths (the tests' tiny runs)."""
     import tensorflow as tf
 
     layers = tf.keras.layers
@@ -72,7 +82,32 @@ def build_model(kind: str, scale: float = 1.0):
             layers.Conv2D(w(256), 3, padding="same", activation="relu"), layers.MaxPool2D(),
             layers.Conv2D(w(256), 3, padding="same", activation="relu"), layers.MaxPool2D(),
             layers.Flatten(), layers.Dense(w(1024), activation="relu"), layers.Dense(10)], name="cnn")
-    raise ValueError(f"unknown model {kind!r}: 'mlp' or 'cnn'")
+    if kind == "resnet":
+        return _resnet(w)
+    raise ValueError(f"unknown model {kind!r}: one of {', '.join(MODELS)}")
+
+
+def _resnet(w: Callable[[int], int]):
+    """He et al.'s CIFAR ResNet with two basic blocks per stage (conv-BN-ReLU-conv-BN plus the
+    shortcut, a 1x1 convolution with batch norm where the shape changes)."""
+    import tensorflow as tf
+
+    layers = tf.keras.layers
+
+    def conv_bn(x, filters: int, size: int, stride: int = 1):
+        x = layers.Conv2D(filters, size, strides=stride, padding="same", use_bias=False)(x)
+        return layers.BatchNormalization()(x)
+
+    inputs = tf.keras.Input((32, 32, 3))
+    x = layers.ReLU()(conv_bn(inputs, w(32), 3))
+    for stage, filters in enumerate((w(32), w(64), w(128))):
+        for block in range(2):
+            stride = 2 if stage and not block else 1
+            y = conv_bn(layers.ReLU()(conv_bn(x, filters, 3, stride)), filters, 3)
+            shortcut = x if stride == 1 and x.shape[-1] == filters else conv_bn(x, filters, 1, stride)
+            x = layers.ReLU()(layers.Add()([y, shortcut]))
+    x = layers.GlobalAveragePooling2D()(x)
+    return tf.keras.Model(inputs, layers.Dense(10)(x), name="resnet")
 
 
 def input_shape(model) -> tuple:
@@ -128,6 +163,7 @@ def trainers(kind: str, args: argparse.Namespace) -> Dict[str, Callable[[int], f
                 logs = train(iterator)
             return float(logs["loss"])
 
+        run.census = lambda train=train, iterator=iterator: graph_census(train, iterator)
         out[key] = run
     return out
 
@@ -142,6 +178,7 @@ def measure(kind: str, args: argparse.Namespace) -> Dict[str, List[float]]:
     for key, run in runs.items():  # warm-up: tracing, residuals, layout checks
         run(2)
         hvdx.barrier()
+    census = {key: run.census() for key, run in runs.items()}  # every rank: no rank traces alone
     per_round: Dict[str, List[float]] = {key: [] for key in runs}
     calls = {key: (lambda run=run: run(args.steps)) for key, run in runs.items()}
     for r, times in enumerate(timed_rounds(calls, args.rounds, f"ts.{kind}", warmup=0, rotate=True)):
@@ -151,8 +188,84 @@ def measure(kind: str, args: argparse.Namespace) -> Dict[str, List[float]]:
             print(f"[{kind}] round {r}: " + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in runs), flush=True)
     if args.profile:
         profiles = profile_steps(kind, runs, args)
-        return {"rounds": per_round, "profile": profiles}
-    return {"rounds": per_round}
+        return {"rounds": per_round, "census": census, "profile": profiles}
+    return {"rounds": per_round, "census": census}
+
+
+# -- graph census ----------------------------------------------------------------------------
+#: Op types counted by `graph_census`, by what they cost (the first match wins).
+CENSUS_KINDS = [
+    ("collectives", lambda t: t.startswith("Horovod") and t not in ("HorovodSize", "HorovodRank",
+                                                                     "HorovodLocalSize", "HorovodLocalRank",
+                                                                     "HorovodProcessSetIncluded")),
+    ("tf.cond (If) on a computed predicate", lambda t: t in ("If", "StatelessIf")),
+    ("finiteness checks (IsFinite)", lambda t: t == "IsFinite"),
+    ("casts", lambda t: t == "Cast"),
+    ("concats, splits, slices", lambda t: t in ("ConcatV2", "Split", "SplitV", "Slice", "StridedSlice", "Pack",
+                                                 "Unpack")),
+    ("reshapes, identities", lambda t: t in ("Reshape", "Identity", "IdentityN")),
+]
+_BRANCH_ATTRS = ("then_branch", "else_branch", "branches", "body", "cond", "f")
+
+
+def _constant_predicate(op) -> Optional[bool]:
+    """The value of an If op's predicate when it is a constant (Horovod's `_allreduce_cond`
+    on a fixed number of ranks), else None."""
+    source = op.inputs[0].op
+    while source.type == "Identity":
+        source = source.inputs[0].op
+    if source.type != "Const":
+        return None
+    from tensorflow.python.framework import tensor_util
+
+    return bool(tensor_util.MakeNdarray(source.get_attr("value")))
+
+
+def _step_ops(graph, depth: int = 0):
+    """Every op one call of `graph` runs (into called functions; of an If on a constant
+    predicate only the branch taken)."""
+    for op in graph.get_operations():
+        branches = []
+        for attr in _BRANCH_ATTRS:
+            try:
+                value = op.get_attr(attr)
+            except (ValueError, TypeError):
+                continue
+            branches.extend(value if isinstance(value, list) else [value])
+        fixed = _constant_predicate(op) if op.type in ("If", "StatelessIf") else None
+        if fixed is not None:
+            branches = branches[:1] if fixed else branches[1:2]  # then_branch, else_branch
+        else:
+            yield op
+        for branch in branches:
+            name = getattr(branch, "name", None)
+            function = graph._get_function(name) if name and depth < 8 else None  # noqa: SLF001
+            sub = getattr(function, "graph", None)
+            if sub is not None:
+                yield from _step_ops(sub, depth + 1)
+
+
+def graph_census(train, iterator) -> Dict[str, object]:
+    """What one call of Keras' train function runs, counted on its traced graph (before
+    TensorFlow's graph optimizer): ops in all, ops by costly kind (`CENSUS_KINDS`), and the
+    Horovod collectives as [op type, float tensors it takes, their bytes] (static sizes). Counts do
+    not depend on the machine's load, so they compare optimizers where wall times cannot."""
+    graph = train.get_concrete_function(iterator).graph
+    counts: Dict[str, int] = collections.Counter()
+    collectives: List[List] = []
+    total = 0
+    for op in _step_ops(graph):
+        total += 1
+        for kind, test in CENSUS_KINDS:
+            if test(op.type):
+                counts[kind] += 1
+                break
+        if CENSUS_KINDS[0][1](op.type):
+            data = [x for x in op.inputs if x.dtype.is_floating]
+            nbytes = sum(x.shape.num_elements() * x.dtype.size for x in data if x.shape.is_fully_defined())
+            collectives.append([op.type, len(data), nbytes])
+    return {"ops": total, "kinds": dict(counts), "collectives": collectives,
+            "collective_bytes": sum(b for _, _, b in collectives)}
 
 
 # -- profile -------------------------------------------------------------------------------
@@ -167,7 +280,7 @@ CATEGORIES = [  # (category, test on (name with scopes, op type)); the first mat
     ("split", lambda n, t: n.startswith("split/") or "/split/" in n),
     ("strategy: slices, sums, packets", lambda n, t: bool(_STRATEGY_SCOPE.match(n))),
     ("backward", lambda n, t: n.startswith("gradient_tape/")),
-    ("forward, loss", lambda n, t: n.split("/")[0] in ("mlp", "cnn", "sparse_categorical_crossentropy")),
+    ("forward, loss", lambda n, t: n.split("/")[0] in (*MODELS, "sparse_categorical_crossentropy")),
     ("apply (SGD)", lambda n, t: "SGD" in n.split("/")[0]),
 ]
 
@@ -296,6 +409,7 @@ def run_ranks(args: argparse.Namespace) -> None:
     if hvd.rank() == 0:
         Path(args.worker_json).write_text(json.dumps({
             "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
+            "engine": "mpi" if hvd.mpi_enabled() else "gloo",
             "network": cluster_description(), "models": results}, indent=1))
     hvdx.barrier()
 
@@ -331,6 +445,12 @@ def goal_verdicts(summary: Dict[str, dict]) -> Dict[str, dict]:
     return out
 
 
+def run_label(result: dict) -> str:
+    """"2x2 gloo": the topology (nodes x ranks per node) and the engine of one launch."""
+    topo = result["topology"]
+    return f"{topo['nodes']}x{topo['ranks_per_node']} {result.get('engine', 'gloo')}"
+
+
 def step_table(result: dict) -> str:
     topo = result["topology"]
     rows = []
@@ -339,13 +459,57 @@ def step_table(result: dict) -> str:
         for key, row in summary.items():
             speedup = row.get("speedup_vs_horovod")
             low, high = row.get("speedup_range", (None, None))
-            rows.append([f"{topo['nodes']}x{topo['ranks_per_node']}", kind, LABELS.get(key, key),
+            rows.append([f"{topo['nodes']}x{topo['ranks_per_node']}", result.get("engine", "gloo"), kind,
+                         LABELS.get(key, key),
                          f"{row['median_seconds'] * 1e3:.0f}",
                          "" if floor is None or key == "none" else f"{(row['median_seconds'] - floor) * 1e3:.0f}",
                          "1 (baseline)" if key == "horovod" else "" if speedup is None
                          else f"{speedup:.2f}x ({low:.2f}-{high:.2f})"])
-    return markdown_table(["topology", "model", "optimizer", "step (ms)", "over the floor (ms)",
-                           "speed-up vs Horovod, median (min-max) of rounds"], rows, text_columns=3)
+    return markdown_table(["topology", "engine", "model", "optimizer", "step (ms)", "over the floor (ms)",
+                           "speed-up vs Horovod, median (min-max) of rounds"], rows, text_columns=4)
+
+
+def census_table(result: dict) -> str:
+    """What one step runs, per model and optimizer (`graph_census`): the same on every
+    machine and under any load."""
+    rows = []
+    for kind, model in result["models"].items():
+        for key in [k for k in OPTIMIZERS if k in model.get("census", {})]:
+            c = model["census"][key]
+            colls = collections.Counter(t for t, _, _ in c["collectives"])
+            rows.append([kind, LABELS.get(key, key), str(c["ops"]),
+                         ", ".join(f"{n} {t.replace('Horovod', '')}" for t, n in sorted(colls.items())) or "none",
+                         str(sum(n for _, n, _ in c["collectives"])), f"{c['collective_bytes'] / 2 ** 20:.1f}",
+                         *[str(c["kinds"].get(name, 0)) for name, _ in CENSUS_KINDS[1:]]])
+    return markdown_table(["model", "optimizer", "ops per step", "collectives per step", "tensors in them",
+                           "MiB in", *[name for name, _ in CENSUS_KINDS[1:]]], rows, text_columns=4)
+
+
+def engine_table(results: List[dict]) -> str:
+    """Per topology run under both engines: each optimizer's median step under Gloo and under
+    MPI and their ratio (> 1: faster under MPI). The engines run one after the other, not in
+    turns, so a change of load between the runs shows here: read it with their load averages."""
+    by_label = {run_label(r): r for r in results}
+    rows = []
+    for result in results:
+        topo = result["topology"]
+        name = f"{topo['nodes']}x{topo['ranks_per_node']}"
+        gloo, mpi = by_label.get(f"{name} gloo"), by_label.get(f"{name} mpi")
+        if result is not gloo or mpi is None:
+            continue
+        for kind, summary in gloo["summary"].items():
+            for key, row in summary.items():
+                other = mpi["summary"].get(kind, {}).get(key)
+                if other is None:
+                    continue
+                g, m = row["median_seconds"], other["median_seconds"]
+                rows.append([name, kind, LABELS.get(key, key), f"{g * 1e3:.0f}", f"{m * 1e3:.0f}", f"{g / m:.2f}x",
+                             "" if key == "horovod" or "speedup_vs_horovod" not in row else
+                             f"{row['speedup_vs_horovod']:.2f}x / {other.get('speedup_vs_horovod', 0):.2f}x"])
+    if not rows:
+        return ""
+    return markdown_table(["topology", "model", "optimizer", "Gloo step (ms)", "MPI step (ms)", "MPI speed-up",
+                           "vs Horovod, Gloo / MPI"], rows, text_columns=3)
 
 
 def profile_table(result: dict, kind: str) -> str:
@@ -385,7 +549,8 @@ def plot(results: List[dict], path: Path) -> None:
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([k.replace("sparse_allgather", "naiveag") for k in keys], rotation=35, fontsize=8)
         topo = result["topology"]
-        ax.set_title(f"{kind}, {topo['nodes']} nodes x {topo['ranks_per_node']} ranks", fontsize=9)
+        ax.set_title(f"{kind}, {topo['nodes']} nodes x {topo['ranks_per_node']} ranks, {result.get('engine', 'gloo')}",
+                     fontsize=9)
         ax.set_ylabel("median step time (ms)")
     fig.suptitle("model.fit step time; labels: speed-up vs Horovod (median of per-round ratios)", fontsize=9)
     fig.tight_layout()
@@ -395,8 +560,7 @@ def plot(results: List[dict], path: Path) -> None:
 
 def report(args: argparse.Namespace, results: List[dict]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    verdicts = {f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']}": goal_verdicts(r["summary"])
-                for r in results}
+    verdicts = {run_label(r): goal_verdicts(r["summary"]) for r in results}
     (args.out / "train_step.json").write_text(json.dumps({
         "args": {k: str(v) for k, v in vars(args).items() if k != "worker_json"},
         "goals_mlp_2x2": GOALS, "verdicts": verdicts, "runs": results}, indent=1))
@@ -404,7 +568,11 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
     network = next((r["network"] for r in results if r.get("network")), None)
     where = (f"on the emulated cluster of `hvdx/runner/cluster.py`, {args.rate} links between nodes (tbf-shaped, "
              "no added delay)" if network else "over loopback (horovodrun, unshaped)")
-    lines = [f"Measured by `python benchmarks/train_step.py{' --local' if args.local else ''}` {where}, "
+    engines = ",".join(args.engines)
+    command = " ".join(["python benchmarks/train_step.py", *(["--local"] if args.local else []),
+                        *([f"--engines {engines}"] if engines != "gloo" else []),
+                        *([f"--models {','.join(args.models)}"] if args.models != DEFAULT_MODELS else [])])
+    lines = [f"Measured by `{command}` {where} (engines: {engines}), "
              f"2 CPU cores for all ranks; `model.fit`'s train function, per-rank batch {args.batch}, SGD with "
              f"momentum; hvdx's sparse strategies at density {args.density}, buckets of "
              f"{'one fused buffer' if args.bucket_bytes == 0 else (args.bucket_bytes or 'the default')} bytes. "
@@ -412,8 +580,7 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
              "a step's time is the slowest rank's. Plot: `results/train_step.png`, raw: `results/train_step.json`. "
              "The machine's 1-minute load average when each topology's run started (other work sharing the 2 "
              "cores; the run adds its own ranks): " + ", ".join(
-                 f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']} {r['load_average'][0]:.1f}"
-                 for r in results) + ".",
+                 f"{run_label(r)} {r['load_average'][0]:.1f}" for r in results) + ".",
              ""]
     for name, verdict in verdicts.items():
         if verdict:
@@ -423,11 +590,16 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
             lines.append("")
     for result in results:
         lines += [step_table(result), ""]
+    compared = engine_table(results)
+    if compared:
+        lines += ["The same step under both engines (medians of each run):", "", compared, ""]
+    lines += ["What one step runs (counted on the traced train function, before TensorFlow's graph optimizer; "
+              "ops of a `tf.cond` on a constant, Horovod's on a fixed number of ranks, are those of the branch "
+              f"taken; {run_label(results[0])}):", "", census_table(results[0]), ""]
     profiled = [(r, kind) for r in results for kind in r["models"] if r["models"][kind].get("profile")]
     if profiled:
         result, kind = profiled[0]
-        topo = result["topology"]
-        lines += [f"Where the time of one step goes ({kind}, {topo['nodes']}x{topo['ranks_per_node']}, rank 0, "
+        lines += [f"Where the time of one step goes ({kind}, {run_label(result)}, rank 0, "
                   f"{args.profile_steps} profiled steps: TensorFlow's profiler and Horovod's timeline, which slow "
                   "the step down). TF ops: summed run time of the step's operations by what they do (they run on "
                   "several threads at once, and a rank shares 2 cores with the others, so sums can exceed the wall "
@@ -440,7 +612,10 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_topology_arguments(parser)
-    parser.add_argument("--models", default="mlp,cnn", type=lambda s: s.split(","))
+    parser.add_argument("--models", default=",".join(DEFAULT_MODELS), type=lambda s: s.split(","),
+                        help=f"of {', '.join(MODELS)}")
+    parser.add_argument("--engines", default="gloo", type=lambda s: s.split(","),
+                        help="gloo and/or mpi (mpirun, Open MPI; root), each topology under each in turn")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), type=lambda s: s.split(","))
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--bucket-bytes", type=int, default=None, help="hvdx's bucket size (0: one fused buffer)")
@@ -452,14 +627,21 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=2)
     add_output_arguments(parser, readme=README)
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.engines) - {"gloo", "mpi"}) + sorted(set(args.models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown engine(s) or model(s): {', '.join(unknown)}")
     if args.worker_json:
         run_ranks(args)
         return
     results = []
     env = {"HOROVOD_TIMELINE": "DYNAMIC"} if args.profile else None  # hvd.start_timeline() around profiled steps
-    for result in run_topologies(__file__, args, sys.argv[1:], env=env):
-        result["summary"] = summarize(result["models"])
-        results.append(result)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for topology in args.topologies.split(","):  # each topology under each engine, one after the other
+        for engine in args.engines:
+            one = argparse.Namespace(**{**vars(args), "topologies": topology})
+            for result in run_topologies(__file__, one, argv, env=env, engine=engine):
+                result["summary"] = summarize(result["models"])
+                results.append(result)
     report(args, results)
     print(json.dumps([r["summary"] for r in results], indent=1))
 

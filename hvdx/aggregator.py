@@ -422,7 +422,8 @@ class GradientAggregator(tf.Module):
                 parts = [tf.cast(flat[p.index] if (p.start, p.stop) == (0, flat[p.index].shape[0])
                                  else flat[p.index][p.start:p.stop], work) for p in bucket]
             with tf.name_scope(strategy.key or "strategy"):
-                pieces, result = strategy.aggregate_pieces(parts, f"{set_key}_b{b}", residual_scale=loss_scale)
+                pieces, result = strategy.aggregate_pieces(parts, f"{set_key}_b{b}", residual_scale=loss_scale,
+                                                           grouped=self._book.groups is not None)
             records.append(BucketRecord(result, tuple(bucket)))
             updates.extend(result.updates)
             if strategy.lossy:

@@ -154,10 +154,14 @@ def test_train_step_benchmark_writes_json_plot_and_table(tmp_path):
         assert profile["hitopk"]["ops"]["MSTopK"] > 0 and profile["none"]["ops"]["backward"] > 0
         assert "MSTopK" not in profile["allreduce"]["ops"]
         assert "cross-node all-gather" in profile["hitopk"]["collectives"]  # one rank per node: no node steps
-    assert set(result["verdicts"]["2x1"]) == {"hitopk", "hierarchical", "allreduce"}
+        census = model["census"]  # what a step runs: Horovod's and hvdx's allreduce hand over the same gradients
+        assert census["horovod"]["collectives"] == census["allreduce"]["collectives"]
+        assert census["allreduce"]["ops"] <= census["horovod"]["ops"]
+        assert census["none"]["collectives"] == [] and census["hitopk"]["kinds"]["finiteness checks (IsFinite)"] >= 1
+    assert set(result["verdicts"]["2x1 gloo"]) == {"hitopk", "hierarchical", "allreduce"}
     assert (tmp_path / "train_step.png").stat().st_size > 10_000
     text = readme.read_text()
-    assert "<!-- train-step:begin -->" in text and "| 2x1 | mlp | hvdx hitopk (HiTopKComm) |" in text
+    assert "<!-- train-step:begin -->" in text and "| 2x1 | gloo | mlp | hvdx hitopk (HiTopKComm) |" in text
     assert "| TF ops: " in text and "Horovod: cross-node all-gather" in text
 
 
@@ -166,6 +170,11 @@ def test_train_step_models_and_profile_categories():
 
     assert train_step.build_model("mlp").count_params() == 21_020_682  # the issue's 1024-4096-4096-10 MLP
     assert train_step.build_model("cnn").count_params() == 5_166_474
+    import tensorflow as tf
+
+    resnet = train_step.build_model("resnet")  # the issue's conv + batch-norm model: He et al.'s CIFAR ResNet
+    assert sum(isinstance(layer, tf.keras.layers.BatchNormalization) for layer in resnet.layers) == 15
+    assert sum(isinstance(layer, tf.keras.layers.Add) for layer in resnet.layers) == 6
 
     assert train_step.categorize("hitopk/HvdxMstopk", "HvdxMstopk") == "MSTopK"
     assert train_step.categorize("hitopk_1/error_feedback/AddN", "AddN") == "error feedback (residual add, update)"
@@ -179,6 +188,52 @@ def test_train_step_models_and_profile_categories():
     assert train_step.collective_kind("hvdx.hitopk.ag.v0_b0", "ALLGATHER") == "cross-node all-gather"
     assert train_step.collective_kind("DistributedSGD_Allreduce/cond/HorovodAllreduce_grads_0", "ALLREDUCE") == \
         "global allreduce"
+
+
+def test_train_step_census_counts_what_a_step_runs():
+    """The census counts ops into called functions, and of a tf.cond on a constant
+    (Horovod's `_allreduce_cond`) only the branch taken."""
+    import tensorflow as tf
+
+    from benchmarks import train_step
+
+    def census(predicate):
+        @tf.function
+        def f(x):
+            return tf.cond(predicate(), lambda: tf.cast(tf.math.is_finite(x), tf.float32), lambda: x * 2.0)
+
+        types = [op.type for op in train_step._step_ops(f.get_concrete_function(tf.TensorSpec([3])).graph)]
+        return types
+
+    taken = census(lambda: tf.constant(True))
+    assert "IsFinite" in taken and "Cast" in taken and "Mul" not in taken and "If" not in taken
+    computed = census(lambda: tf.reduce_sum(tf.ones([2])) > 1.0)  # computed: the If and both branches
+    assert "If" in computed or "StatelessIf" in computed
+    assert "IsFinite" in computed and "Mul" in computed
+
+
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_train_step_benchmark_runs_under_mpirun(tmp_path):
+    """The engine axis: a tiny ResNet's step under mpirun on 2 emulated nodes x 1 rank (Open
+    MPI's collectives, not Gloo's), Horovod's and hvdx's allreduce."""
+    from hvdx.runner.mpi import emulation_unavailable
+
+    why = emulation_unavailable()
+    if why:
+        pytest.skip(why)
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "train_step.py"), "--local",
+                           "--engines", "mpi", "--topologies", "2x1", "--models", "resnet", "--scale", "0.05",
+                           "--batch", "2", "--optimizers", "horovod,allreduce", "--rounds", "1", "--steps", "1",
+                           "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=300, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (run,) = json.loads((tmp_path / "train_step.json").read_text())["runs"]
+    assert run["engine"] == "mpi" and run["topology"] == {"nodes": 2, "ranks_per_node": 1}
+    census = run["models"]["resnet"]["census"]
+    assert census["horovod"]["collectives"] == census["allreduce"]["collectives"] != []
+    assert "| 2x1 | mpi | resnet | hvdx allreduce |" in readme.read_text()
 
 
 @pytest.mark.slow

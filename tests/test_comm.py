@@ -128,3 +128,51 @@ def test_hitopk_peak_memory_per_element_stays_bounded(tmp_path, mode, bound):
     assert done.returncode == 0, done.stderr[-3000:]
     per_element = json.loads(done.stdout.strip().splitlines()[-1])
     assert per_element < bound, per_element
+
+
+def _traced_step(optimizer):
+    """The graph of one train step of a three-layer MLP under `optimizer`, and the name of
+    the first layer's kernel gradient (backpropagation's last)."""
+    tf.keras.utils.set_random_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16), tf.keras.layers.Dense(16),
+                                 tf.keras.layers.Dense(2)])
+    seen = {}
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(model(x) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        seen["first_kernel_grad"] = grads[0].op.name
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    graph = step.get_concrete_function(tf.TensorSpec([None, 8])).graph
+    return graph, seen["first_kernel_grad"]
+
+
+def _ancestors(op) -> set:
+    seen, stack = set(), [op]
+    while stack:
+        for parent in [t.op for t in stack.pop().inputs]:
+            if parent.name not in seen:
+                seen.add(parent.name)
+                stack.append(parent)
+    return seen
+
+
+def test_allreduce_hands_each_gradient_to_horovod_as_hvd_distributed_optimizer_does(one_rank):
+    """Issue 23: the dense strategy gives Horovod every gradient in an allreduce of its own,
+    as `hvd.DistributedOptimizer` does, so the last layer's allreduce starts while
+    backpropagation goes on even when all gradients share one bucket (Horovod fuses what is
+    ready in its own thread); Horovod's num_groups still makes one grouped allreduce."""
+    graph, first = _traced_step(hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)))
+    ops = [op for op in graph.get_operations() if op.type.startswith("HorovodAllreduce")
+           or op.type == "HorovodGroupedAllreduce"]
+    assert [op.type for op in ops] == ["HorovodAllreduce"] * 6  # 3 kernels, 3 biases: one bucket, 6 collectives
+    waits = [first in _ancestors(op) for op in ops]
+    assert sum(waits) == 1  # only the first kernel's own allreduce waits for the first kernel's gradient
+
+    graph, _ = _traced_step(hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), num_groups=1))
+    assert [op.type for op in graph.get_operations() if op.type.startswith("Horovod") and "Allreduce" in op.type
+            ] == ["HorovodGroupedAllreduce"]

@@ -249,10 +249,13 @@ class Strategy:
             return Aggregated(buffer)
         return self._aggregate(buffer, name, residual_scale)
 
-    def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None
-                         ) -> Tuple[List[tf.Tensor], Aggregated]:
+    def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
+                         *, grouped: bool = False) -> Tuple[List[tf.Tensor], Aggregated]:
         """Averages a bucket given as 1-D pieces (its gradients, flattened, in order; one
-        dtype). Collective, checked like `aggregate`.
+        dtype). Collective, checked like `aggregate`. `grouped`: the pieces must travel in
+        one collective (Horovod's `groups` / `num_groups`); a strategy that fuses the pieces
+        into one buffer always does, `Allreduce` otherwise hands each piece to Horovod on
+        its own.
 
         Returns:
           (the averaged pieces, of the pieces' lengths, and the `Aggregated`). Pieces of no
@@ -268,7 +271,7 @@ class Strategy:
         self.agree(name, sizes, pieces[0].dtype)
         if sum(sizes) == 0:
             return pieces, Aggregated(tf.zeros([0], pieces[0].dtype))
-        return self._aggregate_pieces(pieces, name, residual_scale)
+        return self._aggregate_pieces(pieces, name, residual_scale, grouped=grouped)
 
     # -- rank agreement -----------------------------------------------------------------
     def describe(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> Dict[str, str]:
@@ -303,12 +306,12 @@ class Strategy:
         """The strategy's work on a buffer the ranks agree on (d >= 1): see `aggregate`."""
         raise NotImplementedError
 
-    def _aggregate_pieces(self, pieces: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None
-                          ) -> Tuple[List[tf.Tensor], Aggregated]:
+    def _aggregate_pieces(self, pieces: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
+                          grouped: bool = False) -> Tuple[List[tf.Tensor], Aggregated]:
         """The strategy's work on pieces the ranks agree on: fuses them into one buffer
         (one copy), calls `_aggregate`, and splits the result (another); a strategy that
         can average the pieces as they are overrides this (`Allreduce`: Horovod fuses them
-        in its own buffer)."""
+        in its own buffer). `grouped`: see `aggregate_pieces` (one buffer is one collective)."""
         with tf.name_scope("fuse"):
             buffer = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
         result = self._aggregate(buffer, name, residual_scale)

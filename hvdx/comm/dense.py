@@ -19,8 +19,10 @@ OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
 
 @register("allreduce", aliases=("dense",))
 class Allreduce(Strategy):
-    """The dense baseline: one Horovod allreduce over the job's ranks (exactly what
-    `hvd.DistributedOptimizer` does with the same options).
+    """The dense baseline: Horovod's allreduce over the job's ranks, of each gradient as it
+    is (exactly what `hvd.DistributedOptimizer` does with the same options: Horovod's
+    background thread fuses the gradients that are ready; a grouped allreduce for
+    Horovod's `groups` / `num_groups`).
 
     Args:
       op: hvd.Average (default), hvd.Sum or hvd.Adasum.
@@ -58,11 +60,14 @@ class Allreduce(Strategy):
             total = self.compression.decompress(total, ctx)
         return Aggregated(tf.cast(total, buffer.dtype))
 
-    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None
-                         ) -> Tuple[List[tf.Tensor], Aggregated]:
-        """One grouped Horovod allreduce of the pieces as they are: Horovod copies them into
-        its fusion buffer in its own thread (what `hvd.DistributedOptimizer` does), so the
-        step makes no fused copy and no split of its own."""
+    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None, grouped: bool = False
+                          ) -> Tuple[List[tf.Tensor], Aggregated]:
+        """The pieces as they are, as `hvd.DistributedOptimizer` hands its gradients to
+        Horovod: one allreduce each, which Horovod's background thread fuses with whatever
+        else is ready in its cycle, so a gradient's allreduce starts as soon as it exists
+        (while backpropagation of earlier layers goes on) and the step makes no fused copy
+        and no split of its own. `grouped` (Horovod's groups / num_groups): one grouped
+        allreduce of the pieces, negotiated once all of them exist, as Horovod does."""
         pieces = list(pieces)
         if len(pieces) == 1 or self.op == hvd.Adasum:  # Adasum combines whole buffers
             return super()._aggregate_pieces(pieces, name, residual_scale)
@@ -71,9 +76,12 @@ class Allreduce(Strategy):
             sent, contexts = zip(*(self.compression.compress(p) for p in pieces))
         elif self.wire_dtype is not None:
             sent = [tf.cast(p, self.wire_dtype) for p in pieces]
-        totals = hvd.grouped_allreduce(list(sent), op=self.op, prescale_factor=self.prescale_factor,
-                                       postscale_factor=self.postscale_factor, process_set=self.process_set,
-                                       name=f"hvdx.allreduce.{name}")
+        options = dict(op=self.op, prescale_factor=self.prescale_factor, postscale_factor=self.postscale_factor,
+                       process_set=self.process_set)
+        if grouped:
+            totals = hvd.grouped_allreduce(list(sent), name=f"hvdx.allreduce.{name}", **options)
+        else:
+            totals = [hvd.allreduce(s, name=f"hvdx.allreduce.{name}.{j}", **options) for j, s in enumerate(sent)]
         if self.compression is not None:
             totals = [self.compression.decompress(t, c) for t, c in zip(totals, contexts)]
         return [tf.cast(t, p.dtype) for t, p in zip(totals, pieces)], Aggregated(None)
