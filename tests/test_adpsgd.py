@@ -241,6 +241,99 @@ def test_a_killed_peer_is_named_by_every_other_rank(tmp_path):
         assert result["step"] < 20000  # it stopped training at the failure, not at its end
 
 
+# -------------------------------------------------------------------- keeping up: the GIL (Appendix A)
+def test_the_switch_interval_is_shortened_while_gossip_runs_and_restored_after():
+    before = sys.getswitchinterval()
+    world = build_world([np.zeros(10), np.ones(10)], "ring", switch_interval=0.0007)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(0.0007)
+        world[0].close()
+        assert sys.getswitchinterval() == pytest.approx(0.0007)  # process-wide: rank 1's gossip still runs
+    finally:
+        for g in world:
+            g.close()
+    assert sys.getswitchinterval() == before
+    left_alone = build_world([np.zeros(10), np.ones(10)], "ring", switch_interval=None)
+    try:
+        assert sys.getswitchinterval() == before
+    finally:
+        for g in left_alone:
+            g.close()
+
+
+def test_a_bad_switch_interval_is_refused():
+    with pytest.raises(ValueError, match="switch_interval must be seconds"):
+        build_world([np.zeros(10), np.ones(10)], "ring", switch_interval=0)
+
+
+@pytest.mark.slow
+def test_gossip_keeps_up_with_a_gil_holding_computation_given_a_short_switch_interval():
+    """Two ranks as processes, 3 ms steps of pure Python (as Keras' per-step code): with
+    Python's 5 ms switch interval an exchange waits for the GIL at each of its hand-overs
+    between threads and the gossip averages about 0.2 times per step; with 1 ms it averages
+    2-4x as often (benchmarks/README.md). Counts, not times; a loaded machine lowers both."""
+    from benchmarks.adpsgd_probe import probe
+
+    on = probe("python", 0.001, steps=300)
+    off = probe("python", None, steps=300)
+    rate = {name: sum(r["exchanges"] for r in runs) / sum(r["steps"] for r in runs)
+            for name, runs in (("on", on), ("off", off))}
+    print("averagings per step:", rate)
+    assert rate["on"] >= 1.4 * rate["off"], rate
+
+
+# -------------------------------------------------------------------- an epoch over all ranks
+def test_a_step_budget_over_all_ranks_lets_the_fast_ranks_do_the_slow_ones_share():
+    """lian2018's epochs count every worker's samples: with a budget of steps over all ranks
+    and one rank 4x slower, the others run more steps, and together they run the budget."""
+    n, budget = 4, 1000
+    world = build_world([np.zeros(20000) for _ in range(n)], "ring", step_budget=budget)
+
+    def train(r):
+        g, zero = world[r], np.zeros(20000)
+        while not g.done:
+            g.step(zero)
+            time.sleep(0.008 if r == n - 1 else 0.002)
+    try:
+        run_threads([lambda r=r: train(r) for r in range(n)], timeout=180)
+        steps = [g.steps for g in world]
+        finish_all(world)
+    finally:
+        for g in world:
+            g.close()
+    print("steps per rank:", steps)
+    # known counts never exceed true ones: a rank stops only once the budget is truly spent
+    assert sum(steps) >= budget, steps
+    # each rank overshoots by the steps it makes while the news of the last steps reaches it:
+    # about one exchange per graph hop (diameter 2 here), an exchange per step or two
+    assert sum(steps) <= budget + n * 3 * 4, steps
+    assert all(steps[r] >= 2 * steps[-1] for r in range(n - 1)), steps
+
+
+def test_ranks_with_different_step_budgets_are_told_so():
+    world = build_world([np.zeros(10), np.ones(10)], "ring", step_budget=None)
+    world[1].step_budget = 100  # as if rank 1 was given another budget
+    errors = {}
+
+    def run(rank):
+        try:
+            world[rank].average()
+        except (ValueError, TransportError) as exc:
+            errors[rank] = exc
+            world[rank].close()
+    try:
+        run_threads([lambda: run(0), lambda: run(1)], timeout=60)
+    finally:
+        for g in world:
+            g.close()
+    assert "ranks disagree on the step budget: rank 1 has 100, its neighbour rank 0 None" in str(errors[1])
+
+
+def test_a_bad_step_budget_is_refused():
+    with pytest.raises(ValueError, match="step_budget must be a positive int"):
+        build_world([np.zeros(10), np.ones(10)], "ring", step_budget=0)
+
+
 # -------------------------------------------------------------------- Keras glue, single process
 def test_callback_refuses_an_unknown_topology_and_bad_options():
     from hvdx.adpsgd import ADPSGDCallback
@@ -303,6 +396,25 @@ def test_a_slow_rank_does_not_slow_the_others(ranks):
             # synchronous SGD would make them equal; the margin leaves room for 6 ranks on 2 busy cores
             assert count >= 2 * steps[slow], steps
     assert all(data["exchanges"] > 0 for data in ranks.values()), ranks  # the slow one still gossips
+
+
+@suite.runs(suite.check("adpsgd.global_budget", "2x2"))
+def test_an_epoch_counts_every_ranks_samples_so_the_fast_ranks_do_the_slow_ones_share(ranks):
+    slow = max(ranks)
+    steps = {rank: data["steps"] for rank, data in ranks.items()}
+    budget = ranks[0]["budget"]
+    print("steps per rank:", steps, "budget:", budget, "averagings:", {r: d["exchanges"] for r, d in ranks.items()})
+    assert budget == 8 * sum(data["steps_per_epoch"] for data in ranks.values())  # 8 epochs of every rank's shard
+    # known counts never exceed the true ones: the budget is spent when a rank stops
+    assert sum(steps.values()) >= budget, (steps, budget)
+    # the overshoot: steps made while the news of the last steps travels to each rank, about one
+    # exchange per hop of the ring (diameter 2) and, with Keras holding the GIL on loaded cores,
+    # a few steps per exchange: 4 ranks x 3 hops x 4 steps
+    assert sum(steps.values()) <= budget + 4 * 3 * 4, (steps, budget)
+    for rank, count in steps.items():
+        if rank != slow:
+            assert count >= 2 * steps[slow], steps  # the fast ranks did the slowed rank's share
+    assert all(data["spread"] == 0.0 for data in ranks.values())  # and every rank holds the average model
 
 
 @suite.runs(suite.check("adpsgd.convergence", "2x2", timeout=600))
