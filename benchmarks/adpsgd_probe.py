@@ -6,7 +6,8 @@ Gradient Descent", ICML 2018, arXiv 1710.06952).
 Each rank runs `--steps` steps of `--step-ms` of "computation" on a float32 model of
 `--size` elements, handing a small update to `Gossip.step()` after each, then the final
 average. The computation either releases the GIL (`sleep`, `numpy`: a matmul loop) or holds
-it (`python`: a pure-Python loop, as Keras' per-step Python does), so the gossip's threads
+it (`python`: a pure-Python loop, as Keras' per-step Python does; a fixed amount of work,
+about `--step-ms` on a quiet core), so the gossip's threads
 get the GIL only when the interpreter switches (every `sys.getswitchinterval()` seconds).
 Reported: each rank's exchanges over its steps. Counts, not times: valid on a loaded machine
 (the load average is reported beside them), although load lowers them somewhat.
@@ -77,11 +78,13 @@ def _compute(kind: str, seconds: float, a, b) -> None:
     elif kind == "numpy":
         while time.perf_counter() < end:
             a @ b
-    else:  # a pure-Python loop: holds the GIL except at the interpreter's switches
+    else:  # pure Python: holds the GIL except at the interpreter's switches. A fixed amount of
+        # work (about `seconds` on a quiet core of the machine this was written on, 27 ns an
+        # iteration), not a fixed wall time: on a loaded machine the step then keeps its share
+        # of CPU against the gossip's threads
         x = 0
-        while time.perf_counter() < end:
-            for i in range(100):
-                x += i
+        for i in range(int(seconds * 37e6)):
+            x += i
 
 
 def worker(directory: str, rank: int, world: int, args: argparse.Namespace) -> None:
