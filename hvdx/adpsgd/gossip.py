@@ -366,6 +366,7 @@ class Gossip:
         if theirs.size == self._known.size:
             with self._known_lock:
                 np.maximum(self._known, theirs, out=self._known)
+                self._known[self.rank] = self.steps  # the computation may have counted a step meanwhile
 
     def _notice(self, peer: int, body: bytes) -> None:
         message = json.loads(body.decode("utf-8"))

@@ -65,7 +65,7 @@ _HELLO = struct.Struct("!IIq32s")   # magic, protocol, sender rank, digest of (n
 # One frame: magic, kind, request seq, elements, dtype name, payload bytes, piggybacked bytes
 # (after the payload; exchanges only).
 _FRAME = struct.Struct("!IBQQ16sQI")
-_REQUEST, _REPLY, _NOTICE, _FAIL, _BYE = 1, 2, 3, 4, 5
+_REQUEST, _REPLY, _NOTICE, _FAIL, _BYE, _BEAT = 1, 2, 3, 4, 5, 6
 _CONNECT_WINDOW = 30.0
 _CONNECT_RETRY = 0.05
 
@@ -116,6 +116,9 @@ class PeerTransport:
         self.failure: Optional[TransportError] = None
         self._closed = False
         self._gone: Set[int] = set()           # peers that said goodbye
+        now = time.monotonic()
+        self._heard: Dict[int, float] = {p: now for p in socks}  # when a frame last came from each peer
+        self._beaten = now                      # when heartbeats last went out
         self._held = False
         self._backlog: List[Tuple[int, int, np.ndarray]] = []
         self._hold_lock = threading.Lock()
@@ -302,7 +305,8 @@ class PeerTransport:
             selector.register(sock, selectors.EVENT_READ, peer)
         header = bytearray(_FRAME.size)
         while not self._closed and self.failure is None:
-            for key, _ in selector.select(0.5):
+            self._heartbeat()
+            for key, _ in selector.select(min(0.5, self.timeout / 4)):
                 peer = key.data
                 if peer is None:
                     try:
@@ -317,6 +321,7 @@ class PeerTransport:
                     # takes the GIL back, which costs up to a switch interval when the training
                     # loop holds it
                     _recv_exact(sock, memoryview(header), f"rank {peer}")
+                    self._heard[peer] = time.monotonic()
                     self._frame(peer, sock, header)
                 except BlockingIOError:
                     continue
@@ -366,6 +371,8 @@ class PeerTransport:
                     self._notice_handler(peer, bytes(body))
         elif kind == _FAIL:
             self._fail(TransportError(body.decode("utf-8", "replace")), peer)
+        elif kind == _BEAT:
+            pass  # its arrival (`_heard`) is the news
         elif kind == _BYE:
             with self._lock:
                 self._gone.add(peer)
@@ -406,6 +413,30 @@ class PeerTransport:
             request._complete(error=exc)
         else:
             request._complete(result)
+
+    def _heartbeat(self) -> None:
+        """Service thread: a heartbeat to every peer each `timeout / 4` s, and a peer that sent
+        nothing (no frame, no heartbeat) for `timeout` s reported: a rank that is alive but
+        stuck (stopped, hung in native code without its threads, its network cut) is named in
+        bounded time, also by ranks that wait for it without an exchange in flight."""
+        now = time.monotonic()
+        if now - self._beaten >= self.timeout / 4:
+            self._beaten = now
+            for peer in self.peers:
+                if peer not in self._gone:
+                    self._sends.put((peer, _FRAME.pack(_MAGIC, _BEAT, 0, 0, b"", 0, 0), b""))
+        for peer, heard in self._heard.items():
+            if peer not in self._gone and now - heard > self.timeout:
+                try:  # frames waiting unread (this thread was busy with another peer's) are news too
+                    self._socks[peer].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    continue  # data, or the end of the connection: the read reports it
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    continue
+                self._fail(TransportError(f"rank {peer} sent rank {self.rank} nothing for {self.timeout:g} s, not "
+                                          f"even a heartbeat: it is stuck (stopped, hung) or its network is"), None)
+                return
 
     # ------------------------------------------------------------------ sender thread
     def _send_loop(self) -> None:
