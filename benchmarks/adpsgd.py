@@ -3,13 +3,17 @@ Zhang, Liu, "Asynchronous Decentralized Parallel Stochastic Gradient Descent", I
 arXiv 1710.06952): training loss against wall time.
 
 Three methods, the same MLP on scikit-learn's digits, the same per-rank batch and learning
-rate, every rank the same number of steps (its shard's epochs), in one custom loop:
+rate, the same samples in total (`--epochs` of the training set, counted over all ranks), in
+one custom loop:
 
 - `allreduce`: AllReduce-SGD, Horovod's `hvd.DistributedGradientTape` (the allreduce of
   `hvd.DistributedOptimizer`), gradients averaged over all ranks every step;
 - `dpsgd`: D-PSGD, the same gossip as AD-PSGD but synchronous: after its step each rank waits
   for its exchange and then for every rank (a one-element Horovod allreduce);
-- `adpsgd`: `hvdx.adpsgd.ADPSGD` on the exponential graph, nobody waits.
+- `adpsgd`: `hvdx.adpsgd.ADPSGD` on the exponential graph, nobody waits; the epochs are
+  counted over all ranks (`step_budget`, lian2018's setting): each rank cycles its shard until
+  the ranks together ran the steps the synchronous methods run, so with a slowed rank the
+  fast ranks do its share.
 
 Scenarios: `homogeneous`; `slow_rank`: the last rank sleeps (factor - 1) x AllReduce-SGD's
 homogeneous step time (computation and allreduce, measured first) after every step: it takes
@@ -86,12 +90,16 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
     opt = tf.keras.optimizers.SGD(args.lr)
     opt.build(model.trainable_variables)
     gossip = None
+    steps = args.epochs * max(1, len(x_mine) // args.batch)  # the synchronous methods' steps on every rank
+    budget = int(hvd.allreduce(tf.constant([steps], tf.int64), op=hvd.Sum,
+                               name=f"adpsgd.bench.budget.{method}.{scenario}.{round_index}").numpy()[0])
     if method == "allreduce":
         for v in model.variables:  # the same start everywhere (as BroadcastGlobalVariables)
             v.assign(hvd.broadcast(v, 0, name=f"adpsgd.bench.bcast.{v.name}"))
     else:
         gossip = ADPSGD(model.trainable_variables, topology="exponential", timeout=120,
-                        name=f"adpsgd.bench.{method}.{scenario}.{round_index}").start()
+                        name=f"adpsgd.bench.{method}.{scenario}.{round_index}",
+                        step_budget=budget if method == "adpsgd" else None).start()
 
     @tf.function
     def local_step(x, y):
@@ -116,7 +124,6 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
     hvd.allreduce(tf.zeros([1]), name="adpsgd.bench.shaped")
     sleep = (args.slow_factor - 1) * step_seconds if scenario == "slow_rank" and topo.rank == topo.size - 1 else 0.0
     rng = np.random.default_rng(args.seed + 100 * topo.rank + round_index)
-    steps = args.epochs * max(1, len(x_mine) // args.batch)
     curve: List[List[float]] = []
     clock = 0.0
 
@@ -124,7 +131,14 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
         if topo.rank == 0:
             curve.append([clock, float(loss_fn(y_eval, model(x_eval, training=False)))])
 
-    for k in range(steps):
+    k = 0
+
+    def more() -> bool:
+        if method == "adpsgd":  # until the ranks together ran the budget (steps 0 and 1 on every rank:
+            return k < 2 or not gossip.done  # step 1 meets every rank)
+        return k < steps
+
+    while more():
         if k == 1:  # step 0 traced the step function: the clock starts after it, for every method
             hvd.allreduce(tf.zeros([1]), name="adpsgd.bench.traced")
             evaluate()
@@ -141,8 +155,11 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
             time.sleep(sleep)
         if k > 0:
             clock += time.perf_counter() - began
-        if (k + 1) % args.eval_every == 0 or k + 1 == steps:
+        k += 1
+        if k % args.eval_every == 0:
             evaluate()
+    if k % args.eval_every:
+        evaluate()
     exchanges = gossip.stats()["exchanges"] if gossip is not None else 0
     if gossip is not None:
         gossip.finish()
@@ -152,7 +169,9 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
     accuracy = float(tf.reduce_mean(tf.cast(tf.equal(tf.argmax(model(x_test, training=False), axis=1),
                                                      tf.cast(y_test, tf.int64)), tf.float32)))
     seconds = hvd.allgather(tf.constant([clock], tf.float64), name=f"adpsgd.bench.clock.{method}").numpy().tolist()
-    return {"curve": curve, "accuracy": accuracy, "train_seconds": seconds, "steps": steps, "exchanges": exchanges}
+    rank_steps = hvd.allgather(tf.constant([k], tf.int64), name=f"adpsgd.bench.steps.{method}").numpy().tolist()
+    return {"curve": curve, "accuracy": accuracy, "train_seconds": seconds, "steps": k, "exchanges": exchanges,
+            "rank_steps": rank_steps, "budget": budget}
 
 
 def parse_rate(text: str) -> int:
@@ -275,10 +294,12 @@ def report(args, results: List[dict]) -> None:
                 times = [t for t in s["time_to_target"] if t is not None]
                 runs = result["runs"][scenario][method]
                 per_step = statistics.median(run["exchanges"] / run["steps"] for run in runs)
+                rank_steps = "/".join(str(n) for n in runs[0].get("rank_steps", [runs[0]["steps"]]))
                 rows.append([topo, scenario.replace("_", " "), LABELS[method],
                              f"{statistics.median(times):.2f}" if times else "not reached", ratio,
                              f"{statistics.median(s['accuracy']):.4f}",
-                             "-" if method == "allreduce" else f"{per_step:.2f}", f"{result['load_average'][0]:.1f}"])
+                             "-" if method == "allreduce" else f"{per_step:.2f}", rank_steps,
+                             f"{result['load_average'][0]:.1f}"])
     readme = readme_path(args)
     if readme is None:
         return
@@ -286,7 +307,9 @@ def report(args, results: List[dict]) -> None:
              if not args.local else "over loopback (horovodrun, no slow links)")
     body = (f"## adpsgd.py: AD-PSGD against AllReduce-SGD and D-PSGD (lian2018 Figs. 3-6)\n\n"
             f"An MLP ({args.width}x{args.width}) on the digits, batch {args.batch} per rank, SGD lr {args.lr}, "
-            f"{args.epochs} epochs of each rank's shard, {args.rounds} round(s) with the methods taking turns, "
+            f"{args.epochs} epochs of the training set counted over all ranks (AllReduce-SGD, D-PSGD: every rank "
+            f"the same steps; AD-PSGD: a budget of the same total steps, the fast ranks doing a slow rank's share), "
+            f"{args.rounds} round(s) with the methods taking turns, "
             f"{where}. Time to a training loss of {args.target} on rank 0's model (clock stopped while it "
             f"evaluates), median over rounds, and its ratio to AllReduce-SGD in the same round (range over "
             f"rounds); `slow rank`: the last rank sleeps {args.slow_factor - 1:g}x AllReduce-SGD's homogeneous step "
@@ -294,9 +317,11 @@ def report(args, results: List[dict]) -> None:
             f"every step; `slow link`: the last node's uplink at {args.slow_rate}. Final accuracy: the test accuracy of the model every rank holds at the end. "
             f"Averagings per step: the exchanges rank 0 took part in over its steps (Algorithm 1 averages once per "
             f"step; fewer means the gossip did not keep up with the computation and the ranks trained mostly alone). "
+            f"Steps per rank: rank 0 / 1 / ... in the first round. "
             f"`results/adpsgd.json`, `results/adpsgd.png`.\n\n"
             + markdown_table(["topology", "scenario", "method", "time to target (s)", "ratio to AllReduce",
-                              "final accuracy", "rank 0's averagings per step", "load avg"], rows, text_columns=3))
+                              "final accuracy", "rank 0's averagings per step", "steps per rank", "load avg"], rows,
+                             text_columns=3))
     update_readme("adpsgd", body, readme)
 
 

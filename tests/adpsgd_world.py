@@ -50,17 +50,18 @@ def _tuples(obj):
 
 
 def make_gossip(model: np.ndarray, rank: int, world: int, topology: str, allgather: Callable,
-                timeout: float = 30.0, finish_timeout: Optional[float] = None) -> Gossip:
+                timeout: float = 30.0, finish_timeout: Optional[float] = None, **options) -> Gossip:
+    """One rank's Gossip; `options` go to Gossip (switch_interval, step_budget, seed)."""
     graph = build_graph(topology, world)
     peers = PeerTransport._create(list(graph.neighbours(rank)), rank, "test.peers", timeout, world, allgather)
     ring = GroupTransport._create([list(range(world))], rank, "test.ring", max(timeout, finish_timeout or 0),
                                   world, allgather)
-    return Gossip(model, graph, rank, peers, ring, timeout=timeout, finish_timeout=finish_timeout)
+    return Gossip(model, graph, rank, peers, ring, timeout=timeout, finish_timeout=finish_timeout, **options)
 
 
-def build_world(models: List[np.ndarray], topology: str = "ring", timeout: float = 30.0) -> List[Gossip]:
-    """One Gossip per model (rank = index), built concurrently on threads."""
+def build_world(models: List[np.ndarray], topology: str = "ring", timeout: float = 30.0, **options) -> List[Gossip]:
+    """One Gossip per model (rank = index), built concurrently on threads; `options` go to Gossip."""
     world = len(models)
     gather = thread_allgather(world)
-    return harness.on_threads(lambda rank: make_gossip(models[rank], rank, world, topology, gather(rank), timeout),
-                              world, join_timeout=90)
+    return harness.on_threads(lambda rank: make_gossip(models[rank], rank, world, topology, gather(rank), timeout,
+                                                       **options), world, join_timeout=90)

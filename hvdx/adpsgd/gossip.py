@@ -10,11 +10,27 @@ vector add and returns x, and never waits for the network (wait-free). Averaging
 1 line 5, x_a, x_p <- (x_a + x_p) / 2 with a random neighbour) runs on the transport's
 threads:
 
-- an active rank's gossip thread, once per local step (coalesced when the network is
-  slower than the steps), snapshots s = x, sends it to a random passive neighbour p and, on
-  the answer x_p, sets x <- x + (x_p - s) / 2 (on the service thread);
+- an active rank, once per local step (coalesced when the network is slower than the
+  steps), snapshots s = x, sends it to a random passive neighbour p and, on the answer x_p,
+  sets x <- x + (x_p - s) / 2 (on the service thread, which also starts the next exchange if
+  a step was made meanwhile; the gossip thread starts one after an idle spell and watches
+  the time an exchange takes);
 - a passive rank answers on its service thread, atomically under the lock: it replies with
   its x_p and sets x_p <- (x_p + s) / 2.
+
+Keeping up with the computation: these are Python threads, and a training loop that holds
+the GIL (Keras' per-step Python) lets them run only at the interpreter's thread switches.
+Each exchange therefore takes few hand-overs of the GIL (frames written directly by the
+thread that builds them, one read for a frame's header and one for the rest, the next
+exchange started where the last one ends), and `switch_interval` shortens the interval at
+which a waiting thread gets the GIL (`_shorten_switch_interval`).
+
+A global budget of steps (`step_budget`, lian2018's setting: an epoch is counted over all
+workers' samples, so fast workers do a slow worker's share): every exchange frame carries the
+sender's latest known step counts of every rank (the element-wise maximum of what it heard),
+and `done` says when their sum reaches the budget. Known counts never exceed true ones, so
+the ranks together run at least the budget; they overshoot by the steps made while the news
+travels (a few exchanges per graph hop).
 
 Gradient updates that land on the active rank between its snapshot and the answer stay in
 x (they are not lost), and the sum x_a + x_p is preserved exactly: the exchange applies the
@@ -29,9 +45,10 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 
@@ -56,11 +73,25 @@ class Gossip:
       timeout: seconds an exchange may take before the neighbour is reported as failed.
       finish_timeout: seconds a rank waits in `average()` for the others to arrive (None:
         as long as they are alive).
+      switch_interval: while the gossip runs, Python's thread switch interval (seconds,
+        `sys.setswitchinterval`), restored by `close()`; None leaves it alone. Process-wide
+        (every thread of the process switches as often; `_shorten_switch_interval`).
+      step_budget: the number of steps all ranks together run (every rank the same value);
+        `done` turns True once the steps this rank knows of reach it. None: no budget.
     """
 
     def __init__(self, model: np.ndarray, graph: Graph, rank: int, peers: PeerTransport, ring: GroupTransport,
                  *, seed: Optional[int] = None, timeout: float = 60.0,
-                 finish_timeout: Optional[float] = None) -> None:
+                 finish_timeout: Optional[float] = None, switch_interval: Optional[float] = 0.001,
+                 step_budget: Optional[int] = None) -> None:
+        if step_budget is not None and (isinstance(step_budget, bool) or not isinstance(step_budget, (int, np.integer))
+                                        or step_budget < 1):
+            raise ValueError(f"step_budget must be a positive int (steps over all ranks) or None, got {step_budget!r}")
+        if switch_interval is not None and (isinstance(switch_interval, bool)
+                                            or not isinstance(switch_interval, (int, float))
+                                            or not 0 < switch_interval <= 1):
+            raise ValueError(f"switch_interval must be seconds in (0, 1] (e.g. 0.001) or None to leave Python's "
+                             f"alone, got {switch_interval!r}")
         if not isinstance(model, np.ndarray) or model.ndim != 1 or model.dtype not in (np.float32, np.float64):
             raise ValueError(f"model must be a 1-D float32 or float64 numpy array, got "
                              f"{getattr(model, 'dtype', type(model).__name__)} {getattr(model, 'shape', '')}")
@@ -78,6 +109,10 @@ class Gossip:
         self._pausing = False
         self._idle = True
         self._stop = False
+        self._inflight: Optional[tuple] = None  # active: (neighbour, time.monotonic()) of the exchange in flight
+        self.step_budget = None if step_budget is None else int(step_budget)
+        self._known = np.zeros(graph.size, np.int64)  # the latest step count heard of, per rank
+        self._known_lock = threading.Lock()
         self._paused_by: Dict[int, Any] = {}   # passive: neighbour -> the pause it announced
         self._generation = 0
         self._rng = random.Random(rank if seed is None else seed)
@@ -85,7 +120,11 @@ class Gossip:
         self.exchanges = 0                     # exchanges this rank took part in (started or answered)
         self.partners: Dict[int, int] = {p: 0 for p in self.neighbours}
         self._closed = False
-        peers.set_handler(self._answer)
+        self._switching: Optional[float] = None if switch_interval is None else float(switch_interval)
+        if self._switching is not None:
+            _shorten_switch_interval(self._switching)
+        peers.set_piggyback(self._counts_out, self._counts_in)
+        peers.set_handler(self._answer, direct=True)
         peers.set_notice_handler(self._notice)
         peers.on_failure(lambda error: self._wake())
         self._thread: Optional[threading.Thread] = None
@@ -111,10 +150,24 @@ class Gossip:
             self._x += update
             out = self._x.copy()
         self.steps += 1
+        self._known[self.rank] = self.steps
         with self._cv:
             self._pending += 1
-            self._cv.notify_all()
+            if self._idle:  # an exchange in flight starts the next one itself when it ends
+                self._cv.notify_all()
         return out
+
+    def known_steps(self) -> np.ndarray:
+        """The latest step count this rank heard of, per rank (its own: exact; the others':
+        at most their true counts, as of their last news)."""
+        with self._known_lock:
+            return self._known.copy()
+
+    @property
+    def done(self) -> bool:
+        """Whether the steps this rank knows of, over all ranks, reached `step_budget` (False
+        without a budget)."""
+        return self.step_budget is not None and int(self._known.sum()) >= self.step_budget
 
     def idle(self) -> bool:
         """Whether no exchange this rank starts is in flight or due (always True when passive)."""
@@ -135,8 +188,11 @@ class Gossip:
         With `final`, the gossip ends. Raises TransportError naming the failed rank.
         """
         self._generation += 1
-        tag = {"generation": self._generation, "final": bool(final)}
+        tag = {"generation": self._generation, "final": bool(final), "budget": self.step_budget}
         deadline = None if self.finish_timeout is None else time.monotonic() + self.finish_timeout
+        counts = encode_notice(counts=self.known_steps().tolist())
+        for p in self.neighbours:  # news of this rank's last steps, also to neighbours that are still training
+            self.peers.notify(p, counts)
         if self.active:
             with self._cv:
                 self._pausing = True
@@ -157,6 +213,10 @@ class Gossip:
                 announced, self._paused_by = dict(self._paused_by), {}
             self.peers.check()
             for p, theirs in announced.items():
+                if theirs.get("budget") != tag["budget"]:
+                    raise ValueError(f"ranks disagree on the step budget: rank {self.rank} has {tag['budget']}, its "
+                                     f"neighbour rank {p} {theirs.get('budget')} (give every rank the same "
+                                     f"step_budget / global_epochs)")
                 if theirs != tag:
                     raise ValueError(f"ranks disagree on the average: rank {self.rank} is at "
                                      f"{_describe(tag)}, its neighbour rank {p} at {_describe(theirs)} (every "
@@ -201,18 +261,25 @@ class Gossip:
         if self._closed:
             return
         self._closed = True
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(self.timeout + 5)
-        self.peers.close()
-        self.ring.close()
+        try:
+            with self._cv:
+                self._stop = True
+                self._cv.notify_all()
+            if self._thread is not None and self._thread is not threading.current_thread():
+                self._thread.join(self.timeout + 5)
+            self.peers.close()
+            self.ring.close()
+        finally:
+            if self._switching is not None:
+                _restore_switch_interval(self._switching)
+                self._switching = None
 
     def stats(self) -> Dict[str, Any]:
-        """Steps, exchanges (started or answered), exchanges per neighbour, the role."""
+        """Steps, exchanges (started or answered), exchanges per neighbour, the role, the step
+        counts known of every rank and the budget."""
         return {"rank": self.rank, "active": self.active, "steps": self.steps, "exchanges": self.exchanges,
-                "partners": {str(k): v for k, v in self.partners.items()}}
+                "partners": {str(k): v for k, v in self.partners.items()},
+                "known_steps": self.known_steps().tolist(), "step_budget": self.step_budget}
 
     # ------------------------------------------------------------------ transport threads
     def _wake(self) -> None:
@@ -220,34 +287,63 @@ class Gossip:
             self._cv.notify_all()
 
     def _gossip_loop(self) -> None:
-        """Active ranks: one exchange per local step, with a random passive neighbour."""
+        """Active ranks: starts an exchange when a step was made and none is in flight (the
+        end of an exchange starts the next one itself: `_exchange_done`), and reports a
+        neighbour that does not answer within `timeout`."""
         while True:
+            stuck = None
             with self._cv:
-                while (self._pending == 0 or self._pausing) and not self._stop and self.failure is None:
-                    self._idle = True
-                    self._cv.notify_all()
-                    self._cv.wait()
-                if self._stop or self.failure is not None:
-                    self._idle = True
-                    self._cv.notify_all()
-                    return
-                self._pending = 0
-                self._idle = False
-            peer = self._rng.choice(self.neighbours)
-            snapshot = self.model()
-            request = self.peers.exchange(peer, snapshot, lambda theirs, s=snapshot, p=peer: self._merge(s, theirs, p))
-            try:
-                request.wait(self.timeout)
-            except TimeoutError:
-                self.peers.fail(TransportError(f"rank {peer} did not answer rank {self.rank}'s exchange within "
+                while True:
+                    if self._stop or self.failure is not None:
+                        self._idle = True
+                        self._cv.notify_all()
+                        return
+                    if self._claim():
+                        break
+                    if self._inflight is not None and time.monotonic() - self._inflight[1] > self.timeout:
+                        stuck = self._inflight[0]
+                        break
+                    self._cv.wait(0.5 if self._inflight is not None else None)
+            if stuck is not None:
+                self.peers.fail(TransportError(f"rank {stuck} did not answer rank {self.rank}'s exchange within "
                                                f"{self.timeout} s (it is stuck or its network is)"))
-            except TransportError:
-                pass  # recorded on the transport; step() raises it
+                continue
+            self._launch()
+
+    def _claim(self) -> bool:
+        """With `_cv` held: whether an exchange is due and may start now (then it is in flight)."""
+        if self._idle and self._pending > 0 and not self._pausing and not self._stop and self.failure is None:
+            self._pending = 0
+            self._idle = False
+            return True
+        return False
+
+    def _launch(self) -> None:
+        """Starts one exchange with a random passive neighbour (after `_claim`)."""
+        peer = self._rng.choice(self.neighbours)
+        snapshot = self.model()
+        self._inflight = (peer, time.monotonic())
+        request = self.peers.exchange(peer, snapshot, lambda theirs: self._merge(snapshot, theirs, peer), direct=True)
+        request.add_done_callback(self._exchange_done)
+
+    def _exchange_done(self, request: Any) -> None:
+        """An exchange ended (answered, or failed): the next one starts at once if a step was
+        made meanwhile (on this thread, the service thread as a rule), else the rank is idle."""
+        with self._cv:
+            self._inflight = None
+            self._idle = True
+            chain = request.error is None and self._claim()
+            if not chain:
+                self._cv.notify_all()
+        if chain:
+            self._launch()
 
     def _merge(self, snapshot: np.ndarray, theirs: np.ndarray, peer: int) -> None:
         """Active side: x <- x + (x_p - s) / 2 (the average of s and x_p, plus what happened since s)."""
+        np.subtract(theirs, snapshot, out=snapshot)  # the snapshot was sent (its answer is here): reuse it
+        snapshot *= 0.5
         with self._lock:
-            self._x += (theirs - snapshot) * 0.5
+            self._x += snapshot
         self.exchanges += 1
         self.partners[peer] += 1
 
@@ -255,17 +351,64 @@ class Gossip:
         """Passive side, atomic: reply with x_p, set x_p <- (x_p + s) / 2."""
         with self._lock:
             mine = self._x.copy()
-            self._x += (theirs - mine) * 0.5
+            self._x += theirs
+            self._x *= 0.5
         self.exchanges += 1
         self.partners[peer] += 1
         return mine
 
+    def _counts_out(self, peer: int) -> bytes:
+        with self._known_lock:
+            return self._known.tobytes()
+
+    def _counts_in(self, peer: int, data: bytes) -> None:
+        theirs = np.frombuffer(data, np.int64)
+        if theirs.size == self._known.size:
+            with self._known_lock:
+                np.maximum(self._known, theirs, out=self._known)
+                self._known[self.rank] = self.steps  # the computation may have counted a step meanwhile
+
     def _notice(self, peer: int, body: bytes) -> None:
         message = json.loads(body.decode("utf-8"))
+        if "counts" in message:
+            self._counts_in(peer, np.asarray(message["counts"], np.int64).tobytes())
         if "pause" in message:
             with self._cv:
                 self._paused_by[peer] = message["pause"]
                 self._cv.notify_all()
+
+
+# -- the GIL's switch interval, process-wide ---------------------------------------------------------
+# The exchanges run on Python threads (the gossip thread, the transport's service and sender
+# threads); an exchange hands the GIL between them about six times. When the training loop
+# holds the GIL (Keras' per-step Python), a thread that wants it waits up to the switch
+# interval (Python's default 5 ms) each time, so an exchange takes ~30 ms of waiting and the
+# gossip falls far behind steps of a few ms. A 1 ms interval cuts that wait five-fold. It is a
+# setting of the whole interpreter: every thread of the process switches as often while any
+# Gossip is open (Gossips of one process share it: the shortest asked for applies, and the
+# value before the first one is restored when the last one closes).
+_switch_lock = threading.Lock()
+_switch_users: List[float] = []
+_switch_saved: Optional[float] = None
+
+
+def _shorten_switch_interval(seconds: float) -> None:
+    global _switch_saved
+    with _switch_lock:
+        if not _switch_users:
+            _switch_saved = sys.getswitchinterval()
+        _switch_users.append(seconds)
+        sys.setswitchinterval(min(min(_switch_users), _switch_saved))
+
+
+def _restore_switch_interval(seconds: float) -> None:
+    with _switch_lock:
+        if seconds in _switch_users:
+            _switch_users.remove(seconds)
+        if _switch_users:
+            sys.setswitchinterval(min(min(_switch_users), _switch_saved))
+        elif _switch_saved is not None:
+            sys.setswitchinterval(_switch_saved)
 
 
 def _describe(tag: Dict[str, Any]) -> str:

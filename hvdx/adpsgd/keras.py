@@ -13,6 +13,14 @@
 
     model.fit(..., callbacks=[hvdx.adpsgd.ADPSGDCallback(topology="ring", max_seconds=600)])
 
+An epoch over all ranks' samples (lian2018's setting: fast workers do a slow one's share):
+
+    gossip = hvdx.adpsgd.ADPSGD(variables, step_budget=epochs * total_steps_per_epoch).start()
+    while not gossip.done:                         # the steps of all ranks, as far as this rank knows
+        ...; gossip.step()                         # (each rank cycles its own shard)
+    model.fit(x_shard, y_shard, epochs=epochs * hvd.size(),   # an upper bound: the budget stops it
+              callbacks=[hvdx.adpsgd.ADPSGDCallback(global_epochs=epochs)])
+
 The optimizer is the plain Keras one (no hvdx/Horovod DistributedOptimizer: AD-PSGD has no
 gradient allreduce); its state (momentum) stays local to the rank.
 """
@@ -20,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -52,6 +61,11 @@ class ADPSGD:
       finish_timeout: seconds `average()`/`finish()` waits for the other ranks (None: as
         long as they are alive; the slowest rank's remaining training time counts).
       name: prefix of the transports' collective names (one per ADPSGD object and job).
+      step_budget: the steps all ranks together run (the same on every rank; checked between
+        neighbours at the first average); `done` turns True when the steps this rank knows
+        of reach it (`Gossip`). None: each rank decides alone.
+      switch_interval: Python's thread switch interval while the gossip runs (seconds; None:
+        leave it). Process-wide; restored by `finish()`/`close()` (`Gossip`).
 
     Raises ValueError: a non-float variable (named), an empty list, a job of one rank, an
     unknown topology, an `optimizer` that is synchronous.
@@ -59,7 +73,8 @@ class ADPSGD:
 
     def __init__(self, variables: Sequence[tf.Variable], *, topology: "str | Callable[[int], Edges]" = "ring",
                  seed: Optional[int] = None, timeout: float = 60.0, finish_timeout: Optional[float] = None,
-                 optimizer: Any = None, name: str = "hvdx.adpsgd") -> None:
+                 optimizer: Any = None, name: str = "hvdx.adpsgd", step_budget: Optional[int] = None,
+                 switch_interval: Optional[float] = 0.001) -> None:
         variables = list(variables)
         if not variables:
             raise ValueError("ADPSGD needs the model's variables, got none (build the model first)")
@@ -75,6 +90,7 @@ class ADPSGD:
         self.variables = variables
         self.topology = topology
         self.seed, self.timeout, self.finish_timeout, self.name = seed, timeout, finish_timeout, name
+        self.step_budget, self.switch_interval = step_budget, switch_interval
         self.gossip: Optional[Gossip] = None
         self._last: Optional[np.ndarray] = None  # what the variables were last given
         self._shapes = [tuple(v.shape) for v in variables]
@@ -97,9 +113,19 @@ class ADPSGD:
         ring_timeout = 3600.0 if self.finish_timeout is None else max(self.timeout, float(self.finish_timeout))
         ring = GroupTransport.create([list(range(self.size))], self.rank, name=f"{self.name}.ring",
                                      timeout=ring_timeout)
-        self.gossip = Gossip(self._flat(), self.graph, self.rank, peers, ring, seed=self.seed,
-                             timeout=self.timeout, finish_timeout=self.finish_timeout)
-        self._assign(self.gossip.average())
+        try:
+            self.gossip = Gossip(self._flat(), self.graph, self.rank, peers, ring, seed=self.seed,
+                                 timeout=self.timeout, finish_timeout=self.finish_timeout,
+                                 switch_interval=self.switch_interval, step_budget=self.step_budget)
+        except BaseException:
+            peers.close()
+            ring.close()
+            raise
+        try:
+            self._assign(self.gossip.average())
+        except BaseException:
+            self.gossip.close()
+            raise
         return self
 
     def step(self) -> None:
@@ -108,6 +134,12 @@ class ADPSGD:
         naming a failed rank."""
         gossip = self._gossip()
         self._assign(gossip.step(self._flat() - self._last))
+
+    @property
+    def done(self) -> bool:
+        """Whether the steps of all ranks, as far as this rank knows, reached `step_budget`
+        (always False without one). Known counts lag the true ones, never exceed them."""
+        return self._gossip().done
 
     def average(self) -> None:
         """Collective: every rank's variables become the average model (before an evaluation or
@@ -118,7 +150,11 @@ class ADPSGD:
         """Collective: the final average on every rank, then the gossip ends (idempotent)."""
         if self.gossip is None or self.gossip._closed:
             return
-        self._assign(self.gossip.average(final=True))
+        try:
+            self._assign(self.gossip.average(final=True))
+        except BaseException:
+            self.gossip.close()  # the switch interval and the sockets, also on an error
+            raise
 
     def close(self) -> None:
         """Ends the gossip without averaging (after an error); idempotent, never hangs."""
@@ -148,7 +184,12 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
     """AD-PSGD in `Model.fit`: the model's float weights gossip after every batch.
 
     Args:
-      topology, seed, timeout, finish_timeout: as `ADPSGD`.
+      topology, seed, timeout, finish_timeout, switch_interval: as `ADPSGD`.
+      global_epochs: training ends when all ranks together ran that many epochs of steps:
+        global_epochs x the sum over ranks of their steps per epoch (Keras' `steps`; one
+        Horovod allreduce at the start), so fast ranks do the slow ones' share (lian2018's
+        epochs). Give `fit` enough epochs for the fastest rank (`global_epochs * hvd.size()`
+        always is); each rank cycles its own data.
       max_seconds: this rank stops training after that many seconds of `fit` (at the end of a
         batch; the ranks end at their own times), else the epochs end it.
       average_every_epoch: every rank averages at each epoch's end (a collective: callbacks
@@ -162,7 +203,8 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
     def __init__(self, *, topology: "str | Callable[[int], Edges]" = "ring", seed: Optional[int] = None,
                  timeout: float = 60.0, finish_timeout: Optional[float] = None,
                  max_seconds: Optional[float] = None, average_every_epoch: bool = False,
-                 name: str = "hvdx.adpsgd") -> None:
+                 name: str = "hvdx.adpsgd", global_epochs: Optional[float] = None,
+                 switch_interval: Optional[float] = 0.001) -> None:
         super().__init__()
         if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
                                         or max_seconds <= 0):
@@ -170,7 +212,16 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
         if max_seconds is not None and average_every_epoch:
             raise ValueError("average_every_epoch needs the same epochs on every rank; with max_seconds the "
                              "ranks end after different epochs: use one or the other")
-        self._kwargs = dict(topology=topology, seed=seed, timeout=timeout, finish_timeout=finish_timeout, name=name)
+        if global_epochs is not None and (isinstance(global_epochs, bool) or not isinstance(global_epochs, (int, float))
+                                          or not global_epochs > 0):
+            raise ValueError(f"global_epochs must be a positive number of epochs over all ranks or None, got "
+                             f"{global_epochs!r}")
+        if global_epochs is not None and average_every_epoch:
+            raise ValueError("average_every_epoch needs the same epochs on every rank; with global_epochs the fast "
+                             "ranks run more epochs than the slow ones: use one or the other")
+        self.global_epochs = global_epochs
+        self._kwargs = dict(topology=topology, seed=seed, timeout=timeout, finish_timeout=finish_timeout, name=name,
+                            switch_interval=switch_interval)
         build_graph(topology, 2)  # an unknown topology fails here, before fit
         self.max_seconds, self.average_every_epoch = max_seconds, average_every_epoch
         self.adpsgd: Optional[ADPSGD] = None
@@ -184,8 +235,21 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
         kwargs = dict(self._kwargs)
         kwargs["name"] = f"{kwargs['name']}.{self._calls}"
         variables: List[tf.Variable] = [w for w in self.model.weights if w.dtype.is_floating]
+        if self.global_epochs is not None:
+            kwargs["step_budget"] = self._budget()
         self.adpsgd = ADPSGD(variables, **kwargs).start()
         self._began = time.monotonic()
+
+    def _budget(self) -> int:
+        """global_epochs x the steps per epoch summed over ranks (collective)."""
+        steps = self.params.get("steps")
+        if not steps:
+            raise ValueError("global_epochs needs fit to know its steps per epoch: pass arrays, or a dataset of "
+                             "known length, or steps_per_epoch")
+        hvd = sys.modules["horovod.tensorflow"]
+        total = int(hvd.allreduce(tf.constant([int(steps)], tf.int64), op=hvd.Sum,
+                                  name=f"{self._kwargs['name']}.{self._calls}.steps").numpy()[0])
+        return max(1, int(round(self.global_epochs * total)))
 
     def on_train_batch_end(self, batch: int, logs: Optional[Dict[str, Any]] = None) -> None:
         try:
@@ -193,6 +257,8 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
         except BaseException:
             self.adpsgd.close()
             raise
+        if self.global_epochs is not None and self.adpsgd.done:
+            self.model.stop_training = True
         if self.max_seconds is not None and time.monotonic() - self._began >= self.max_seconds:
             self.model.stop_training = True
 
@@ -204,6 +270,11 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
         if self.adpsgd is None:
             return
         self.stats = self.adpsgd.stats()
+        if self.global_epochs is not None and not self.adpsgd.done and self.max_seconds is None:
+            warnings.warn(f"rank {self.adpsgd.rank}: fit's epochs ended before the ranks' steps reached "
+                          f"global_epochs={self.global_epochs} ({sum(self.stats['known_steps'])} of "
+                          f"{self.stats['step_budget']} known): give fit more epochs "
+                          f"(global_epochs * hvd.size() always suffices)", stacklevel=2)
         try:
             self.adpsgd.finish()
         except BaseException:

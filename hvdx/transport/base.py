@@ -37,6 +37,8 @@ class Request:
         self._event = threading.Event()
         self._result: Any = None
         self._error: Optional[BaseException] = None
+        self._callbacks: list = []
+        self._callbacks_lock = threading.Lock()
 
     def done(self) -> bool:
         """Whether the request completed (successfully or not); never blocks."""
@@ -54,12 +56,31 @@ class Request:
             raise self._error
         return self._result
 
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The error the request failed with (None: pending or succeeded)."""
+        return self._error if self._event.is_set() else None
+
+    def add_done_callback(self, fn: Callable[["Request"], None]) -> None:
+        """`fn(request)` runs once the request completes, on the thread that completes it (at
+        once, on the caller's thread, if it already has). Keep it short: it runs on a
+        transport thread."""
+        with self._callbacks_lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
     def _complete(self, result: Any = None, error: Optional[BaseException] = None) -> None:
-        if self._event.is_set():
-            return
-        self._result, self._error = result, error
-        self.finished = time.perf_counter()
-        self._event.set()
+        with self._callbacks_lock:
+            if self._event.is_set():
+                return
+            self._result, self._error = result, error
+            self.finished = time.perf_counter()
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn(self)
 
     def __repr__(self) -> str:
         state = "pending" if not self.done() else ("failed" if self._error is not None else "done")

@@ -19,6 +19,14 @@ writes every outgoing frame, so no caller blocks on the network.
   runs on this rank's service thread and its return value is the request's result.
 - `notify(peer, body)`: a small message for the peer's notice handler (in order with the
   exchanges on that connection: TCP keeps the order).
+- `direct=True` (`exchange`, `notify`, `set_handler`): the frame is written on the calling
+  thread (the answer on the service thread) instead of being handed to the sender thread: one
+  hand-over of the GIL less per frame, which matters when the training loop holds the GIL
+  (each hand-over then waits up to `sys.getswitchinterval()`). Frames to one peer never
+  interleave (a lock per connection). Safe against two service threads blocking on each other's
+  full buffers only if the two ends of a connection never both send large direct frames while
+  the other is sending: AD-PSGD's roles guarantee it (one exchange in flight per active rank,
+  the next request written only after the answer was read).
 - `hold()` / `release()`: while held, incoming exchanges wait (answered in arrival order on
   release): the answering side's state can be replaced in between (AD-PSGD's average).
 
@@ -52,11 +60,12 @@ from hvdx.transport.base import Request, TransportError, _recv_exact, _tune, lis
 __all__ = ["PeerTransport"]
 
 _MAGIC = 0x48565850  # "HVXP"
-_PROTOCOL = 1
+_PROTOCOL = 2
 _HELLO = struct.Struct("!IIq32s")   # magic, protocol, sender rank, digest of (name, edge)
-# One frame: magic, kind, request seq, elements, dtype name, payload bytes.
-_FRAME = struct.Struct("!IBQQ16sQ")
-_REQUEST, _REPLY, _NOTICE, _FAIL, _BYE = 1, 2, 3, 4, 5
+# One frame: magic, kind, request seq, elements, dtype name, payload bytes, piggybacked bytes
+# (after the payload; exchanges only).
+_FRAME = struct.Struct("!IBQQ16sQI")
+_REQUEST, _REPLY, _NOTICE, _FAIL, _BYE, _BEAT = 1, 2, 3, 4, 5, 6
 _CONNECT_WINDOW = 30.0
 _CONNECT_RETRY = 0.05
 
@@ -97,12 +106,19 @@ class PeerTransport:
         self._seq = 0
         self._pending: Dict[int, Tuple[Request, int, Optional[Callable[[np.ndarray], Any]], np.dtype, int]] = {}
         self._handler: Optional[Handler] = None
+        self._direct_replies = False
+        self._piggyback_out: Optional[Callable[[int], bytes]] = None
+        self._piggyback_in: Optional[Callable[[int, bytes], None]] = None
+        self._send_locks: Dict[int, threading.Lock] = {p: threading.Lock() for p in socks}
         self._notice_handler: Optional[Callable[[int, bytes], None]] = None
         self._early_notices: List[Tuple[int, bytes]] = []
         self._failure_callbacks: List[Callable[[TransportError], None]] = []
         self.failure: Optional[TransportError] = None
         self._closed = False
         self._gone: Set[int] = set()           # peers that said goodbye
+        now = time.monotonic()
+        self._heard: Dict[int, float] = {p: now for p in socks}  # when a frame last came from each peer
+        self._beaten = now                      # when heartbeats last went out
         self._held = False
         self._backlog: List[Tuple[int, int, np.ndarray]] = []
         self._hold_lock = threading.Lock()
@@ -165,12 +181,14 @@ class PeerTransport:
         return cls(rank, socks, float(timeout))
 
     # ------------------------------------------------------------------ API
-    def set_handler(self, handler: Handler) -> None:
+    def set_handler(self, handler: Handler, *, direct: bool = False) -> None:
         """`handler(peer, theirs) -> mine` answers a peer's exchange on the service thread;
         `mine` must have the shape and dtype of `theirs`. Exchanges that arrive before the
-        handler is set wait for it."""
+        handler is set wait for it. `direct`: the service thread writes the answer itself
+        (module docstring)."""
         with self._hold_lock:
             self._handler = handler
+            self._direct_replies = bool(direct)
             held = self._held
         if not held:
             self.release()
@@ -184,6 +202,13 @@ class PeerTransport:
             for peer, body in early:
                 handler(peer, body)
 
+    def set_piggyback(self, outgoing: Callable[[int], bytes], incoming: Callable[[int, bytes], None]) -> None:
+        """Small data carried on every exchange frame (request and answer), in the same write:
+        `outgoing(peer) -> bytes` runs when a frame for `peer` is built (on the thread that
+        builds it), `incoming(peer, data)` on the service thread when one arrives, before the
+        handler or `on_reply` sees the array. AD-PSGD spreads its step counts this way."""
+        self._piggyback_out, self._piggyback_in = outgoing, incoming
+
     def on_failure(self, callback: Callable[[TransportError], None]) -> None:
         """`callback(error)` runs once when the transport fails (at once if it already has)."""
         with self._lock:
@@ -193,8 +218,9 @@ class PeerTransport:
         callback(self.failure)
 
     def exchange(self, peer: int, array: np.ndarray,
-                 on_reply: Optional[Callable[[np.ndarray], Any]] = None) -> Request:
-        """Sends `array` to `peer`, whose handler answers with its own; returns at once.
+                 on_reply: Optional[Callable[[np.ndarray], Any]] = None, *, direct: bool = False) -> Request:
+        """Sends `array` to `peer`, whose handler answers with its own; returns at once
+        (`direct`: once the frame is written, on this thread; module docstring).
 
         The request's result is `on_reply(theirs)` (run on the service thread), or `theirs`.
         Do not modify `array` until the request is done. Raises ValueError for a peer that
@@ -217,14 +243,28 @@ class PeerTransport:
                 return request
             self._pending[request.seq] = (request, peer, on_reply, array.dtype, array.size)
             self.initiated += 1
-        self._sends.put((peer, _header(_REQUEST, request.seq, array), array))
+        extra = self._piggyback_out(peer) if self._piggyback_out is not None else b""
+        self._put((peer, _header(_REQUEST, request.seq, array, len(extra)), array, extra), direct)
         return request
 
-    def notify(self, peer: int, body: bytes) -> None:
-        """Queues `body` for `peer`'s notice handler (after everything queued for it before)."""
+    def notify(self, peer: int, body: bytes, *, direct: bool = False) -> None:
+        """Queues `body` for `peer`'s notice handler (after everything queued for it before;
+        `direct`: written on this thread, after the frames written directly before it)."""
         if peer not in self._socks:
             raise ValueError(f"rank {peer} is not a peer of rank {self.rank} (peers: {list(self.peers)})")
-        self._sends.put((peer, _FRAME.pack(_MAGIC, _NOTICE, 0, 0, b"", len(body)), body))
+        self._put((peer, _FRAME.pack(_MAGIC, _NOTICE, 0, 0, b"", len(body), 0), body), direct)
+
+    def _put(self, item: Tuple[Any, ...], direct: bool) -> None:
+        """Hands a frame to the sender thread, or (`direct`) writes it on this thread."""
+        if not direct:
+            self._sends.put(item)
+            return
+        if self._dropped(item):
+            return
+        try:
+            self._send(item)
+        except BaseException as exc:  # noqa: B902 - a broken connection breaks the transport
+            self._send_failed(item, exc)
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Returns once every frame queued so far went to the kernel (TimeoutError otherwise)."""
@@ -265,7 +305,8 @@ class PeerTransport:
             selector.register(sock, selectors.EVENT_READ, peer)
         header = bytearray(_FRAME.size)
         while not self._closed and self.failure is None:
-            for key, _ in selector.select(0.5):
+            self._heartbeat()
+            for key, _ in selector.select(min(0.5, self.timeout / 4)):
                 peer = key.data
                 if peer is None:
                     try:
@@ -275,10 +316,12 @@ class PeerTransport:
                     continue
                 sock = self._socks[peer]
                 try:
-                    got = sock.recv_into(header, len(header), socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                    if got == 0:
-                        raise TransportError("eof")
+                    # readable: a frame (or the end of the connection) is there. Two reads per
+                    # frame (header, then payload and piggyback), each a whole chunk: every read
+                    # takes the GIL back, which costs up to a switch interval when the training
+                    # loop holds it
                     _recv_exact(sock, memoryview(header), f"rank {peer}")
+                    self._heard[peer] = time.monotonic()
                     self._frame(peer, sock, header)
                 except BlockingIOError:
                     continue
@@ -299,16 +342,19 @@ class PeerTransport:
         selector.close()
 
     def _frame(self, peer: int, sock: socket.socket, header: bytearray) -> None:
-        magic, kind, seq, count, dtype_name, nbytes = _FRAME.unpack(header)
+        magic, kind, seq, count, dtype_name, nbytes, extra = _FRAME.unpack(header)
         if magic != _MAGIC:
             raise TransportError(f"rank {self.rank}: garbage from rank {peer} (bad frame magic {magic:#x})")
-        body = bytearray(nbytes)
-        if nbytes:
+        body = bytearray(nbytes + extra)
+        if nbytes + extra:
             _recv_exact(sock, memoryview(body), f"rank {peer}")
         if kind == _REQUEST or kind == _REPLY:
-            theirs = np.frombuffer(body, np.dtype(dtype_name.rstrip(b"\x00").decode("ascii")))
-            if theirs.size != count:
-                raise TransportError(f"rank {self.rank}: rank {peer} sent {theirs.size} elements for {count}")
+            dtype = np.dtype(dtype_name.rstrip(b"\x00").decode("ascii"))
+            if count * dtype.itemsize != nbytes:
+                raise TransportError(f"rank {self.rank}: rank {peer} sent {nbytes} bytes for {count} x {dtype}")
+            theirs = np.frombuffer(body, dtype, count)
+            if extra and self._piggyback_in is not None:
+                self._piggyback_in(peer, bytes(body[nbytes:]))
             if kind == _REQUEST:
                 with self._hold_lock:
                     if self._held or self._handler is None:
@@ -325,6 +371,8 @@ class PeerTransport:
                     self._notice_handler(peer, bytes(body))
         elif kind == _FAIL:
             self._fail(TransportError(body.decode("utf-8", "replace")), peer)
+        elif kind == _BEAT:
+            pass  # its arrival (`_heard`) is the news
         elif kind == _BYE:
             with self._lock:
                 self._gone.add(peer)
@@ -345,7 +393,8 @@ class PeerTransport:
             raise TransportError(f"rank {self.rank}: its answer to rank {peer} has {mine.dtype}{mine.shape}, "
                                  f"rank {peer} sent {theirs.dtype}{theirs.shape}")
         self.served += 1
-        self._sends.put((peer, _header(_REPLY, seq, mine), mine))
+        extra = self._piggyback_out(peer) if self._piggyback_out is not None else b""
+        self._put((peer, _header(_REPLY, seq, mine, len(extra)), mine, extra), self._direct_replies)
 
     def _reply(self, peer: int, seq: int, theirs: np.ndarray) -> None:
         with self._lock:
@@ -365,23 +414,52 @@ class PeerTransport:
         else:
             request._complete(result)
 
+    def _heartbeat(self) -> None:
+        """Service thread: a heartbeat to every peer each `timeout / 4` s, and a peer that sent
+        nothing (no frame, no heartbeat) for `timeout` s reported: a rank that is alive but
+        stuck (stopped, hung in native code without its threads, its network cut) is named in
+        bounded time, also by ranks that wait for it without an exchange in flight."""
+        now = time.monotonic()
+        if now - self._beaten >= self.timeout / 4:
+            self._beaten = now
+            for peer in self.peers:
+                if peer not in self._gone:
+                    self._sends.put((peer, _FRAME.pack(_MAGIC, _BEAT, 0, 0, b"", 0, 0), b""))
+        for peer, heard in self._heard.items():
+            if peer not in self._gone and now - heard > self.timeout:
+                try:  # frames waiting unread (this thread was busy with another peer's) are news too
+                    self._socks[peer].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                    continue  # data, or the end of the connection: the read reports it
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    continue
+                self._fail(TransportError(f"rank {peer} sent rank {self.rank} nothing for {self.timeout:g} s, not "
+                                          f"even a heartbeat: it is stuck (stopped, hung) or its network is"), None)
+                return
+
     # ------------------------------------------------------------------ sender thread
     def _send_loop(self) -> None:
         send_loop(self._sends, self._send, self._dropped, self._send_failed)
 
-    def _dropped(self, item: Tuple[int, bytes, Any]) -> bool:
-        peer, head, _ = item
+    def _dropped(self, item: Tuple[Any, ...]) -> bool:
+        peer, head = item[0], item[1]
         return peer in self._gone or (self.failure is not None and head[4] != _FAIL)
 
-    def _send(self, item: Tuple[int, bytes, Any]) -> None:
-        peer, head, payload = item
+    def _send(self, item: Tuple[Any, ...]) -> None:
+        peer, parts = item[0], [memoryview(part).cast("B") for part in item[1:] if len(part)]
         sock = self._socks[peer]
-        sock.sendall(head)
-        if len(payload):
-            sock.sendall(payload)
+        with self._send_locks[peer]:  # a frame is written whole (the sender thread or a direct writer)
+            while parts:  # one system call (one return of the GIL) for the whole frame, as a rule
+                sent = sock.sendmsg(parts)
+                while parts and sent >= len(parts[0]):
+                    sent -= len(parts[0])
+                    parts.pop(0)
+                if parts and sent:
+                    parts[0] = parts[0][sent:]
 
-    def _send_failed(self, item: Tuple[int, bytes, Any], exc: BaseException) -> None:
-        peer, head, _ = item
+    def _send_failed(self, item: Tuple[Any, ...], exc: BaseException) -> None:
+        peer, head = item[0], item[1]
         if head[4] in (_FAIL, _BYE) or peer in self._gone or self._closed:
             return
         error = send_failure(self.rank, peer, self.timeout, exc)
@@ -399,7 +477,7 @@ class PeerTransport:
         done = threading.Event()
         for peer in self.peers:
             if peer != source and peer not in self._gone:
-                self._sends.put((peer, _FRAME.pack(_MAGIC, _FAIL, 0, 0, b"", len(body)), body))
+                self._sends.put((peer, _FRAME.pack(_MAGIC, _FAIL, 0, 0, b"", len(body), 0), body))
         self._sends.put(done)
         for entry in pending:
             entry[0]._complete(error=error)
@@ -437,7 +515,7 @@ class PeerTransport:
         done = threading.Event()
         if self.failure is None:
             for peer in self.peers:
-                self._sends.put((peer, _FRAME.pack(_MAGIC, _BYE, 0, 0, b"", 0), b""))
+                self._sends.put((peer, _FRAME.pack(_MAGIC, _BYE, 0, 0, b"", 0, 0), b""))
         self._sends.put(done)
         done.wait(min(self.timeout, 2.0))
         self._sends.put(None)
@@ -463,9 +541,9 @@ class PeerTransport:
         return f"<PeerTransport rank {self.rank} peers {list(self.peers)}{' closed' if self._closed else ''}>"
 
 
-def _header(kind: int, seq: int, array: np.ndarray) -> bytes:
+def _header(kind: int, seq: int, array: np.ndarray, extra: int = 0) -> bytes:
     name = array.dtype.name.encode("ascii")
-    return _FRAME.pack(_MAGIC, kind, seq, array.size, name, array.nbytes)
+    return _FRAME.pack(_MAGIC, kind, seq, array.size, name, array.nbytes, extra)
 
 
 def _connect(listener: socket.socket, peers: Tuple[int, ...], rank: int,

@@ -114,6 +114,24 @@ def check_slow_rank(topo, seconds=8.0):
             "spread": spread(model.get_weights(), "slow")}
 
 
+# -- an epoch counted over all ranks: the fast ranks do the slow rank's share ---------------------------
+def check_global_budget(topo, global_epochs=8):
+    """The last rank sleeps 0.05 s per step; fit stops when all ranks together ran
+    `global_epochs` epochs of steps (ADPSGDCallback(global_epochs=...))."""
+    x_train, _, y_train, _ = digits.split()
+    shard = equal_shard(topo, len(x_train))
+    model = make_model(width=16)
+    model.compile(tf.keras.optimizers.SGD(0.05), LOSS)
+    model.fit(x_train[:16], y_train[:16], batch_size=16, epochs=1, verbose=0)  # trace first (see check_slow_rank)
+    gossip = ADPSGDCallback(topology="ring", global_epochs=global_epochs, timeout=60)
+    slow = topo.rank == topo.size - 1
+    history = model.fit(x_train[shard], y_train[shard], batch_size=16, epochs=global_epochs * topo.size, verbose=0,
+                        callbacks=[gossip, Sleep(0.05 if slow else 0.0)])
+    return {"steps": gossip.stats["steps"], "budget": gossip.stats["step_budget"], "slow": slow,
+            "exchanges": gossip.stats["exchanges"], "epochs_run": len(history.history.get("loss", [])),
+            "steps_per_epoch": -(-len(x_train[shard]) // 16), "spread": spread(model.get_weights(), "budget")}
+
+
 # -- convergence on digits: AD-PSGD against AllReduce-SGD at equal epochs ----------------------------
 def equal_shard(topo, n):
     """This rank's shard, the same size on every rank (AllReduce-SGD needs equal step counts)."""
@@ -199,4 +217,5 @@ def check_errors(topo):
 
 
 CHECKS = {"consensus": check_consensus, "exchanges": check_exchanges, "slow_rank": check_slow_rank,
+          "global_budget": check_global_budget,
           "convergence": check_convergence, "checkpoint": check_checkpoint, "errors": check_errors}
