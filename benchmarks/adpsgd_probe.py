@@ -13,6 +13,7 @@ Reported: each rank's exchanges over its steps. Counts, not times: valid on a lo
 (the load average is reported beside them), although load lowers them somewhat.
 
     python benchmarks/adpsgd_probe.py                          # python / numpy / sleep, on and off
+    python benchmarks/adpsgd_probe.py --json benchmarks/results/adpsgd_probe.json   # benchmarks/README.md's run
     python benchmarks/adpsgd_probe.py --compute python --switch-interval none
 
 Used by tests/test_adpsgd.py (`probe()`), which asserts on the ratio with and without the
@@ -163,6 +164,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--step-ms", type=float, default=3.0)
     parser.add_argument("--size", type=int, default=85_000, help="model elements (float32)")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--json", help="also write the rows to this file (results/adpsgd_probe.json)")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -178,6 +180,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             rows.append({"compute": compute, "switch_interval": interval, "averagings_per_step": per_step,
                          "load_average": round(os.getloadavg()[0], 2)})
             print(json.dumps(rows[-1]), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k not in ("rank", "worker", "json")},
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
