@@ -201,14 +201,16 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                                  "anyway): leave local_trust_ratio unset, or use communication='hitopk'")
             return False
         return on
+
     def _default_aids(self, communication) -> Dict[str, Any]:
         """momentum and warmup_steps for `communication` from the constructor's
         momentum_correction / warmup_steps / density (None: the strategy's own default)."""
-        given = self._aid_args  # (local_trust_ratio: `_resolve_local_trust`, the wrapper's side)
+        given = self._aid_args  # (local_trust_ratio itself: `_resolve_local_trust`, the wrapper's side)
+        trusted = _local_trust_ratio(given["local_trust_ratio"], self._optimizer, communication, given["density"])
         return dict(
             warmup_steps=_warmup_steps(given["warmup_steps"], self._optimizer, communication, given["density"]),
             momentum=_corrected_momentum(self._optimizer, _momentum_correction(
-                given["momentum_correction"], self._optimizer, communication, given["density"])))
+                given["momentum_correction"], self._optimizer, communication, given["density"], trusted)))
 
     def _check_momentum_correction(self) -> None:
         """A strategy with momentum correction needs a wrapped optimizer whose momentum the
@@ -456,19 +458,21 @@ def _classic_lars(optimizer) -> bool:
     return isinstance(optimizer, LARS) and optimizer.classic_momentum
 
 
-def _momentum_correction(given: Optional[bool], optimizer, communication, density: Optional[float]) -> bool:
+def _momentum_correction(given: Optional[bool], optimizer, communication, density: Optional[float],
+                         local_trust: bool = False) -> bool:
     """Whether to apply DGC's momentum correction: as `given`, or by default (None) when a
     sparse strategy is named (or is $HVDX_COMMUNICATION's) at a density up to
-    AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD or hvdx's LARS
-    (classic momentum; with its local trust ratio, `_local_trust_ratio`) with a momentum, not
-    Nesterov's (measured: benchmarks/README.md, convergence.py)."""
+    AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD, or hvdx's LARS
+    with its `local_trust` ratio on (`_local_trust_ratio`; without it momentum correction
+    is LARS' worst case: the trust ratio would normalise the accumulated velocity), with a
+    momentum, not Nesterov's (measured: benchmarks/README.md, convergence.py)."""
     if given is not None:
         return given
     density = _sparse_density(communication, density)
     if density is None:
         return False
     number = getattr(optimizer, "momentum", None)
-    return ((type(optimizer) is tf.keras.optimizers.SGD or _classic_lars(optimizer))
+    return ((type(optimizer) is tf.keras.optimizers.SGD or (local_trust and _classic_lars(optimizer)))
             and isinstance(number, (int, float))
             and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
             and isinstance(density, (int, float)) and density <= AUTO_MOMENTUM_CORRECTION_DENSITY)

@@ -83,12 +83,16 @@ def test_local_trust_without_momentum_correction_is_lars_momentum_on_the_aggrega
 
 
 def test_lars_under_a_sparse_strategy_gets_local_trust_and_momentum_correction_by_default(one_rank):
-    """The default benchmarks/convergence.py measured (--optimizer lars, small ResNet)."""
+    """The default benchmarks/convergence.py measured (--optimizer lars, 3 seeds; small
+    ResNet: no aid 0.550, momentum correction alone 0.142, both 0.829, Horovod 0.938; MLP:
+    both 0.930, Horovod 0.922). Momentum correction comes with the local trust ratio only."""
     opt = hvdx.DistributedOptimizer(lars(), communication="hitopk")
     assert opt.local_trust_ratio and opt.communication.momentum == pytest.approx(0.9)
     assert hvdx.DistributedOptimizer(lars(), communication="sparse_allgather").local_trust_ratio
     off = hvdx.DistributedOptimizer(lars(), communication="hitopk", local_trust_ratio=False)
-    assert not off.local_trust_ratio and off.communication.momentum == pytest.approx(0.9)
+    assert not off.local_trust_ratio and off.communication.momentum == 0  # LARS' worst case: not a default
+    mc = hvdx.DistributedOptimizer(lars(), communication="hitopk", local_trust_ratio=False, momentum_correction=True)
+    assert mc.communication.momentum == pytest.approx(0.9)
     plain = hvdx.DistributedOptimizer(lars(), communication="hitopk", momentum_correction=False)
     assert plain.local_trust_ratio and plain.communication.momentum == 0
     assert not hvdx.DistributedOptimizer(lars(), communication="hitopk", density=0.5).local_trust_ratio
@@ -123,8 +127,9 @@ def test_the_aid_survives_config_round_trip_and_follows_switches(one_rank):
     on = hvdx.DistributedOptimizer(lars(), communication="hitopk")
     again = type(on).from_config(on.get_config())
     assert again.local_trust_ratio and repr(again.communication) == repr(on.communication)
-    off = hvdx.DistributedOptimizer(lars(), communication="hitopk", local_trust_ratio=False)
-    assert not type(off).from_config(off.get_config()).local_trust_ratio
+    off = hvdx.DistributedOptimizer(lars(), communication="hitopk", local_trust_ratio=False, momentum_correction=True)
+    again = type(off).from_config(off.get_config())
+    assert not again.local_trust_ratio and again.communication.momentum == pytest.approx(0.9)
     dense_first = hvdx.DistributedOptimizer(lars(), communication="allreduce")
     dense_first.set_communication("hitopk")
     assert dense_first.local_trust_ratio and dense_first.communication.momentum == pytest.approx(0.9)
@@ -138,7 +143,8 @@ def test_the_aid_survives_config_round_trip_and_follows_switches(one_rank):
 def test_a_saved_model_reloads_with_the_aid(one_rank, tmp_path):
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([tf.keras.layers.Input((8,)), tf.keras.layers.Dense(4)])
-    model.compile(hvdx.DistributedOptimizer(lars(), communication="hitopk", local_trust_ratio=False), loss="mse")
+    model.compile(hvdx.DistributedOptimizer(lars(), communication="hitopk", local_trust_ratio=False,
+                                            momentum_correction=True), loss="mse")
     model.fit(np.ones((16, 8)), np.zeros((16, 4)), batch_size=8, verbose=0)
     model.save(tmp_path / "m.keras")
     loaded = hvdx.load_model(str(tmp_path / "m.keras"))
