@@ -10,11 +10,18 @@ batches (scikit-learn's digits; nothing is downloaded):
 - `mlp`: the communication-bound MLP of benchmarks/train_step.py (1024-4096-4096-10 at
   --mlp-scale 1) on the digits upscaled to 32x32, momentum SGD.
 
+`--optimizer lars` / `lamb` trains every task with hvdx's LARS (momentum 0.9, trust ratio
+clipped to 1, rate and trust coefficient per task: LARS_OPTIONS) or LAMB (LAMB_OPTIONS) instead
+of the task's own optimizer ("task": Adam for mnist, momentum SGD for the others).
+
 Methods: `horovod` (hvd.DistributedOptimizer), `allreduce` (hvdx, dense), `hitopk`
 (density --density, no aid given, i.e. hvdx's defaults), and `hitopk+AID+...` with AIDs
 `plain` (every aid off), `mc` (momentum correction with factor masking), `clip` (local
 clipping at --clip-norm), `warmup` (density warm-up from 25 % over --warmup-steps),
-`dense` (the warm-up starts dense: warmup_density=1), `decay` (residual decay 0.9).
+`dense` (the warm-up starts dense: warmup_density=1), `decay` (residual decay 0.9), `lt`
+(LARS' trust ratio applied to each rank's gradient before the strategy: local_trust_ratio).
+`--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
+mean and the range of the final accuracy.
 The methods take turns: every --eval-every steps each method trains that many steps, then
 its test accuracy is taken (outside the timed part), so a slow spell of the machine hits
 all of them alike. Wall times are only results when the machine runs nothing else.
@@ -108,9 +115,35 @@ def build_model(task: str, args: argparse.Namespace):
                                name="mlp")
 
 
-def inner_optimizer(task: str, size: int):
+#: LARS / LAMB with --optimizer, at a constant rate, every layer adapted, biases and
+#: batch-norm parameters without weight decay. LARS' rate and trust coefficient per task, from
+#: a scan on one rank (batch 128, 200 steps): on the small ResNet a larger step (0.5, 0.01)
+#: trained but left batch norm's moving statistics behind (test accuracy 0.1-0.8 where the
+#: training batches gave 0.93), so it runs with SGD's rate, the trust ratio clipped to 1.
+_LARS_COMMON = dict(momentum=0.9, weight_decay=5e-5, max_trust_ratio=1.0,
+                    exclude_from_weight_decay=["bias", "batch_normalization"], exclude_from_layer_adaptation=[])
+LARS_OPTIONS = {"resnet": dict(_LARS_COMMON, learning_rate=0.1, eeta=0.1),
+                "mlp": dict(_LARS_COMMON, learning_rate=0.5, eeta=0.01),
+                "mnist": dict(_LARS_COMMON, learning_rate=0.5, eeta=0.01)}
+LAMB_OPTIONS = dict(learning_rate=0.01, weight_decay=1e-4, exclude_from_weight_decay=["bias", "batch_normalization"])
+OPTIMIZERS = ("task", "lars", "lamb")
+
+
+def inner_optimizer(task: str, size: int, optimizer: str = "task"):
+    """The optimizer a task trains with: its own ("task": Adam for mnist, momentum SGD for
+    the others, rates scaled by the ranks as Horovod's examples), or hvdx's LARS or LAMB."""
     import tensorflow as tf
 
+    if optimizer == "lars":
+        from hvdx.optimizers import LARS
+
+        return LARS(**LARS_OPTIONS[task])
+    if optimizer == "lamb":
+        from hvdx.optimizers import LAMB
+
+        return LAMB(**LAMB_OPTIONS)
+    if optimizer != "task":
+        raise ValueError(f"unknown optimizer {optimizer!r} (one of {OPTIMIZERS})")
     if task == "mnist":
         return tf.keras.optimizers.Adam(0.001 * size)  # Horovod's example: lr scaled by the ranks
     return tf.keras.optimizers.SGD(0.025 * size, momentum=0.9)
@@ -125,7 +158,8 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
         raise ValueError(f"unknown method {method!r}")
     options: Dict[str, Any] = {"communication": base, "density": args.density}
     if "plain" in aids or aids:  # every aid not named is off
-        options.update(momentum_correction=False, clip_norm=None, warmup_steps=0, residual_decay=1.0)
+        options.update(momentum_correction=False, clip_norm=None, warmup_steps=0, residual_decay=1.0,
+                       local_trust_ratio=False)
     for aid in aids:
         if aid == "mc":
             options["momentum_correction"] = True
@@ -137,8 +171,10 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
                 options["warmup_density"] = 1.0
         elif aid == "decay":
             options["residual_decay"] = 0.9
+        elif aid == "lt":
+            options["local_trust_ratio"] = True
         elif aid != "plain":
-            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, plain)")
+            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, plain)")
     return options
 
 
@@ -159,13 +195,15 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
     for method in args.methods or METHODS[task]:
         tf.keras.utils.set_random_seed(args.seed)  # the same initial weights and batches for every method
         model = build_model(task, args)
-        inner = inner_optimizer(task, hvd.size())
+        inner = inner_optimizer(task, hvd.size(), args.optimizer)
         if method == "horovod":
             optimizer = hvd_keras.DistributedOptimizer(inner)
         else:
             options = method_options(method, task, args)
             if not hasattr(inner, "momentum"):
                 options.pop("momentum_correction", None)
+            if type(inner).__name__ != "LARS":
+                options.pop("local_trust_ratio", None)
             optimizer = hvdx.DistributedOptimizer(inner, **options)
         model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(),
                       metrics=["accuracy"])
@@ -184,14 +222,14 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             for _ in range(n):
                 logs = run["train"](run["iterator"])
             float(logs["loss"])  # waits for the last step
-            run["clock"] += common.slowest(time.perf_counter() - start, f"conv.{task}.{method}.{chunk}")
+            run["clock"] += common.slowest(time.perf_counter() - start, f"conv.{task}.{method}.{args.seed}.{chunk}")
             run["done"] += n
             _, accuracy = run["model"].evaluate(x_test, y_test, batch_size=256, verbose=0)
             run["steps"].append(run["done"])
             run["accuracy"].append(float(accuracy))
             run["seconds"].append(run["clock"])
             if hvd.rank() == 0:
-                print(f"{task} {method}: step {run['done']} test accuracy {accuracy:.3f} "
+                print(f"{task} {method} seed {args.seed}: step {run['done']} test accuracy {accuracy:.3f} "
                       f"({run['clock']:.1f} s training)", flush=True)
     return {method: {k: run[k] for k in ("steps", "accuracy", "seconds")} for method, run in runs.items()}
 
@@ -202,12 +240,50 @@ def run_ranks(args: argparse.Namespace) -> None:
     import hvdx
 
     topo = hvdx.init()
-    results = {task: run_task(task, args) for task in args.tasks}
+    first = args.seed
+    by_seed = {}
+    for seed in range(first, first + args.seeds):
+        args.seed = seed
+        by_seed[str(seed)] = {task: run_task(task, args) for task in args.tasks}
+    args.seed = first
     if hvd.rank() == 0:
         Path(args.worker_json).write_text(json.dumps({
             "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
-            "network": common.cluster_description(), "tasks": results}, indent=1))
+            "network": common.cluster_description(), "tasks": mean_curves(by_seed), "by_seed": by_seed},
+            indent=1))
     hvdx.barrier()
+
+
+def mean_curves(by_seed: Dict[str, Dict[str, Dict[str, dict]]]) -> Dict[str, Dict[str, dict]]:
+    """Per task and method, the curves averaged over the seeds (every seed evaluates at the
+    same steps): accuracy and seconds at each evaluation."""
+    runs = list(by_seed.values())
+    out: Dict[str, Dict[str, dict]] = {}
+    for task, methods in runs[0].items():
+        out[task] = {}
+        for method, run in methods.items():
+            curves = [r[task][method] for r in runs]
+            out[task][method] = {"steps": run["steps"], **{
+                key: [sum(c[key][i] for c in curves) / len(curves) for i in range(len(run["steps"]))]
+                for key in ("accuracy", "seconds")}}
+    return out
+
+
+def seed_spread(by_seed: Dict[str, Dict[str, Dict[str, dict]]]) -> Dict[str, Dict[str, dict]]:
+    """Per task and method, the final test accuracy of each seed, their mean, min and max,
+    and the mean's gap to Horovod's mean (points)."""
+    runs = list(by_seed.values())
+    out: Dict[str, Dict[str, dict]] = {}
+    for task, methods in runs[0].items():
+        out[task] = {}
+        for method in methods:
+            finals = [r[task][method]["accuracy"][-1] for r in runs]
+            out[task][method] = {"final": finals, "mean": sum(finals) / len(finals), "min": min(finals),
+                                 "max": max(finals)}
+        reference = out[task].get("horovod", {}).get("mean")
+        for spread in out[task].values():
+            spread["gap_points"] = None if reference is None else round(100 * (spread["mean"] - reference), 2)
+    return out
 
 
 # -- the summary -------------------------------------------------------------------------------
@@ -233,10 +309,20 @@ def summarize(tasks: Dict[str, Dict[str, dict]], targets: Dict[str, float]) -> D
     return out
 
 
-def table(summary: Dict[str, Dict[str, dict]], steps: int) -> str:
+def table(summary: Dict[str, Dict[str, dict]], steps: int, spread: Optional[Dict[str, Dict[str, dict]]] = None) -> str:
+    """The Markdown table; with `spread` (several seeds) the final accuracy is the seeds' mean
+    with its range, the gap is the means', the other columns are of the mean curves."""
     rows = []
     for task, methods in summary.items():
         for method, s in methods.items():
+            if spread is not None and len(spread[task][method]["final"]) > 1:
+                r = spread[task][method]
+                rows.append([task, method, f"{r['mean']:.3f} ({r['min']:.3f}-{r['max']:.3f})",
+                             "" if r["gap_points"] is None else f"{r['gap_points']:+.1f}", f"{s['best_accuracy']:.3f}",
+                             "-" if s["steps_to_target"] is None else s["steps_to_target"],
+                             "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}",
+                             f"{1000 * s['seconds_per_step']:.0f}"])
+                continue
             rows.append([task, method, f"{s['final_accuracy']:.3f}",
                          "" if s["gap_points"] is None else f"{s['gap_points']:+.1f}", f"{s['best_accuracy']:.3f}",
                          "-" if s["steps_to_target"] is None else s["steps_to_target"],
@@ -275,9 +361,10 @@ def report(args: argparse.Namespace, result: dict) -> None:
         body = (f"`python benchmarks/convergence.py {' '.join(sys.argv[1:])}`: "
                 f"{result['topology']['nodes']}x{result['topology']['ranks_per_node']} ranks, "
                 f"{'emulated cluster at ' + str(network.get('rate')) if network else 'loopback'}, "
-                f"batch {args.batch} per rank, density {args.density}, load average "
+                f"batch {args.batch} per rank, density {args.density}, optimizer {args.optimizer}, "
+                f"{args.seeds} seed(s), load average "
                 f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f}.\n\n"
-                + table(result["summary"], args.steps))
+                + table(result["summary"], args.steps, result.get("seeds")))
         common.update_readme("convergence", body, readme)
 
 
@@ -295,6 +382,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--warmup-steps", type=int, default=0, help="density warm-up steps (0: steps / 5)")
     parser.add_argument("--mlp-scale", type=float, default=0.5, help="width of the MLP (1: train_step.py's)")
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--seeds", type=int, default=1, help="how many seeds (--seed, --seed + 1, ...)")
+    parser.add_argument("--optimizer", default="task", choices=OPTIMIZERS,
+                        help="task: each task's own (Adam, momentum SGD); lars, lamb: hvdx's")
     parser.add_argument("--smoke", action="store_true", help="tiny models, few steps (tests)")
     common.add_output_arguments(parser, readme=None)
     args = parser.parse_args(argv)
@@ -308,9 +398,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         worker_argv += ["--steps", str(args.steps), "--eval-every", str(args.eval_every)]
     result = next(iter(common.run_topologies(__file__, args, worker_argv)))
     result["summary"] = summarize(result["tasks"], TARGETS)
+    result["seeds"] = seed_spread(result["by_seed"])
     result["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report(args, result)
-    print(table(result["summary"], args.steps))
+    print(table(result["summary"], args.steps, result["seeds"]))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ on the same averaged gradients, so no rank skips a step the others take.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 from typing import Any, Dict, List, Optional, Sequence, Union
@@ -82,6 +83,11 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       exponentially from warmup_density, 0.25, to density over the first warmup_steps
       steps; None, the default: 100 for an Adam-family optimizer with a sparse strategy
       named, else off), residual_decay (error feedback keeps residual_decay x the residual).
+      local_trust_ratio: hvdx's LARS only: eq. 11's trust ratio is applied to each rank's
+        gradient before the sparse strategy accumulates it, and the step applies the
+        aggregate with ratio 1 (hvdx.optimizers.lars). None, the default: on, with momentum
+        correction, for LARS (classic momentum, not Nesterov) under a sparse strategy named at
+        density <= 0.1; LAMB gets the Adam family's density warm-up.
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
@@ -108,7 +114,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  num_samplings: Optional[int] = None, wire_dtype=None,
                  bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
                  clip_norm: Optional[float] = None, warmup_steps: Optional[int] = None,
-                 warmup_density: Optional[float] = None, residual_decay: Optional[float] = None) -> None:
+                 warmup_density: Optional[float] = None, residual_decay: Optional[float] = None,
+                 local_trust_ratio: Optional[bool] = None) -> None:
         if isinstance(name, comm.Strategy) or comm.is_name(name):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
                              f"as communication={name!r}")
@@ -125,7 +132,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
-        self._aid_args = dict(momentum_correction=momentum_correction, warmup_steps=warmup_steps, density=density)
+        self._aid_args = dict(momentum_correction=momentum_correction, warmup_steps=warmup_steps, density=density,
+                              local_trust_ratio=local_trust_ratio)
         aids = dict(clip_norm=clip_norm, warmup_density=warmup_density, residual_decay=residual_decay,
                     **self._default_aids(communication))
         self._aggregator = GradientAggregator(
@@ -136,6 +144,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
             aids=aids)
         self._check_momentum_correction()
+        self._local_trust = self._resolve_local_trust(communication, strict=True)
         self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step != 1 else None)
         self._horovod_config = dict(
@@ -172,15 +181,36 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             defaults = {k: v for k, v in self._default_aids(communication).items() if v is not None}
         self._aggregator.switch(communication, defaults)
         self._check_momentum_correction()
+        self._local_trust = self._resolve_local_trust(communication, strict=False)
+
+    @property
+    def local_trust_ratio(self) -> bool:
+        """Whether the wrapped LARS' trust ratio is applied to each rank's gradient before the
+        strategy (on only while the strategy is a sparse one)."""
+        return self._local_trust
+
+    def _resolve_local_trust(self, communication, strict: bool) -> bool:
+        """local_trust_ratio for `communication` (`_local_trust_ratio`), on only with a lossy
+        strategy; `strict`: an explicit True with a dense one is refused (ValueError)."""
+        on = _local_trust_ratio(self._aid_args["local_trust_ratio"], self._optimizer, communication,
+                                self._aid_args["density"])
+        if on and not self._aggregator.strategy.lossy:
+            if strict:
+                raise ValueError(f"local_trust_ratio=True applies LARS' trust ratio before a sparse strategy; "
+                                 f"{self._aggregator.strategy!r} is dense (the trust ratio is applied after it "
+                                 "anyway): leave local_trust_ratio unset, or use communication='hitopk'")
+            return False
+        return on
 
     def _default_aids(self, communication) -> Dict[str, Any]:
         """momentum and warmup_steps for `communication` from the constructor's
         momentum_correction / warmup_steps / density (None: the strategy's own default)."""
-        given = self._aid_args
+        given = self._aid_args  # (local_trust_ratio itself: `_resolve_local_trust`, the wrapper's side)
+        trusted = _local_trust_ratio(given["local_trust_ratio"], self._optimizer, communication, given["density"])
         return dict(
             warmup_steps=_warmup_steps(given["warmup_steps"], self._optimizer, communication, given["density"]),
             momentum=_corrected_momentum(self._optimizer, _momentum_correction(
-                given["momentum_correction"], self._optimizer, communication, given["density"])))
+                given["momentum_correction"], self._optimizer, communication, given["density"], trusted)))
 
     def _check_momentum_correction(self) -> None:
         """A strategy with momentum correction needs a wrapped optimizer whose momentum the
@@ -215,6 +245,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         """The aggregated gradients; the aggregation's record goes to a wrapped
         `AggregationObserver` (LARS / LAMB compute their layer norms on the strategy's
         reduce-scattered slices)."""
+        if self._local_trust:  # LARS' eq. 11 on this rank's gradient, before the strategy accumulates it
+            grads = self._optimizer.local_trusted(list(grads), list(variables))
         aggregated = self._aggregator(grads, variables)
         if isinstance(self._optimizer, AggregationObserver) and self._aggregator.last_aggregation is not None:
             self._optimizer.observe_aggregation(self._aggregator.last_aggregation)
@@ -265,14 +297,15 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         # Momentum correction (DGC): the strategy accumulated the velocity, so the wrapped
         # optimizer applies the aggregate without a momentum of its own.
         corrected = bool(getattr(self._aggregator.strategy, "momentum", 0.0))
+        trusted = self._optimizer.trust_applied(True) if self._local_trust else contextlib.nullcontext()
         if self._agg_helper is None:
-            with self._momentum.read_by_step(zero=corrected):  # the wrapped step reads the momentum variable
+            with self._momentum.read_by_step(zero=corrected), trusted:  # the step reads the momentum variable
                 return self._apply(grads_and_vars)
 
         def skip():
             return self.iterations.assign_add(1)
 
-        with self._momentum.read_by_step(zero=corrected):
+        with self._momentum.read_by_step(zero=corrected), trusted:
             return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
 
     def _apply(self, grads_and_vars):
@@ -389,6 +422,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if strategy.lossy:  # explicit, so that a reload does not apply other defaults (`_momentum_correction`)
             config.setdefault("warmup_steps", getattr(strategy, "warmup_steps", 0))
             config["momentum_correction"] = bool(getattr(strategy, "momentum", 0.0))
+            config["local_trust_ratio"] = self._local_trust
         return config
 
     @classmethod
@@ -416,10 +450,21 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 AUTO_MOMENTUM_CORRECTION_DENSITY = 0.1
 
 
-def _momentum_correction(given: Optional[bool], optimizer, communication, density: Optional[float]) -> bool:
+def _classic_lars(optimizer) -> bool:
+    """Whether `optimizer` is hvdx's LARS with eq. 11's classic momentum (its trust ratio
+    measures the gradient, so it can be applied before aggregation)."""
+    from hvdx.optimizers.lars import LARS
+
+    return isinstance(optimizer, LARS) and optimizer.classic_momentum
+
+
+def _momentum_correction(given: Optional[bool], optimizer, communication, density: Optional[float],
+                         local_trust: bool = False) -> bool:
     """Whether to apply DGC's momentum correction: as `given`, or by default (None) when a
     sparse strategy is named (or is $HVDX_COMMUNICATION's) at a density up to
-    AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD with a
+    AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD, or hvdx's LARS
+    with its `local_trust` ratio on (`_local_trust_ratio`; without it momentum correction
+    is LARS' worst case: the trust ratio would normalise the accumulated velocity), with a
     momentum, not Nesterov's (measured: benchmarks/README.md, convergence.py)."""
     if given is not None:
         return given
@@ -427,7 +472,8 @@ def _momentum_correction(given: Optional[bool], optimizer, communication, densit
     if density is None:
         return False
     number = getattr(optimizer, "momentum", None)
-    return (type(optimizer) is tf.keras.optimizers.SGD and isinstance(number, (int, float))
+    return ((type(optimizer) is tf.keras.optimizers.SGD or (local_trust and _classic_lars(optimizer)))
+            and isinstance(number, (int, float))
             and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
             and isinstance(density, (int, float)) and density <= AUTO_MOMENTUM_CORRECTION_DENSITY)
 
@@ -438,6 +484,37 @@ ADAM_WARMUP_STEPS = 100
 _ADAM_FAMILY = (tf.keras.optimizers.Adam, tf.keras.optimizers.AdamW, tf.keras.optimizers.Adamax,
                 tf.keras.optimizers.Nadam, tf.keras.optimizers.legacy.Adam, tf.keras.optimizers.legacy.Adamax,
                 tf.keras.optimizers.legacy.Nadam)
+
+
+def _adam_family(optimizer) -> bool:
+    """Keras' Adam-family optimizers and hvdx's LAMB (Adam's moments with a layer-wise rate)."""
+    from hvdx.optimizers.lamb import LAMB
+
+    return isinstance(optimizer, _ADAM_FAMILY + (LAMB,))
+
+
+def _local_trust_ratio(given: Optional[bool], optimizer, communication, density: Optional[float]) -> bool:
+    """Whether LARS' trust ratio is applied to each rank's gradient before the strategy
+    (hvdx.optimizers.lars): as `given`, or by default (None) for hvdx's LARS with classic
+    momentum under a sparse strategy named (or $HVDX_COMMUNICATION's) at a density up to
+    AUTO_MOMENTUM_CORRECTION_DENSITY, the same condition as its momentum correction.
+
+    Raises:
+      ValueError: `given` is not None, True or False, or True for an optimizer other than
+        LARS with classic momentum.
+    """
+    if given is None:
+        density = _sparse_density(communication, density)
+        return (density is not None and isinstance(density, (int, float))
+                and density <= AUTO_MOMENTUM_CORRECTION_DENSITY and _classic_lars(optimizer))
+    if not isinstance(given, bool):
+        raise ValueError(f"local_trust_ratio must be True, False or None (the default), got {given!r}")
+    if given and not _classic_lars(optimizer):
+        raise ValueError(f"local_trust_ratio=True applies LARS' trust ratio (eq. 11) to each rank's gradient; "
+                         f"{type(optimizer).__name__}{'' if not hasattr(optimizer, 'classic_momentum') else ' with classic_momentum=False'} "
+                         "has none to apply there: use hvdx.optimizers.LARS(..., classic_momentum=True), or leave "
+                         "local_trust_ratio unset")
+    return given
 
 
 def _sparse_density(communication, density: Optional[float]) -> Optional[float]:
@@ -456,13 +533,13 @@ def _sparse_density(communication, density: Optional[float]) -> Optional[float]:
 
 def _warmup_steps(given: Optional[int], optimizer, communication, density: Optional[float]) -> Optional[int]:
     """The density warm-up: as `given`, or by default (None) ADAM_WARMUP_STEPS for an
-    Adam-family optimizer with a sparse strategy named at a density below the warm-up's
+    Adam-family optimizer (hvdx's LAMB included) with a sparse strategy named at a density below the warm-up's
     start (0.25); None (the strategy's own default, off) otherwise."""
     if given is not None:
         return given
     density = _sparse_density(communication, density)
     if density is None or not isinstance(density, (int, float)) or density >= 0.25 \
-            or not isinstance(optimizer, _ADAM_FAMILY):
+            or not _adam_family(optimizer):
         return None
     return ADAM_WARMUP_STEPS
 

@@ -10,10 +10,25 @@ decay, plus a numerical `epsilon`)
 classic_momentum=False the momentum is applied first and the trust ratio measures the step
 instead (SimCLR's variant): v <- momentum * v + g + wd w, u = v (Nesterov: momentum v + g +
 wd w), trust = eeta ||w|| / (||u|| + epsilon), w <- w - learning_rate * trust * u.
+
+Under a sparse strategy (top-k with error feedback), the trust ratio is applied before the
+strategy instead, on each rank's own gradient ("local trust ratio", `local_trusted`):
+
+    d_i = trust_i (g_i + weight_decay * w),  trust_i = eq. 11 on rank i's gradient g_i
+    (with momentum correction) u_i <- momentum u_i + d_i,  sparsified, averaged: U
+    v <- learning_rate * U;  w <- w - v          (`trust_applied`: ratio 1, no decay here)
+
+so the velocity the strategy accumulates is classic LARS' v / learning_rate, and the step
+has classic LARS' size. Measured on the aggregated sparse update instead, eq. 11 would
+normalise away what error feedback accumulated (each entry is sent about once every
+1/density steps, with that many steps' gradients in it, and the trust ratio divides it
+back to one step's norm: about sqrt(density) of LARS' progress per entry) and, with the
+momentum moved into the strategy, the accumulated velocity (another factor 1 - momentum).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+import contextlib
+from typing import Any, Dict, Iterator, List, Optional
 
 import tensorflow as tf
 
@@ -70,8 +85,47 @@ class LARS(LayerwiseOptimizer):
     def _momentum(self, variable):
         return self.momentums[self._index_dict[self._var_key(variable)]]
 
+    def local_trusted(self, gradients: List[Optional[tf.Tensor]], variables: List[Any]) -> List[Optional[tf.Tensor]]:
+        """Eq. 11's layer-wise rate applied to this rank's own gradients, before aggregation:
+        trust_l (g_l + weight_decay w_l) per variable (trust 1 for layers excluded from
+        adaptation, clipped as configured), with the norms of this rank's g_l; None stays None,
+        sparse gradients are densified. What hvdx.DistributedOptimizer sends through a sparse
+        strategy with local_trust_ratio=True; the step then applies the aggregate inside
+        `trust_applied()`.
+
+        Raises:
+          ValueError: with classic_momentum=False (its trust ratio measures the momentum step,
+            which does not exist before aggregation).
+        """
+        if not self.classic_momentum:
+            raise ValueError("the local trust ratio scales each rank's gradient by eq. 11 before aggregation; "
+                             "LARS(classic_momentum=False) measures the momentum step instead: use "
+                             "classic_momentum=True, or local_trust_ratio=False")
+        present = [i for i, g in enumerate(gradients) if g is not None]
+        out = list(gradients)
+        if not present:
+            return out
+        grads = [tf.convert_to_tensor(gradients[i]) for i in present]
+        chosen = [variables[i] for i in present]
+        ratios = self.trust_ratios(chosen, grads, mode=None)
+        for i, g, w, r in zip(present, grads, chosen, ratios):
+            out[i] = tf.cast(r, g.dtype) * self._decayed(g, w)
+        return out
+
+    @contextlib.contextmanager
+    def trust_applied(self, on: bool = True) -> Iterator[None]:
+        """Inside (while a step is traced), the gradients are taken as `local_trusted`'s
+        aggregate: the step applies them with ratio 1 and no weight decay of its own (both are
+        in them already), v <- momentum v + learning_rate g; w <- w - v."""
+        before = self._book.trust_applied
+        self._book.trust_applied = bool(on)
+        try:
+            yield
+        finally:
+            self._book.trust_applied = before
+
     def _decayed(self, gradient: tf.Tensor, variable) -> tf.Tensor:
-        if not self._decays(variable):
+        if not self._decays(variable) or self._book.trust_applied:
             return gradient
         return gradient + tf.cast(self.weight_decay, variable.dtype) * variable
 

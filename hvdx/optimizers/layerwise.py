@@ -216,7 +216,10 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
         grads_and_vars = [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]  # IndexedSlices: dense
         variables = [v for _, v in grads_and_vars]
         directions = self._prepare([g for g, _ in grads_and_vars], variables)
-        ratios = self.trust_ratios(variables, directions)
+        if self._book.trust_applied:  # LARS.local_trusted's aggregate: rates applied before aggregation
+            ratios = [tf.ones([], tf.float32)] * len(variables)
+        else:
+            ratios = self.trust_ratios(variables, directions)
         self._book.pending = {self._var_key(v): (d, r) for v, d, r in zip(variables, directions, ratios)}
         try:
             return super()._internal_apply_gradients(grads_and_vars)
@@ -337,6 +340,7 @@ class _Book:
         self.process_set: Optional[hvd.ProcessSet] = None  # what they were averaged over (None: all ranks)
         self.pending: Dict[Any, Tuple[tf.Tensor, tf.Tensor]] = {}  # var key -> (direction, ratio), one step
         self.last_mode: Optional[str] = None
+        self.trust_applied = False  # LARS.trust_applied(): the gradients carry their trust ratio
 
 
 def _value(variable) -> tf.Tensor:
