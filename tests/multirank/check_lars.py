@@ -212,11 +212,12 @@ def check_digits(topo, epochs: int = 6) -> dict:
         inner = (tf.keras.optimizers.SGD(0.1, momentum=0.9) if name == "sgd" else
                  LARS(0.1, momentum=0.9, eeta=0.05, weight_decay=5e-4, exclude_from_weight_decay=EXCLUDE,
                       exclude_from_layer_adaptation=[], parallel="slices"))
-        # like for like: both apply their own momentum to HiTopK's aggregate (DGC's momentum
-        # correction, on by default for Keras' SGD, has no LARS counterpart: the trust ratio
-        # needs the aggregated gradient)
+        # like for like: both apply their own momentum to HiTopK's aggregate, LARS its trust
+        # ratio after the aggregation, on the strategy's slices (the sparse aids, DGC's
+        # momentum correction and LARS' local trust ratio, are tests/test_lars_sparse.py's)
         optimizer = hvdx.DistributedOptimizer(inner, communication="hitopk", density=0.01,
-                                              momentum_correction=False)
+                                              momentum_correction=False,
+                                              **({} if name == "sgd" else {"local_trust_ratio": False}))
         model.compile(optimizer=optimizer, metrics=["accuracy"],
                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.fit(x_mine, y_mine, batch_size=16, epochs=epochs, verbose=0,
