@@ -4,6 +4,7 @@ Run by tests/test_buckets.py through the suite (2 nodes x 2 ranks). Each check r
 what the test asserts on.
 """
 import os
+import re
 import tempfile
 
 import horovod.tensorflow as hvd
@@ -94,7 +95,7 @@ def check_overlap_structure(topo):
         by_bucket = {}
         for op in collectives:  # the collectives of each bucket (named ..._b<bucket>...; "allreduce" hands
             for b in range(8):  # each gradient of a bucket to Horovod in its own, ..._b<bucket>_<j>)
-                if f"_b{b}_" in op.name or op.name.endswith(f"_b{b}"):
+                if re.search(rf"_b{b}(?:[._]|$)", op.name):  # ..._b<b>, ..._b<b>_..., ..._b<b>.<j>
                     by_bucket.setdefault(b, []).append(op)
         first, last = by_bucket[min(by_bucket)], by_bucket[max(by_bucket)]
         out[strategy] = {"buckets": len(by_bucket),
