@@ -422,25 +422,28 @@ def test_a_slow_rank_does_not_slow_the_others(ranks):
     assert all(data["exchanges"] > 0 for data in ranks.values()), ranks  # the slow one still gossips
 
 
-# Known bug, open: on a loaded machine (a full test session, load ~10-20) this check once ran
-# {0: 671, 1: 1, 2: 641, 3: 20} steps against a budget of 672 with 3-9 averagings per rank: rank 1
-# (passive, not slowed) stayed at its first step and the gossip nearly stalled, so the counts did not
-# travel. It passes on a quieter machine; the in-process budget test above holds the rule.
-@pytest.mark.xfail(reason="AD-PSGD's gossip can stall a passive rank under heavy load (see the comment)",
-                   strict=False)
+# Under load (a full test session, load 10-20 on 2 cores) a rank process can go a second without
+# CPU (runnable, not scheduled: sampled from /proc): it neither steps nor answers, and the news of
+# the step counts waits for it. A run of about one second once ended at {0: 671, 1: 1, 2: 641,
+# 3: 20} steps against a budget of 672, so the check trains for several seconds and bounds the
+# overshoot by what news that travels at all guarantees.
 @suite.runs(suite.check("adpsgd.global_budget", "2x2"))
 def test_an_epoch_counts_every_ranks_samples_so_the_fast_ranks_do_the_slow_ones_share(ranks):
     slow = max(ranks)
     steps = {rank: data["steps"] for rank, data in ranks.items()}
     budget = ranks[0]["budget"]
     print("steps per rank:", steps, "budget:", budget, "averagings:", {r: d["exchanges"] for r, d in ranks.items()})
-    assert budget == 8 * sum(data["steps_per_epoch"] for data in ranks.values())  # 8 epochs of every rank's shard
-    # known counts never exceed the true ones: the budget is spent when a rank stops
-    assert sum(steps.values()) >= budget, (steps, budget)
-    # the overshoot: steps made while the news of the last steps travels to each rank, about one
-    # exchange per hop of the ring (diameter 2) and, with Keras holding the GIL on loaded cores,
-    # a few steps per exchange: 4 ranks x 3 hops x 4 steps
-    assert sum(steps.values()) <= budget + 4 * 3 * 4, (steps, budget)
+    assert budget == 64 * sum(data["steps_per_epoch"] for data in ranks.values())  # 64 epochs of every rank's shard
+    for rank, data in ranks.items():
+        # what a rank knows of the others' steps never exceeds what they ran ...
+        assert data["known_steps"][rank] == steps[rank], (rank, data)
+        assert all(known <= steps[r] for r, known in enumerate(data["known_steps"])), (rank, data, steps)
+        # ... and every rank stopped on the budget (not because fit's epochs ran out)
+        assert sum(data["known_steps"]) >= budget, (rank, data, budget)
+    assert sum(steps.values()) >= budget, (steps, budget)  # hence the budget is spent
+    # the overshoot is the steps made while the news of the last steps travels; without news
+    # each fast rank would run the whole budget on its own (3x)
+    assert sum(steps.values()) <= 1.5 * budget, (steps, budget)
     for rank, count in steps.items():
         if rank != slow:
             assert count >= 2 * steps[slow], steps  # the fast ranks did the slowed rank's share
