@@ -47,11 +47,15 @@ except ImportError:
 #: hvdx's strategies; "none" is the no-communication floor, "horovod" the baseline.
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
 #: "<strategy>_fused": the strategy on one fused buffer (bucket_bytes=None), no overlap.
+#: "hierarchical_sized": 2DTAR with the size rule (buckets under 4 MiB through a flat
+#: allreduce, `Hierarchical(flat_below=4 << 20)`), not in the default set.
 OPTIMIZERS = ["none", "horovod", *STRATEGIES, "hierarchical_fused", "hitopk_fused"]
+ALL_KEYS = [*OPTIMIZERS, "hierarchical_sized"]
 LABELS = {"none": "no communication (floor)", "horovod": "Horovod DistributedOptimizer",
           "allreduce": "hvdx allreduce", "hierarchical": "hvdx hierarchical (2DTAR)",
           "sparse_allgather": "hvdx sparse_allgather (NaiveAG)", "hitopk": "hvdx hitopk (HiTopKComm)",
-          "hierarchical_fused": "hvdx hierarchical, one fused buffer", "hitopk_fused": "hvdx hitopk, one fused buffer"}
+          "hierarchical_fused": "hvdx hierarchical, one fused buffer", "hitopk_fused": "hvdx hitopk, one fused buffer",
+          "hierarchical_sized": "hvdx hierarchical, buckets < 4 MiB flat"}
 #: The issue's goals, per-round ratio medians of Horovod's step time over hvdx's (MLP, 2x2).
 GOALS = {"hitopk": 3.0, "hierarchical": 1.25, "allreduce": 1.0}
 
@@ -130,6 +134,9 @@ def make_optimizer(key: str, args: argparse.Namespace):
         return hvd_keras.DistributedOptimizer(inner, **dense)
     import hvdx
 
+    if key == "hierarchical_sized":
+        options = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes or None}
+        return hvdx.DistributedOptimizer(inner, communication=hvdx.comm.Hierarchical(flat_below=4 << 20), **options)
     strategy, fused = (key[:-len("_fused")], True) if key.endswith("_fused") else (key, False)
     options = {"density": args.density, **dense} if strategy in ("sparse_allgather", "hitopk") else dict(dense)
     if fused or args.bucket_bytes is not None:
@@ -474,7 +481,7 @@ def census_table(result: dict) -> str:
     machine and under any load."""
     rows = []
     for kind, model in result["models"].items():
-        for key in [k for k in OPTIMIZERS if k in model.get("census", {})]:
+        for key in [k for k in ALL_KEYS if k in model.get("census", {})]:
             c = model["census"][key]
             colls = collections.Counter(t for t, _, _ in c["collectives"])
             rows.append([kind, LABELS.get(key, key), str(c["ops"]),
@@ -514,7 +521,7 @@ def engine_table(results: List[dict]) -> str:
 
 def profile_table(result: dict, kind: str) -> str:
     profile = result["models"][kind].get("profile") or {}
-    keys = [k for k in OPTIMIZERS if k in profile]
+    keys = [k for k in ALL_KEYS if k in profile]
     categories = [c for c, _ in CATEGORIES] + ["other"]
     kinds = sorted({c for k in keys for c in profile[k]["collectives"] if c != "error"})
     header = ["where the time goes (ms per step)", *[LABELS[k] for k in keys]]
@@ -538,7 +545,7 @@ def plot(results: List[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
     for ax, (result, kind) in zip(axes[0], panels):
         summary = result["summary"][kind]
-        keys = [k for k in OPTIMIZERS if k in summary]
+        keys = [k for k in ALL_KEYS if k in summary]
         times = [summary[k]["median_seconds"] * 1e3 for k in keys]
         colors = ["#999999" if k == "none" else "#d62728" if k == "horovod" else "#1f77b4" for k in keys]
         ax.bar(range(len(keys)), times, color=colors)

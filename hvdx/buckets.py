@@ -135,14 +135,19 @@ class AggregationRecord:
 
     def slice_ranges(self) -> Optional[Dict[int, Ranges]]:
         """For each gradient index, the element ranges of its flattened gradient that lie in
-        this rank's reduce-scattered slices (`Aggregated.local_slice`); None if a bucket has
-        no slice. A slice may reach into a small buffer's padding: only real elements count.
-        Every gradient of a bucket gets an entry (empty: another rank of the node covers it)."""
+        this rank's reduce-scattered slices (`Aggregated.local_slice`). A slice may reach
+        into a small buffer's padding: only real elements count. Every gradient of a bucket
+        with a slice gets an entry (empty: another rank of the node covers it); the gradients
+        of a bucket without one (averaged whole on every rank: 2DTAR's small buckets) get
+        none. None if no bucket has a slice, or if a gradient spans a bucket with a slice and
+        one without (its norm would be neither local nor sliced)."""
         out: Dict[int, Ranges] = {}
+        whole = set()
         for bucket in self.buckets:
             local = bucket.result.local_slice
             if local is None or local[0].shape[0] is None:
-                return None
+                whole.update(piece.index for piece in bucket.pieces)
+                continue
             lo = int(local[1])
             hi = lo + int(local[0].shape[0])
             position = 0
@@ -153,6 +158,8 @@ class AggregationRecord:
                 if a < b:
                     ranges.append((piece.start + a - position, piece.start + b - position))
                 position += length
+        if not out or whole & set(out):
+            return None
         return out
 
     def aggregated_variables(self) -> Dict[Any, Optional[Ranges]]:

@@ -71,3 +71,22 @@ def test_a_variable_of_no_elements_beside_a_normal_one_aggregates_on_every_strat
             assert found["losses"][1] < found["losses"][0], strategy
     for strategy in STRATEGIES:
         assert len({tuple(result[strategy]["kernel"]) for result in ranks.every()}) == 1, strategy
+
+
+def test_slice_ranges_cover_sliced_buckets_and_leave_whole_ones_to_each_rank():
+    """A record of 2DTAR's size rule: bucket A (gradients 0 and 1, 10 + 6 elements) was
+    reduce-scattered and this rank holds elements [4, 12) of it; bucket B (gradient 2) was
+    averaged whole (no slice). Gradient 0 gets [4, 10), gradient 1 [0, 2), gradient 2 no entry
+    (its norm is computed whole on every rank). No sliced bucket at all, or a gradient in a
+    sliced and a whole bucket: None (the norms fall back to the parallel tensor operator)."""
+    import tensorflow as tf
+
+    from hvdx.buckets import AggregationRecord, BucketRecord, Piece
+    from hvdx.comm.base import Aggregated
+
+    sliced = BucketRecord(Aggregated(None, local_slice=(tf.zeros([8]), 4)), (Piece(0, 0, 10), Piece(1, 0, 6)))
+    whole = BucketRecord(Aggregated(None), (Piece(2, 0, 5),))
+    assert AggregationRecord((None,) * 3, (sliced, whole)).slice_ranges() == {0: [(4, 10)], 1: [(0, 2)]}
+    assert AggregationRecord((None,) * 3, (whole,)).slice_ranges() is None
+    split = BucketRecord(Aggregated(None), (Piece(1, 6, 9),))  # gradient 1's tail in a whole bucket
+    assert AggregationRecord((None,) * 3, (sliced, split)).slice_ranges() is None

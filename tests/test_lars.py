@@ -293,11 +293,11 @@ def test_pto_is_bit_exact_on_2x2(ranks):
 def test_every_parallel_mode_gives_the_same_weights_on_2x2(ranks):
     modes = ranks[0]
     print(json.dumps(modes, indent=1))
-    for key in ("lars.hierarchical", "lamb.hierarchical"):
+    for key in ("lars.hierarchical", "lamb.hierarchical", "lars.sized"):
         assert modes[key]["modes"] == {"None": None, "pto": "pto", "slices": "slices"}, key
         assert modes[key]["pto_error"] == 0.0, key  # pto's norms are the replicated ones, bit for bit
     assert modes["lars_nesterov_step.hitopk"]["modes"] == {"None": None, "slices": "slices"}
-    for key in ("lars.hierarchical", "lamb.hierarchical", "lars_nesterov_step.hitopk"):
+    for key in ("lars.hierarchical", "lamb.hierarchical", "lars_nesterov_step.hitopk", "lars.sized"):
         assert modes[key]["slices_error"] < 1e-4, key
     assert modes["lars.allreduce"]["modes"]["slices"] == "pto"  # no slices under a dense allreduce
     assert modes["loss_scale_slices_error"] < 1e-4

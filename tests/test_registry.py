@@ -145,3 +145,13 @@ def test_every_strategy_of_the_package_registers_itself():
             if issubclass(cls, comm.Strategy) and cls is not comm.Strategy and cls.__module__ == module.__name__ \
                     and "aggregate" in vars(cls):
                 assert comm.strategy_class(cls.key) is cls, cls
+
+
+def test_2dtar_size_rule_option_is_validated_and_kept_in_the_config():
+    assert comm.Hierarchical().flat_below == 0  # every bucket through 2DTAR unless asked
+    sized = comm.get("2dtar", flat_below=4 << 20)
+    assert sized.flat_below == 4 << 20 and repr(sized) == "Hierarchical(flat_below=4194304)"
+    assert comm.Hierarchical.from_config(sized.get_config()).flat_below == 4 << 20
+    for bad in (-1, 1.5, True, "4MiB"):
+        with pytest.raises(ValueError, match="flat_below must be a number of bytes"):
+            comm.Hierarchical(flat_below=bad)

@@ -11,7 +11,7 @@ from hvdx.comm.base import Aggregated, Strategy, node_reduce_scatter, node_slice
 from hvdx.comm.registry import register
 from hvdx.topology import Topology
 
-__all__ = ["Allreduce", "Hierarchical", "OP_NAMES"]
+__all__ = ["Allreduce", "DEFAULT_FLAT_BELOW", "Hierarchical", "OP_NAMES"]
 
 #: Horovod's reduction ops by name (configs store the name).
 OP_NAMES = {hvd.Average: "Average", hvd.Sum: "Sum", hvd.Adasum: "Adasum"}
@@ -99,23 +99,66 @@ class Allreduce(Strategy):
         return f"Allreduce({', '.join(options)})"
 
 
+#: `Hierarchical.flat_below`'s default: 0, every bucket through 2DTAR (the size rule is
+#: opt-in until its measurement, benchmarks/README.md's train_step section, decides a default).
+DEFAULT_FLAT_BELOW = 0
+
+
 @register("hierarchical", aliases=("2dtar",))
 class Hierarchical(Strategy):
     """2DTAR (shi2021 sec. 5.3): reduce-scatter inside the node, allreduce of each slice
     across nodes in its cross set, all-gather inside the node.
 
     Horovod's own hierarchical allreduce needs NCCL; this one runs wherever process sets do.
-    Only 1/n of the buffer crosses the slow inter-node links from each rank. `wire_dtype`
-    (e.g. float16) is the type every collective moves.
+    Only 1/n of the buffer crosses the slow inter-node links from each rank. A bucket smaller
+    than `flat_below` bytes on the wire is latency-bound, not bandwidth-bound: it goes through
+    Horovod's flat allreduce instead, one per gradient, which Horovod fuses with whatever else
+    is ready (as NCCL picks its algorithm by message size); such a bucket leaves no
+    reduce-scattered slice (`Aggregated.local_slice` None).
+
+    Args:
+      wire_dtype: the type every collective moves (e.g. float16); None: the buffer's.
+      flat_below: bytes on the wire under which a bucket is averaged flat (e.g. 4 << 20);
+        0 (default, DEFAULT_FLAT_BELOW): every bucket through 2DTAR.
+    Raises:
+      ValueError: a negative or non-integer flat_below.
     """
 
-    options = ("wire_dtype",)
+    options = ("wire_dtype", "flat_below")
 
-    def __init__(self, wire_dtype=None, topo: Optional[Topology] = None) -> None:
+    def __init__(self, wire_dtype=None, flat_below: int = DEFAULT_FLAT_BELOW, topo: Optional[Topology] = None) -> None:
         super().__init__(topo)
+        if isinstance(flat_below, bool) or not isinstance(flat_below, int) or flat_below < 0:
+            raise ValueError(f"flat_below must be a number of bytes >= 0 (0: every bucket through 2DTAR), got "
+                             f"{flat_below!r}")
         self.wire_dtype = None if wire_dtype is None else wire.check_dtype(wire_dtype)
+        self.flat_below = flat_below
+
+    def _flat(self, elements: int, dtype: tf.DType) -> bool:
+        """Whether a bucket of `elements` of `dtype` is averaged flat (the size rule)."""
+        return elements * (self.wire_dtype or tf.as_dtype(dtype)).size < self.flat_below
+
+    def _flat_allreduce(self, pieces: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
+        sent = [p if self.wire_dtype is None else tf.cast(p, self.wire_dtype) for p in pieces]
+        totals = [hvd.allreduce(s, op=hvd.Average, name=f"hvdx.2dtar.flat.{name}.{j}") for j, s in enumerate(sent)]
+        return [tf.cast(t, p.dtype) for t, p in zip(totals, pieces)]
+
+    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None, grouped: bool = False
+                          ) -> Tuple[List[tf.Tensor], Aggregated]:
+        """A small bucket (`flat_below`): one flat allreduce per piece (one for all of them
+        when `grouped`); otherwise the pieces fused and averaged by 2DTAR."""
+        pieces = list(pieces)
+        if not self._flat(sum(int(p.shape[0]) for p in pieces), pieces[0].dtype):
+            return super()._aggregate_pieces(pieces, name, residual_scale)
+        if grouped and len(pieces) > 1:
+            sent = [p if self.wire_dtype is None else tf.cast(p, self.wire_dtype) for p in pieces]
+            totals = hvd.grouped_allreduce(sent, op=hvd.Average, name=f"hvdx.2dtar.flat.{name}")
+            return [tf.cast(t, p.dtype) for t, p in zip(totals, pieces)], Aggregated(None)
+        return self._flat_allreduce(pieces, name), Aggregated(None)
 
     def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
+        if self._flat(int(buffer.shape[0]), buffer.dtype):
+            return Aggregated(self._flat_allreduce([buffer], name)[0])
         topo = self.topology
         d = int(buffer.shape[0])
         offset, length = node_slices(d, topo.local_size)[topo.local_set.rank()]
@@ -131,4 +174,7 @@ class Hierarchical(Strategy):
         return Aggregated(output, local_slice=(averaged, offset))
 
     def __repr__(self) -> str:
-        return f"Hierarchical(wire_dtype={self.wire_dtype.name})" if self.wire_dtype else "Hierarchical()"
+        options = [f"wire_dtype={self.wire_dtype.name}"] if self.wire_dtype else []
+        if self.flat_below != DEFAULT_FLAT_BELOW:
+            options.append(f"flat_below={self.flat_below}")
+        return f"Hierarchical({', '.join(options)})"

@@ -52,10 +52,23 @@ def check_dense_equivalence(topo, d: int, step: int) -> None:
     rng = np.random.default_rng(100 * step + topo.rank)
     grads = tf.constant(rng.integers(-8000, 8000, d) / 8, tf.float32)
     want = hvd.allreduce(grads, op=hvd.Average, name=f"want.{d}.{step}").numpy()
-    for strategy in (comm.Allreduce(), comm.Hierarchical(), comm.HiTopK(density=1.0),
+    flat = comm.Hierarchical(flat_below=4 * d + 1)  # the size rule: this buffer goes flat
+    for strategy in (comm.Allreduce(), comm.Hierarchical(), flat, comm.HiTopK(density=1.0),
                      comm.SparseAllgather(density=1.0)):
         got = strategy(grads, name=f"dense{d}s{step}").numpy()
         assert_average(got, want, 1000.0, repr(strategy))  # |grads| <= 1000
+    # 2DTAR leaves this rank's reduce-scattered slice; a bucket under flat_below leaves none,
+    # as pieces or as one buffer, and its pieces come back averaged each
+    assert comm.Hierarchical().aggregate(grads, f"sl{d}s{step}").local_slice is not None
+    assert flat.aggregate(grads, f"fl{d}s{step}").local_slice is None
+    half = d // 2
+    pieces, result = flat.aggregate_pieces([grads[:half], grads[half:]], f"fp{d}s{step}")
+    assert result.local_slice is None and result.output is None
+    assert_average(np.concatenate([p.numpy() for p in pieces]), want, 1000.0, "flat pieces")
+    pieces, result = comm.Hierarchical(flat_below=4 * d).aggregate_pieces([grads[:half], grads[half:]],
+                                                                           f"hp{d}s{step}")  # not under: 2DTAR
+    assert result.local_slice is not None
+    assert_average(np.concatenate([p.numpy() for p in pieces]), want, 1000.0, "2dtar pieces")
 
 
 def gather_ragged(t: tf.Tensor, name: str) -> list:

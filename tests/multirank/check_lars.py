@@ -162,6 +162,10 @@ def check_modes(topo, full: bool = False) -> dict:
             topo, lambda m: lars(m, classic_momentum=False, nesterov=True), "hitopk", "lars.hitopk", (None, "slices"),
             density=1.0)
         out["lars.allreduce"] = compare_modes(topo, lars, "allreduce", "lars.allreduce", (None, "slices"))
+        # 2DTAR's size rule: the first kernel (3072 bytes) through 2DTAR, the smaller buckets
+        # flat: "slices" computes the kernel's norms on the slices, the others' whole on each rank
+        out["lars.sized"] = compare_modes(topo, lars, hvdx.comm.Hierarchical(flat_below=2048), "lars.sized",
+                                          bucket_bytes=1024)
         # Mixed precision's loss scaling: slices read the unscaled gradients that are applied.
         # (A loss scale of 2**10 scales and unscales exactly: the replicated run without it is the reference.)
         scaled, mode = train_steps(topo, lars("slices"), "lso.slices", "hierarchical", loss_scale=True)
