@@ -123,14 +123,17 @@ def train_steps(topo, inner, tag: str, communication=None, horovod: bool = False
     return weights, used.last_mode
 
 
-def compare_modes(topo, make, communication, tag: str, modes_to_run=(None, "pto", "slices"), **options) -> dict:
-    """Weights after STEPS steps in each mode; pto bit-identical to replicated, slices close."""
+def compare_modes(topo, make, communication, tag: str, modes_to_run=(None, "pto", "slices"), *,
+                  exact: bool = True, **options) -> dict:
+    """Weights after STEPS steps in each mode; pto bit-identical to replicated (`exact`: not
+    where Horovod fuses per-gradient allreduces as they get ready, which changes the sums'
+    rounding from run to run), slices close."""
     weights, modes = {}, {}
     for mode in modes_to_run:
         weights[mode], modes[str(mode)] = train_steps(topo, make(mode), f"{tag}.{mode}", communication, **options)
     scale = float(np.max(np.abs(weights[None])))
     pto_error = float(np.max(np.abs(weights["pto"] - weights[None]))) / scale if "pto" in weights else 0.0
-    if "pto" in weights and (topo.num_nodes <= 2 or "bucket_bytes" not in options):
+    if "pto" in weights and exact and (topo.num_nodes <= 2 or "bucket_bytes" not in options):
         assert pto_error == 0.0, f"{tag}: pto weights != replicated weights"
     # (Several buckets on 3 nodes: Horovod may fuse the cross-node allreduces of buckets that
     # are ready together, which changes how 3 partial sums associate: the aggregated
@@ -165,7 +168,7 @@ def check_modes(topo, full: bool = False) -> dict:
         # 2DTAR's size rule: the first kernel (3072 bytes) through 2DTAR, the smaller buckets
         # flat: "slices" computes the kernel's norms on the slices, the others' whole on each rank
         out["lars.sized"] = compare_modes(topo, lars, hvdx.comm.Hierarchical(flat_below=2048), "lars.sized",
-                                          bucket_bytes=1024)
+                                          exact=False, bucket_bytes=1024)
         # Mixed precision's loss scaling: slices read the unscaled gradients that are applied.
         # (A loss scale of 2**10 scales and unscales exactly: the replicated run without it is the reference.)
         scaled, mode = train_steps(topo, lars("slices"), "lso.slices", "hierarchical", loss_scale=True)
