@@ -19,7 +19,8 @@ Methods: `horovod` (hvd.DistributedOptimizer), `allreduce` (hvdx, dense), `hitop
 `plain` (every aid off), `mc` (momentum correction with factor masking), `clip` (local
 clipping at --clip-norm), `warmup` (density warm-up from 25 % over --warmup-steps),
 `dense` (the warm-up starts dense: warmup_density=1), `decay` (residual decay 0.9), `lt`
-(LARS' trust ratio applied to each rank's gradient before the strategy: local_trust_ratio).
+(LARS' trust ratio applied to each rank's gradient before the strategy: local_trust_ratio),
+`layer` (one bucket per gradient, bucket_bytes=1: the density applies to each layer).
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy.
 The methods take turns: every --eval-every steps each method trains that many steps, then
@@ -173,8 +174,10 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
             options["residual_decay"] = 0.9
         elif aid == "lt":
             options["local_trust_ratio"] = True
+        elif aid == "layer":  # one bucket per gradient: the density (top-k) applies to each layer
+            options["bucket_bytes"] = 1
         elif aid != "plain":
-            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, plain)")
+            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, layer, plain)")
     return options
 
 
