@@ -123,7 +123,7 @@ def run_model(name: str, shapes: List[Shape], repeats: int) -> dict:
     optimizer.build(variables)
     # The slices of a 2DTAR (Hierarchical) aggregation of these gradients, as
     # hvdx.DistributedOptimizer leaves them (one real aggregation, outside the timings).
-    aggregator = hvdx.GradientAggregator("hierarchical")
+    aggregator = hvdx.GradientAggregator(hvdx.comm.Hierarchical(flat_below=0))  # 2DTAR on every bucket
     aggregator([tf.identity(g) for g in grads], variables)
     optimizer.observe_aggregation(aggregator.last_aggregation)
     del aggregator

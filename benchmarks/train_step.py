@@ -48,14 +48,16 @@ except ImportError:
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
 #: "<strategy>_fused": the strategy on one fused buffer (bucket_bytes=None), no overlap.
 #: "hierarchical_sized": 2DTAR with the size rule (buckets under 4 MiB through a flat
-#: allreduce, `Hierarchical(flat_below=4 << 20)`), not in the default set.
+#: allreduce, `Hierarchical(flat_below=4 << 20)`, "hierarchical"'s default since),
+#: "hierarchical_all": 2DTAR on every bucket (`flat_below=0`); not in the default set.
 OPTIMIZERS = ["none", "horovod", *STRATEGIES, "hierarchical_fused", "hitopk_fused"]
-ALL_KEYS = [*OPTIMIZERS, "hierarchical_sized"]
+ALL_KEYS = [*OPTIMIZERS, "hierarchical_sized", "hierarchical_all"]
 LABELS = {"none": "no communication (floor)", "horovod": "Horovod DistributedOptimizer",
           "allreduce": "hvdx allreduce", "hierarchical": "hvdx hierarchical (2DTAR)",
           "sparse_allgather": "hvdx sparse_allgather (NaiveAG)", "hitopk": "hvdx hitopk (HiTopKComm)",
           "hierarchical_fused": "hvdx hierarchical, one fused buffer", "hitopk_fused": "hvdx hitopk, one fused buffer",
-          "hierarchical_sized": "hvdx hierarchical, buckets < 4 MiB flat"}
+          "hierarchical_sized": "hvdx hierarchical, buckets < 4 MiB flat",
+          "hierarchical_all": "hvdx hierarchical, 2DTAR on every bucket"}
 #: The issue's goals, per-round ratio medians of Horovod's step time over hvdx's (MLP, 2x2).
 GOALS = {"hitopk": 3.0, "hierarchical": 1.25, "allreduce": 1.0}
 
@@ -134,9 +136,11 @@ def make_optimizer(key: str, args: argparse.Namespace):
         return hvd_keras.DistributedOptimizer(inner, **dense)
     import hvdx
 
-    if key == "hierarchical_sized":
+    if key in ("hierarchical_sized", "hierarchical_all"):
         options = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes or None}
-        return hvdx.DistributedOptimizer(inner, communication=hvdx.comm.Hierarchical(flat_below=4 << 20), **options)
+        flat_below = 4 << 20 if key == "hierarchical_sized" else 0
+        return hvdx.DistributedOptimizer(inner, communication=hvdx.comm.Hierarchical(flat_below=flat_below),
+                                         **options)
     strategy, fused = (key[:-len("_fused")], True) if key.endswith("_fused") else (key, False)
     options = {"density": args.density, **dense} if strategy in ("sparse_allgather", "hitopk") else dict(dense)
     if fused or args.bucket_bytes is not None:

@@ -33,7 +33,8 @@ def test_buckets_fill_in_backpropagation_order(ranks):
 @on_2x2("bucketed_equals_fused")
 def test_every_strategy_averages_the_same_with_buckets_as_fused(ranks):
     for deviations in ranks.every():
-        assert sorted(deviations) == sorted(f"{s}/{b}" for s in STRATEGIES for b in ("None", "16384", "4096"))
+        assert sorted(deviations) == sorted(f"{s}/{b}" for s in STRATEGIES + ("hierarchical_sized",)
+                                            for b in ("None", "16384", "4096"))
         assert max(deviations.values()) < 1e-6, deviations
 
 

@@ -99,9 +99,10 @@ class Allreduce(Strategy):
         return f"Allreduce({', '.join(options)})"
 
 
-#: `Hierarchical.flat_below`'s default: 0, every bucket through 2DTAR (the size rule is
-#: opt-in until its measurement, benchmarks/README.md's train_step section, decides a default).
-DEFAULT_FLAT_BELOW = 0
+#: Below this many bytes on the wire a bucket goes through one flat allreduce per gradient
+#: (`Hierarchical.flat_below`): three latency-bound collectives cost more than the inter-node
+#: bytes they save (benchmarks/README.md, train_step.py's hierarchical_sized).
+DEFAULT_FLAT_BELOW = 4 << 20
 
 
 @register("hierarchical", aliases=("2dtar",))
@@ -118,8 +119,9 @@ class Hierarchical(Strategy):
 
     Args:
       wire_dtype: the type every collective moves (e.g. float16); None: the buffer's.
-      flat_below: bytes on the wire under which a bucket is averaged flat (e.g. 4 << 20);
-        0 (default, DEFAULT_FLAT_BELOW): every bucket through 2DTAR.
+      flat_below: bytes on the wire under which a bucket is averaged flat (default
+        DEFAULT_FLAT_BELOW, 4 MiB); 0: every bucket through 2DTAR (shi2021's algorithm as
+        written).
     Raises:
       ValueError: a negative or non-integer flat_below.
     """

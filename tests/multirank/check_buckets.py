@@ -18,6 +18,17 @@ ALL = ("allreduce", "hierarchical") + SPARSE
 SMALL_BUCKETS = 16384  # bytes: the model below then has five buckets
 
 
+def communication(strategy: str):
+    """What the optimizer gets for a strategy name: "hierarchical" as 2DTAR on every bucket
+    (this model's buckets are all under the size rule's 4 MiB and would go flat),
+    "hierarchical_sized" with the rule cutting between them (flat under 20000 bytes)."""
+    if strategy == "hierarchical":
+        return hvdx.comm.Hierarchical(flat_below=0)
+    if strategy == "hierarchical_sized":
+        return hvdx.comm.Hierarchical(flat_below=20000)
+    return strategy
+
+
 def model(seed: int = 0) -> tf.keras.Model:
     """Variables (kernel, bias) x 3: 2048, 32, 19200, 2400, 24000, 40 bytes."""
     tf.keras.utils.set_random_seed(seed)
@@ -57,10 +68,10 @@ def check_bucketed_equals_fused(topo):
     local = tape.gradient(loss, net.trainable_variables)
     want = [hvd.allreduce(g, op=hvd.Average, name=f"eq.want.{i}").numpy() for i, g in enumerate(local)]
     out = {}
-    for strategy in ALL:
+    for strategy in ALL + ("hierarchical_sized",):
         density = {"density": 1.0} if strategy in SPARSE else {}
         for bucket_bytes in (None, SMALL_BUCKETS, 4096):
-            aggregator = hvdx.GradientAggregator(strategy, bucket_bytes=bucket_bytes, **density)
+            aggregator = hvdx.GradientAggregator(communication(strategy), bucket_bytes=bucket_bytes, **density)
             got = aggregator(local, net.trainable_variables)
             out[f"{strategy}/{bucket_bytes}"] = max(float(np.abs(g.numpy() - w).max()) for g, w in zip(got, want))
     return out
@@ -77,7 +88,7 @@ def check_overlap_structure(topo):
         net = model()
         x, y = batch(topo.rank)
         density = {"density": 0.1} if strategy in SPARSE else {}
-        opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication=strategy,
+        opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication=communication(strategy),
                                         bucket_bytes=SMALL_BUCKETS, **density)
         seen = {}
 

@@ -53,13 +53,13 @@ def check_dense_equivalence(topo, d: int, step: int) -> None:
     grads = tf.constant(rng.integers(-8000, 8000, d) / 8, tf.float32)
     want = hvd.allreduce(grads, op=hvd.Average, name=f"want.{d}.{step}").numpy()
     flat = comm.Hierarchical(flat_below=4 * d + 1)  # the size rule: this buffer goes flat
-    for strategy in (comm.Allreduce(), comm.Hierarchical(), flat, comm.HiTopK(density=1.0),
+    for strategy in (comm.Allreduce(), comm.Hierarchical(flat_below=0), flat, comm.HiTopK(density=1.0),
                      comm.SparseAllgather(density=1.0)):
         got = strategy(grads, name=f"dense{d}s{step}").numpy()
         assert_average(got, want, 1000.0, repr(strategy))  # |grads| <= 1000
     # 2DTAR leaves this rank's reduce-scattered slice; a bucket under flat_below leaves none,
     # as pieces or as one buffer, and its pieces come back averaged each
-    assert comm.Hierarchical().aggregate(grads, f"sl{d}s{step}").local_slice is not None
+    assert comm.Hierarchical(flat_below=0).aggregate(grads, f"sl{d}s{step}").local_slice is not None
     assert flat.aggregate(grads, f"fl{d}s{step}").local_slice is None
     half = d // 2
     pieces, result = flat.aggregate_pieces([grads[:half], grads[half:]], f"fp{d}s{step}")

@@ -156,11 +156,15 @@ def lamb(mode):
                 parallel=mode)
 
 
+#: 2DTAR on every bucket (no size rule): the small model's slices are what "slices" reads.
+TWO_D = hvdx.comm.Hierarchical(flat_below=0)
+
+
 def check_modes(topo, full: bool = False) -> dict:
-    out = {"lars.hierarchical": compare_modes(topo, lars, "hierarchical", "lars.2dtar")}
+    out = {"lars.hierarchical": compare_modes(topo, lars, TWO_D, "lars.2dtar")}
     replicated = out["lars.hierarchical"]["weights"]
     if full:
-        out["lamb.hierarchical"] = compare_modes(topo, lamb, "hierarchical", "lamb.2dtar", bucket_bytes=1024)
+        out["lamb.hierarchical"] = compare_modes(topo, lamb, TWO_D, "lamb.2dtar", bucket_bytes=1024)
         out["lars_nesterov_step.hitopk"] = compare_modes(
             topo, lambda m: lars(m, classic_momentum=False, nesterov=True), "hitopk", "lars.hitopk", (None, "slices"),
             density=1.0)
@@ -171,7 +175,7 @@ def check_modes(topo, full: bool = False) -> dict:
                                           exact=False, bucket_bytes=1024)
         # Mixed precision's loss scaling: slices read the unscaled gradients that are applied.
         # (A loss scale of 2**10 scales and unscales exactly: the replicated run without it is the reference.)
-        scaled, mode = train_steps(topo, lars("slices"), "lso.slices", "hierarchical", loss_scale=True)
+        scaled, mode = train_steps(topo, lars("slices"), "lso.slices", TWO_D, loss_scale=True)
         assert mode == "slices", mode
         out["loss_scale_slices_error"] = float(np.max(np.abs(scaled - replicated)) / np.max(np.abs(replicated)))
         assert out["loss_scale_slices_error"] < 1e-4, out
