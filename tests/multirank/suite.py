@@ -107,9 +107,19 @@ def _fresh_state() -> None:
 
 
 def _cpu() -> float:
-    """CPU seconds this rank used so far (every thread: TensorFlow's, Horovod's)."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+    """CPU seconds this rank used so far (every thread: TensorFlow's, Horovod's), and its
+    subprocesses that ended (a check that runs a script)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+def _start_up() -> None:
+    """Imports what every check needs (TensorFlow, Horovod, hvdx), so that the first check is
+    not charged for them."""
+    import horovod.tensorflow  # noqa: F401
+    import tensorflow  # noqa: F401
+
+    import hvdx  # noqa: F401
 
 
 def run_check(check: Dict[str, Any]) -> dict:
@@ -155,6 +165,8 @@ def run_plan(checks: List[Dict[str, Any]], out_dir: Path) -> dict:
     progress = out_dir / f"progress-{rank}.json"
     watchdog = Watchdog(progress)
     failed = []
+    _start_up()
+    cpu = {"start_up": _cpu()}  # since the process began: the interpreter, the imports, Horovod's start
     for check in checks:
         check_id = check["id"]
         _write(progress, {"check": check_id, "phase": "check", "since": time.time()})
@@ -172,6 +184,8 @@ def run_plan(checks: List[Dict[str, Any]], out_dir: Path) -> dict:
         watchdog.disarm()
         _say(f"end {check_id} {'ok' if result['ok'] else 'FAILED'} in {result['seconds']:.1f} s")
     _write(progress, {"check": None, "phase": "done", "since": time.time()})
+    cpu["total"] = _cpu()
+    _write(out_dir / f"cpu-{rank}.json", cpu)
     if failed:
         raise AssertionError(f"checks failed on rank {rank}: {', '.join(failed)}")
     return {"checks": [c["id"] for c in checks]}
