@@ -21,12 +21,13 @@ SUITE = pytest.StashKey[suite.Suite]()
 COST = pytest.StashKey[dict]()
 
 
-def _cpu() -> float:
+def _cpu(config) -> float:
     """CPU seconds of this process and of its children that ended (a test's subprocesses and
-    launches), less the suite's launches (reaped by their thread, whichever test runs then:
-    the summary reports them on their own)."""
+    launches), less the session suite's launches (reaped by their thread, whichever test runs
+    then: the summary reports them on their own)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime - suite.LAUNCHED.total
+    launched = config.stash[SUITE].ledger.total if SUITE in config.stash else 0.0
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime - launched
 
 
 def _status():
@@ -114,9 +115,9 @@ def pytest_runtest_protocol(item, nextitem):
     """Each test's wall and CPU seconds (setup, call, teardown; the subprocesses and launches it
     started itself included, the suite's launches not: the summary has a line for each) for
     the session's summary."""
-    wall, cpu = time.monotonic(), _cpu()
+    wall, cpu = time.monotonic(), _cpu(item.config)
     yield
-    item.config.stash.setdefault(COST, {})[item.nodeid] = (time.monotonic() - wall, _cpu() - cpu)
+    item.config.stash.setdefault(COST, {})[item.nodeid] = (time.monotonic() - wall, _cpu(item.config) - cpu)
 
 
 def _cost_summary(terminalreporter, config, top: int = 25) -> None:

@@ -224,10 +224,10 @@ class LaunchRecord:
         return text + (f"; failed: {', '.join(self.failed)}" if self.failed else "")
 
 
-class _Ledger:
-    """CPU seconds of the suite's launches that have ended, for the per-test cost: the pytest
+class Ledger:
+    """CPU seconds of a suite's launches that have ended, for the per-test cost: the pytest
     process's RUSAGE_CHILDREN grows by a launch when its thread reaps it, whichever test runs
-    then, so conftest subtracts what this ledger grew by in the same window."""
+    then, so conftest subtracts what the session suite's ledger grew by in the same window."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -241,10 +241,6 @@ class _Ledger:
     def total(self) -> float:
         with self._lock:
             return self._total
-
-
-#: Every suite launch of this process, once ended.
-LAUNCHED = _Ledger()
 
 
 def _stop_processes(marker: str, prefix: bool = False) -> None:
@@ -310,6 +306,7 @@ class Suite:
         self._outcomes: Dict[Check, Any] = {}
         self._count = 0
         self.launches: List[LaunchRecord] = []
+        self.ledger = Ledger()  # the CPU seconds of its launches that have ended
         self._ahead: Dict[str, threading.Event] = {}  # topology -> set when its launch ahead has ended
         self._ahead_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
@@ -405,7 +402,7 @@ class Suite:
             job = topology.launch(plan, timeout=max(deadline - start, 60))
         finally:
             watch.stop()
-        LAUNCHED.add(job.cpu_seconds)
+        self.ledger.add(job.cpu_seconds)
         ended = (f"was stopped ({watch.reason})" if watch.reason else "timed out" if job.timed_out else
                  f"ended with exit status {job.returncode}")
         outputs = split_output(job.output)

@@ -98,14 +98,18 @@ def test_a_launch_is_measured_by_its_parent_with_every_descendant(tmp_path):
     assert measured["cpu_seconds"] >= 0.5
 
 
-def test_a_tests_cost_leaves_out_the_suite_launches_that_ended_meanwhile(monkeypatch):
-    """The launches run in a thread of this process: one reaped while a test runs is not that test's."""
+def test_a_tests_cost_leaves_out_the_session_suites_launches_that_ended_meanwhile(request, tmp_path):
+    """The session's launches run in a thread of this process: one reaped while a test runs is
+    not that test's; a launch a test makes itself (a Suite of its own, harness.launch) is."""
     from tests import conftest
 
-    monkeypatch.setattr(suite, "LAUNCHED", suite._Ledger())
-    before = conftest._cpu()
-    suite.LAUNCHED.add(1000.0)
-    assert before - conftest._cpu() > 999
+    session_suite = request.getfixturevalue("multirank_suite")
+    before = conftest._cpu(request.config)
+    session_suite.ledger.add(1000.0)
+    suite.Suite(lambda: tmp_path).ledger.add(500.0)
+    after = conftest._cpu(request.config)
+    session_suite.ledger.add(-1000.0)
+    assert 999 < before - after < 1001
 
 
 def test_a_launch_line_splits_its_cpu_by_where_it_went():
