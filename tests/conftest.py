@@ -21,10 +21,13 @@ SUITE = pytest.StashKey[suite.Suite]()
 COST = pytest.StashKey[dict]()
 
 
-def _cpu() -> float:
-    """CPU seconds of this process and of its children that ended (subprocesses, launches)."""
+def _cpu(config) -> float:
+    """CPU seconds of this process and of its children that ended (a test's subprocesses and
+    launches), less the session suite's launches (reaped by their thread, whichever test runs
+    then: the summary reports them on their own)."""
     own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+    launched = config.stash[SUITE].ledger.total if SUITE in config.stash else 0.0
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime - launched
 
 
 def _status():
@@ -109,12 +112,12 @@ def ranks(request, multirank_suite) -> suite.RankResults:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Each test's wall and CPU seconds (setup, call, teardown; its subprocesses included) for
-    the session's summary. Launching ahead (the default), a launch's ranks are counted in the
-    test that runs when they end: HVDX_LAUNCH_AHEAD=0 charges each launch to its first test."""
-    wall, cpu = time.monotonic(), _cpu()
+    """Each test's wall and CPU seconds (setup, call, teardown; the subprocesses and launches it
+    started itself included, the suite's launches not: the summary has a line for each) for
+    the session's summary."""
+    wall, cpu = time.monotonic(), _cpu(item.config)
     yield
-    item.config.stash.setdefault(COST, {})[item.nodeid] = (time.monotonic() - wall, _cpu() - cpu)
+    item.config.stash.setdefault(COST, {})[item.nodeid] = (time.monotonic() - wall, _cpu(item.config) - cpu)
 
 
 def _cost_summary(terminalreporter, config, top: int = 25) -> None:
@@ -126,7 +129,8 @@ def _cost_summary(terminalreporter, config, top: int = 25) -> None:
     for nodeid, (wall, cpu) in costs.items():
         w, c = by_file.get(nodeid.split("::")[0], (0.0, 0.0))
         by_file[nodeid.split("::")[0]] = (w + wall, c + cpu)
-    terminalreporter.section(f"cost: {len(costs)} tests, {total_cpu:.0f} CPU s in all")
+    terminalreporter.section(f"cost: {len(costs)} tests, {total_cpu:.0f} CPU s in all (the suite's launches "
+                             "not included: see 'multi-rank suite')")
     for name, (wall, cpu) in sorted(by_file.items(), key=lambda kv: -kv[1][1])[:top]:
         terminalreporter.write_line(f"{cpu:7.0f} CPU s {wall:7.0f} s  {name}")
     terminalreporter.write_line("tests:")
@@ -139,6 +143,7 @@ def pytest_terminal_summary(terminalreporter, config):
     if SUITE not in config.stash or not config.stash[SUITE].launches:
         return
     launches = config.stash[SUITE].launches
-    terminalreporter.section(f"multi-rank suite: {len(launches)} launch(es)")
+    measured = sum(record.cpu_seconds or 0.0 for record in launches)
+    terminalreporter.section(f"multi-rank suite: {len(launches)} launch(es), {measured:.0f} CPU s")
     for record in launches:
         terminalreporter.write_line(str(record))

@@ -42,6 +42,7 @@ class Launch:
     timed_out: bool
     output: str
     results: Dict[int, dict] = field(default_factory=dict)
+    cpu_seconds: Optional[float] = None  # the launcher's and every rank's together (None: killed, not measured)
 
     def rank_output(self, rank: int, lines: int = 25) -> str:
         """The last lines horovodrun printed for `rank` (it prefixes them with [rank])."""
@@ -142,17 +143,24 @@ def cluster_unavailable() -> Optional[str]:
     return unavailable()
 
 
+#: Wraps every launch: the job's own CPU seconds, measured by its parent (tests/cpu_meter.py).
+CPU_METER = Path(__file__).resolve().with_name("cpu_meter.py")
+
+
 def _run(command: List[str], script_path: str, np: int, timeout: float, env: Optional[Dict[str, str]]) -> Launch:
     with tempfile.TemporaryDirectory(prefix="hvdx-ranks-") as result_dir:
         full_env = test_env(result_dir)
         full_env.update(env or {})
-        job = run(command, timeout=timeout, env=full_env, cwd=ROOT)
+        meter = Path(result_dir) / "cpu.json"
+        job = run([sys.executable, str(CPU_METER), str(meter), "--", *command], timeout=timeout, env=full_env,
+                  cwd=ROOT)
         results = {}
         for path in Path(result_dir).glob("rank-*.json"):
             result = json.loads(path.read_text())
             results[result["rank"]] = result
+        cpu = json.loads(meter.read_text())["cpu_seconds"] if meter.exists() else None
     return Launch(command=command, script=script_path, np=np, returncode=job.returncode, timed_out=job.timed_out,
-                  output=job.output, results=results)
+                  output=job.output, results=results, cpu_seconds=cpu)
 
 
 def thread_allgather(world: int, timeout: float = 60) -> Callable[[Any], List[Any]]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -150,11 +149,6 @@ class RankResults(dict):
         return "\n".join(mine[-lines:])
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def needed(item: pytest.Item) -> Optional[Check]:
     """The check a collected test asserts on, if it is a `runs` test."""
     callspec = getattr(item, "callspec", None)
@@ -197,30 +191,64 @@ class _Planned:
 
 @dataclass
 class LaunchRecord:
-    """One launch made, for the session's summary."""
+    """One launch made, for the session's summary. CPU seconds are the launch's own (measured
+    by its parent, tests/cpu_meter.py), split into the ranks' start-up (interpreter, TensorFlow,
+    Horovod and hvdx imports), their checks, the rest of their time (the barriers between
+    checks, writing results), and the launcher's (horovodrun, its rendezvous, the ranks' exit)."""
 
     topology: str
     checks: int
     seconds: float
     failed: List[str]
-    cpu_seconds: float = 0.0  # of this process's children that ended meanwhile (other tests' too, launching ahead)
+    cpu_seconds: Optional[float] = None  # None: the launch was killed before it could be measured
     check_seconds: Dict[str, float] = field(default_factory=dict)  # the slowest rank's, by check id
     check_cpu: Dict[str, float] = field(default_factory=dict)  # CPU seconds of every rank together, by check id
+    start_up_cpu: float = 0.0  # every rank together, up to its first check
+    ranks_cpu: float = 0.0  # every rank's own total (0: a rank did not report it)
 
     def __str__(self) -> str:
         slowest = sorted(self.check_seconds.items(), key=lambda kv: -kv[1])[:10]
-        text = (f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s ({self.cpu_seconds:.0f} CPU s, "
-                f"{sum(self.check_cpu.values()):.0f} in the checks)")
+        in_checks = sum(self.check_cpu.values())
+        text = f"{self.topology}: {self.checks} check(s) in {self.seconds:.0f} s ("
+        if self.cpu_seconds is None:
+            text += f"CPU not measured, {in_checks:.0f} CPU s in the checks)"
+        elif self.ranks_cpu:
+            between = self.ranks_cpu - self.start_up_cpu - in_checks
+            text += (f"{self.cpu_seconds:.0f} CPU s = start-up {self.start_up_cpu:.0f} + checks {in_checks:.0f} + "
+                     f"between checks {between:.0f} + launcher and exit {self.cpu_seconds - self.ranks_cpu:.0f})")
+        else:
+            text += f"{self.cpu_seconds:.0f} CPU s, {in_checks:.0f} in the checks)"
         if slowest:
             text += " (slowest: " + ", ".join(
                 f"{cid} {sec:.0f} s, {self.check_cpu.get(cid, 0):.0f} CPU s" for cid, sec in slowest) + ")"
         return text + (f"; failed: {', '.join(self.failed)}" if self.failed else "")
 
 
+class Ledger:
+    """CPU seconds of a suite's launches that have ended, for the per-test cost: the pytest
+    process's RUSAGE_CHILDREN grows by a launch when its thread reaps it, whichever test runs
+    then, so conftest subtracts what the session suite's ledger grew by in the same window."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._total = 0.0
+
+    def add(self, seconds: Optional[float]) -> None:
+        with self._lock:
+            self._total += seconds or 0.0
+
+    @property
+    def total(self) -> float:
+        with self._lock:
+            return self._total
+
+
 def _stop_processes(marker: str, prefix: bool = False) -> None:
     """SIGTERM to every process with `marker` as an argument (with `prefix`: an argument that
     starts with it), the launcher cleans up; SIGKILL to those left 30 s later."""
     def matches(cmdline: Sequence[str]) -> bool:
+        if str(harness.CPU_METER) in cmdline:
+            return False  # it passes a SIGTERM on to its job, which gets one of its own here
         return any(arg.startswith(marker) for arg in cmdline) if prefix else marker in cmdline
 
     procs = [p for p in psutil.process_iter(["cmdline"]) if matches(p.info["cmdline"] or ())]
@@ -280,6 +308,7 @@ class Suite:
         self._outcomes: Dict[Check, Any] = {}
         self._count = 0
         self.launches: List[LaunchRecord] = []
+        self.ledger = Ledger()  # the CPU seconds of its launches that have ended
         self._ahead: Dict[str, threading.Event] = {}  # topology -> set when its launch ahead has ended
         self._ahead_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
@@ -368,13 +397,14 @@ class Suite:
         plan.write_text(json.dumps({"checks": [{"id": p.id, "name": p.check.name, "kwargs": p.kwargs,
                                                 "env": dict(p.check.env), "timeout": p.check.timeout}
                                                for p in todo]}, indent=1))
-        start, cpu = time.monotonic(), _children_cpu()
+        start = time.monotonic()
         watch = _StallWatch(out, plan, {p.id: p.check.timeout for p in todo}, topology.np)
         watch.start()
         try:
             job = topology.launch(plan, timeout=max(deadline - start, 60))
         finally:
             watch.stop()
+        self.ledger.add(job.cpu_seconds)
         ended = (f"was stopped ({watch.reason})" if watch.reason else "timed out" if job.timed_out else
                  f"ended with exit status {job.returncode}")
         outputs = split_output(job.output)
@@ -384,8 +414,9 @@ class Suite:
             if p not in never_started:
                 p.outcome = self._settle(p, out, job, ended, outputs.get(p.id, ""), reached, [q.id for q in todo])
         self.launches.append(LaunchRecord(topology.name, len(todo), time.monotonic() - start,
-                                          [p.id for p in todo if isinstance(p.outcome, str)],
-                                          _children_cpu() - cpu, *self._seconds(out, [p.id for p in todo])))
+                                          [p.id for p in todo if isinstance(p.outcome, str)], job.cpu_seconds,
+                                          *self._seconds(out, [p.id for p in todo]),
+                                          *self._rank_cpu(out, topology.np)))
         if not never_started:
             return []
         problems = "\n\n".join(job.failures()) or "(no rank reported a problem)"
@@ -406,6 +437,15 @@ class Suite:
                 seconds[check_id] = max(r.get("seconds", 0.0) for r in results)
                 cpu[check_id] = sum(r.get("cpu_seconds", 0.0) for r in results)
         return seconds, cpu
+
+    @staticmethod
+    def _rank_cpu(out: Path, np: int) -> Tuple[float, float]:
+        """The ranks' start-up CPU seconds and their own totals, all together; (0, 0) unless
+        every rank reported them (tests/multirank/suite.py writes cpu-<rank>.json at its end)."""
+        reports = [json.loads(path.read_text()) for path in out.glob("cpu-*.json")]
+        if len(reports) != np:
+            return 0.0, 0.0
+        return sum(r["start_up"] for r in reports), sum(r["total"] for r in reports)
 
     @staticmethod
     def _reached(out: Path, ids: List[str], np: int) -> Dict[int, int]:

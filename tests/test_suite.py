@@ -65,6 +65,8 @@ def test_one_launch_runs_every_check_and_failures_stay_with_their_check(tmp_path
     runs = suite.Suite(lambda: tmp_path)
     runs.launch("1x2", [before, failing, hanging, after])
     assert [(r.checks, r.failed) for r in runs.launches] == [(4, ["01-suite.fail_on", "02-suite.hang_on"]), (1, [])]
+    whole = runs.launches[1]  # its ranks all ended: the launch's CPU, each rank's, their start-up
+    assert whole.cpu_seconds > whole.ranks_cpu > whole.start_up_cpu + sum(whole.check_cpu.values()) > 0
     for echoed, value in ((runs.outcome(before), "before"), (runs.outcome(after), "after")):
         assert echoed == {0: {"value": value, "size_seen": 2}, 1: {"value": value, "size_seen": 2}}
         assert f"[1]<stdout>:echo {value} from rank 1" in echoed.output and "deliberate" not in echoed.output
@@ -76,3 +78,42 @@ def test_one_launch_runs_every_check_and_failures_stay_with_their_check(tmp_path
         runs.outcome(hanging)
     assert "rank 0 timed out after 5 s in it (check)" in str(hung.value), str(hung.value)
     assert "in hang_on" in str(hung.value)  # the stack of the hanging rank
+
+
+def test_a_launch_is_measured_by_its_parent_with_every_descendant(tmp_path):
+    """tests/cpu_meter.py: a grandchild's CPU seconds count (a launch's ranks are horovodrun's
+    children), and the job's exit status comes back."""
+    import subprocess
+    import sys
+
+    from tests import harness
+
+    burn = ("import subprocess, sys, time; subprocess.run([sys.executable, '-c', "
+            "'import time\\nend = time.process_time() + 0.5\\nwhile time.process_time() < end: pass']); sys.exit(3)")
+    out = tmp_path / "cpu.json"
+    proc = subprocess.run([sys.executable, str(harness.CPU_METER), str(out), "--", sys.executable, "-c", burn],
+                          timeout=60)
+    measured = json.loads(out.read_text())
+    assert proc.returncode == 3 and measured["returncode"] == 3
+    assert measured["cpu_seconds"] >= 0.5
+
+
+def test_a_tests_cost_leaves_out_the_session_suites_launches_that_ended_meanwhile(request, tmp_path):
+    """The session's launches run in a thread of this process: one reaped while a test runs is
+    not that test's; a launch a test makes itself (a Suite of its own, harness.launch) is."""
+    from tests import conftest
+
+    session_suite = request.getfixturevalue("multirank_suite")
+    before = conftest._cpu(request.config)
+    session_suite.ledger.add(1000.0)
+    suite.Suite(lambda: tmp_path).ledger.add(500.0)
+    after = conftest._cpu(request.config)
+    session_suite.ledger.add(-1000.0)
+    assert 999 < before - after < 1001
+
+
+def test_a_launch_line_splits_its_cpu_by_where_it_went():
+    record = suite.LaunchRecord("2x2", 2, 30.0, [], cpu_seconds=100.0, check_seconds={"00-a": 5.0, "01-b": 9.0},
+                                check_cpu={"00-a": 20.0, "01-b": 40.0}, start_up_cpu=16.0, ranks_cpu=80.0)
+    assert str(record).startswith("2x2: 2 check(s) in 30 s (100 CPU s = start-up 16 + checks 60 + "
+                                  "between checks 4 + launcher and exit 20) (slowest: 01-b 9 s, 40 CPU s")
