@@ -18,7 +18,7 @@ import numpy as np
 import tensorflow as tf
 
 __all__ = ["build_info", "gpu_problems", "library_path", "load_library", "mstopk", "shared_read", "shared_update",
-           "sparse_accumulate"]
+           "sparse_accumulate", "stateless_mstopk"]
 
 _MARKER = b"hvdx-build-info:"
 _LIBRARY_ENV = "HVDX_OPS_LIBRARY"  # overrides where the library is looked for
@@ -166,28 +166,9 @@ def _mstopk(x: tf.Tensor, k: tf.Tensor, num_samplings: int, seed: Optional[int],
                             seed2=seed2 or 0, Tidx=index_dtype, name=name)
 
 
-def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
-           seed: Optional[int] = None, name: Optional[str] = None,
-           index_dtype: Optional[tf.DType] = None):
-    """MSTopK (shi2021, Algorithm 1): exactly min(k, d) elements of large magnitude.
-
-    N = `num_samplings` rounds of bisection on a ratio in [0, 1] place the threshold
-    mean(|x|) + ratio * (max(|x|) - mean(|x|)); every element at or above the best round
-    with at most k elements (thres1) is selected, and the rest come from one contiguous
-    window, at a random offset, of the elements between thres2 (the best round with more
-    than k) and thres1, in index order. NaN and Inf rank above every finite value.
-
-    Args:
-      x: 1-D float32, float16 or bfloat16 tensor of length d.
-      k: how many to select (int or int scalar tensor, >= 0); k >= d selects everything.
-      num_samplings: N >= 1, the number of bisection rounds.
-      seed: makes the window offsets reproducible (with tf.random.set_seed), as in tf.random.
-      index_dtype: tf.int32 or tf.int64; None: int32 when d < 2**31 (or unknown), else int64.
-        tf.int64 selects exactly what int32 would (the same kernel, wider indices).
-
-    Returns:
-      (values, indices): values in x's dtype; indices of `index_dtype`.
-    """
+def _mstopk_inputs(x: TensorLike, k: Union[int, TensorLike], num_samplings: int,
+                   index_dtype: Optional[tf.DType]) -> Tuple[tf.Tensor, tf.Tensor, tf.DType]:
+    """Checked (x, k as int64, index dtype) of mstopk / stateless_mstopk (their Raises)."""
     x = tf.convert_to_tensor(x)
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"mstopk: x must be float32, float16 or bfloat16, got {x.dtype.name}")
@@ -209,7 +190,61 @@ def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
         raise ValueError(f"mstopk: index_dtype must be tf.int32 or tf.int64, got {index_dtype.name}")
     if index_dtype == tf.int32 and d is not None and d >= 2 ** 31:
         raise ValueError(f"mstopk: int32 indices cannot address {d} elements; use index_dtype=tf.int64")
+    return x, k, index_dtype
+
+
+def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
+           seed: Optional[int] = None, name: Optional[str] = None,
+           index_dtype: Optional[tf.DType] = None):
+    """MSTopK (shi2021, Algorithm 1): exactly min(k, d) elements of large magnitude.
+
+    N = `num_samplings` rounds of bisection on a ratio in [0, 1] place the threshold
+    mean(|x|) + ratio * (max(|x|) - mean(|x|)); every element at or above the best round
+    with at most k elements (thres1) is selected, and the rest come from one contiguous
+    window, at a random offset, of the elements between thres2 (the best round with more
+    than k) and thres1, in index order. NaN and Inf rank above every finite value.
+
+    Args:
+      x: 1-D float32, float16 or bfloat16 tensor of length d.
+      k: how many to select (int or int scalar tensor, >= 0); k >= d selects everything.
+      num_samplings: N >= 1, the number of bisection rounds.
+      seed: makes the window offsets reproducible (with tf.random.set_seed), as in tf.random:
+        the op's generator then draws the same sequence of offsets, one per run of the op.
+        For offsets that depend on the inputs alone (a resumed run), `stateless_mstopk`.
+      index_dtype: tf.int32 or tf.int64; None: int32 when d < 2**31 (or unknown), else int64.
+        tf.int64 selects exactly what int32 would (the same kernel, wider indices).
+
+    Returns:
+      (values, indices): values in x's dtype; indices of `index_dtype`.
+    """
+    x, k, index_dtype = _mstopk_inputs(x, k, num_samplings, index_dtype)
     values, indices, _ = _mstopk(x, k, num_samplings, seed, index_dtype, name=name)
+    return values, indices
+
+
+def stateless_mstopk(x: TensorLike, k: Union[int, TensorLike], seed: TensorLike, num_samplings: int = 30,
+                     name: Optional[str] = None, index_dtype: Optional[tf.DType] = None):
+    """`mstopk` whose window offset is a pure function of `seed` (as tf.random.stateless_*):
+    the same (x, k, seed) select the same elements whatever ran before. hvdx's sparse
+    strategies pass (a hash of the buffer's name, its checkpointed step counter), so that a
+    resumed run selects what the uninterrupted run would have.
+
+    Args:
+      x, k, num_samplings, index_dtype: as `mstopk`.
+      seed: shape [2] integer tensor.
+
+    Returns:
+      (values, indices), as `mstopk`.
+
+    Raises:
+      ValueError: as `mstopk`; a seed whose shape is known and not [2].
+    """
+    x, k, index_dtype = _mstopk_inputs(x, k, num_samplings, index_dtype)
+    seed = tf.cast(seed, tf.int64)
+    if seed.shape.rank is not None and seed.shape.as_list() not in ([2], [None]):
+        raise ValueError(f"stateless_mstopk: seed must have shape [2], got {seed.shape}")
+    values, indices, _ = _ops.hvdx_stateless_mstopk(x=x, k=k, seed=seed, num_samplings=num_samplings,
+                                                    Tidx=index_dtype, name=name)
     return values, indices
 
 
@@ -217,6 +252,7 @@ def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
 # not differentiable. sparse_accumulate is linear: d output / d dense = 1, d output /
 # d values[j] = 1 at indices[j] (out-of-range entries, skipped on the GPU, get zeros).
 tf.no_gradient("HvdxMstopk")
+tf.no_gradient("HvdxStatelessMstopk")
 
 
 def _gather_grad(op: tf.Operation, grad: tf.Tensor) -> tf.Tensor:

@@ -174,6 +174,36 @@ def test_seeded_offsets_repeat():
     assert first == draw() and len(set(first)) > 1
 
 
+def test_stateless_offsets_are_a_function_of_the_seed_alone():
+    """What a resumed run needs: the same (x, k, seed) select the same elements whatever ran
+    before; other seeds move the window uniformly over its valid starts; the selection is
+    Algorithm 1's for the offset drawn."""
+    x = np.array([5.0] + [1.0] * 6 + [0.0] * 20, np.float32)  # as above: band 1..6, 2 chosen
+    band = np.arange(1, 7)
+    first = [ops.stateless_mstopk(x, 3, [11, step])[1].numpy() for step in range(400)]
+    hvdx.mstopk(x, 3)  # a stateful draw in between changes nothing
+
+    @tf.function
+    def again(t, step):
+        return ops.stateless_mstopk(t, 3, tf.stack([tf.constant(11, tf.int64), step]))[1]
+
+    for step in (0, 7, 399):
+        np.testing.assert_array_equal(again(x, tf.constant(step, tf.int64)).numpy(), first[step])
+    starts = [int(np.searchsorted(band, chosen[1])) for chosen in first]
+    for chosen, start in zip(first, starts):
+        assert chosen[0] == 0
+        np.testing.assert_array_equal(chosen[1:], band[start:start + 2])
+    counts = np.bincount(starts, minlength=5)
+    assert counts.size == 5 and counts.min() > 40, counts  # 80 expected each
+    y = make_input("ties", 20_000, tf.float32, 5)
+    values, indices = ops.stateless_mstopk(y, 200, [3, 4])
+    np.testing.assert_array_equal(values.numpy(), y[indices.numpy()])
+    _, _, thresholds = ops._mstopk(tf.constant(y), tf.constant(200, tf.int64), 30, None, tf.int32)
+    check_against_reference(y, 200, 30, values.numpy(), indices.numpy(), thresholds.numpy())
+    with pytest.raises(ValueError, match=r"seed must have shape \[2\]"):
+        ops.stateless_mstopk(x, 3, [1, 2, 3])
+
+
 def test_int64_indices_and_dynamic_shapes():
     x = np.random.default_rng(2).standard_normal(5000).astype(np.float32)
     values, indices, _ = ops._mstopk(tf.constant(x), tf.constant(50, tf.int64), 30, None, tf.int64)

@@ -1,5 +1,6 @@
-// The OpKernel of HvdxMstopk (shi2021, Algorithm 1): checks the inputs, allocates the
-// outputs and the GPU's scratch, draws the window's random word and calls the functor of
+// The OpKernels of HvdxMstopk and HvdxStatelessMstopk (shi2021, Algorithm 1): check the
+// inputs, allocate the outputs and the GPU's scratch, draw the window's random word (from a
+// per-kernel generator, or as a pure function of the `seed` input) and call the functor of
 // csrc/kernels/mstopk.{h,cc,cu.cc} on the CPU or the GPU.
 #define EIGEN_USE_THREADS
 #if GOOGLE_CUDA
@@ -28,11 +29,24 @@ using ::tensorflow::TensorShape;
 using ::tensorflow::TensorShapeUtils;
 namespace errors = ::tensorflow::errors;
 
-template <typename Device, typename T, typename Tidx>
+// SplitMix64's finaliser: a bijective mix of a 64-bit word.
+inline uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// The stateless op's random word: a pure function of its seed pair (as tf.random.stateless_*).
+inline uint64_t StatelessWord(int64_t seed0, int64_t seed1) {
+  return Mix64(Mix64(static_cast<uint64_t>(seed0) + 0x9e3779b97f4a7c15ULL) ^ static_cast<uint64_t>(seed1));
+}
+
+template <typename Device, typename T, typename Tidx, bool kStateless>
 class MsTopKOp : public OpKernel {
  public:
   explicit MsTopKOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_samplings", &num_samplings_));
+    if (kStateless) return;
     ::tensorflow::int64 seed, seed2;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed2", &seed2));
@@ -63,7 +77,14 @@ class MsTopKOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({k}), &indices));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({2}), &thresholds));
     uint64_t random;
-    {
+    if (kStateless) {
+      const Tensor& seed = ctx->input(2);
+      OP_REQUIRES(ctx, seed.dims() == 1 && seed.NumElements() == 2,
+                  errors::InvalidArgument("stateless_mstopk: seed must have shape [2], got ",
+                                          seed.shape().DebugString()));
+      const auto pair = seed.flat<::tensorflow::int64>();
+      random = StatelessWord(pair(0), pair(1));
+    } else {
       std::lock_guard<std::mutex> lock(mu_);
       random = rng_();
     }
@@ -92,7 +113,14 @@ class MsTopKOp : public OpKernel {
                               .HostMemory("k")                                          \
                               .TypeConstraint<T>("T")                                   \
                               .TypeConstraint<TIDX>("Tidx"),                            \
-                          MsTopKOp<DEVICE, T, TIDX>);
+                          MsTopKOp<DEVICE, T, TIDX, false>);                            \
+  REGISTER_KERNEL_BUILDER(Name("HvdxStatelessMstopk")                                   \
+                              .Device(::tensorflow::DEVICE_##DEV)                       \
+                              .HostMemory("k")                                          \
+                              .HostMemory("seed")                                       \
+                              .TypeConstraint<T>("T")                                   \
+                              .TypeConstraint<TIDX>("Tidx"),                            \
+                          MsTopKOp<DEVICE, T, TIDX, true>);
 #define HVDX_REGISTER_MSTOPK_ALL(DEV, DEVICE)                        \
   HVDX_REGISTER_MSTOPK(DEV, DEVICE, float, int32_t)                  \
   HVDX_REGISTER_MSTOPK(DEV, DEVICE, float, int64_t)                  \
