@@ -12,9 +12,11 @@ companions, checkpointed with it:
   scaling in a custom loop the gradients are scaled; when the scale changes, the residual
   is rescaled before it is added to the next buffer.
 
-A residual may also have a step counter (`counter`), which the density warm-up reads
-(`hvdx.comm.dgc`): it is the same on every rank, so it is not gated by `owner` (a
-checkpoint saved on rank 0 restores it everywhere, and all ranks stay in the same stage).
+A residual of a sparse strategy also has a step counter (`counter`), which seeds MSTopK's
+window (`hvdx.ops.stateless_mstopk`: a resumed run selects what the uninterrupted one would
+have) and sets the density warm-up's stage (`hvdx.comm.dgc`): it is the same on every rank,
+so it is not gated by `owner` (a checkpoint saved on rank 0 restores it everywhere, and all
+ranks stay in the same stage).
 
 Writes are two-phase: a strategy returns the new residuals as updates, and `commit` makes
 them only when the step's averaged gradients are finite, identically on every rank (they

@@ -13,6 +13,8 @@ says how its pairs travel (`_sparse_aggregate`).
 """
 from __future__ import annotations
 
+import dataclasses
+import zlib
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
@@ -110,8 +112,7 @@ class TopKStrategy(Strategy):
         self._memory.variable(name, self.residual_length(d), tf.float32)
         if self.momentum:
             self._velocities.variable(name, self.residual_length(d), tf.float32)
-        if self.warmup_steps:
-            self._memory.counter(name)
+        self._memory.counter(name)  # the density warm-up's stage and MSTopK's seed
 
     def k(self, length: int) -> int:
         """How many entries of a `length`-element buffer are sent: max(1, round(density * length)),
@@ -126,10 +127,11 @@ class TopKStrategy(Strategy):
         if self.clip_norm is not None:
             with tf.name_scope("local_clip"):
                 buffer = dgc.local_clip(buffer, self.clip_norm, self.topology.size, residual_scale)
+        counter = self._memory.counter(name)
         warmup = self.warmup
         if warmup is None:
-            return self._sparse_aggregate(buffer, name, residual_scale)
-        counter = self._memory.counter(name)
+            result = self._sparse_aggregate(buffer, name, residual_scale)
+            return dataclasses.replace(result, updates=result.updates + [(counter, counter + 1)])
         densities = warmup.densities()
         built = []
 
@@ -183,7 +185,11 @@ class TopKStrategy(Strategy):
             else:
                 acc = tf.add_n([*grads, residual])
         k = self.k(length)
-        values, indices = ops.mstopk(acc, k, num_samplings=self.num_samplings, index_dtype=self.index_dtype)
+        # The window's offset: a function of (buffer, step), both checkpointed, so that a resumed
+        # run selects what the uninterrupted one would have.
+        seed = tf.stack([tf.constant(zlib.crc32(name.encode()), tf.int64), self._memory.counter(name)])
+        values, indices = ops.stateless_mstopk(acc, k, seed, num_samplings=self.num_samplings,
+                                               index_dtype=self.index_dtype)
         sent = wire.decode_sent(values, self.wire_dtype)
         # What was not sent stays: unselected entries whole, and the wire's rounding at the
         # selected ones. sparse_accumulate updates acc in place (nothing else reads it now).
