@@ -238,8 +238,15 @@ def test_recipe_switches_resizes_and_resumes_exactly_on_2x2(ranks):
         assert data["resumed"] == expected, rank         # the resumed run's history continues the first's
         # the checkpoint carried HiTopK's error-feedback residuals (non-zero: they matter) ...
         assert data["residuals_at_checkpoint"] and all(v > 0 for v in data["residuals_at_checkpoint"].values())
-        # ... and the resumed run ends with the uninterrupted run's weights, bit for bit
-        assert data["weights_equal"], f"rank {rank}: {data['unequal_weights']} weight tensors differ"
+        # ... and the resumed run's checkpoint after the last HiTopK epoch (one it trained after the
+        # resume) is the uninterrupted run's, bit for bit: weights, LARS' momenta, residuals, steps
+        assert data["checkpoint_differences"] == [], f"rank {rank}: {data['checkpoint_differences']}"
+        # After the switch to 2DTAR the weights agree to rounding: Horovod's fused allreduce over the
+        # 4 ranks (its flat path for small buckets) sums in an order that depends on what its cycle
+        # fused. Rounding is ~1e-9 of the weights; the last epoch moved them by far more than 1e-3,
+        # the scale a lost piece of state would show at.
+        assert data["weights_relative_difference"] <= 1e-6, (rank, data["weights_relative_difference"])
+        assert data["last_epoch_relative_change"] > 1e-3, (rank, data["last_epoch_relative_change"])
     # Table 4's SE per phase: the run's samples/s over 4 x one rank's, timed on every rank alone
     for p in ranks[0]["phases"]:
         assert p["single_samples_per_s"] > 0
