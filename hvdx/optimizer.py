@@ -85,9 +85,10 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       named, else off), residual_decay (error feedback keeps residual_decay x the residual).
       local_trust_ratio: hvdx's LARS only: eq. 11's trust ratio is applied to each rank's
         gradient before the sparse strategy accumulates it, and the step applies the
-        aggregate with ratio 1 (hvdx.optimizers.lars). None, the default: on, with momentum
-        correction, for LARS (classic momentum, not Nesterov) under a sparse strategy named at
-        density <= 0.1; LAMB gets the Adam family's density warm-up.
+        aggregate with ratio 1 (hvdx.optimizers.lars). None, the default: on for LARS
+        (classic momentum, not Nesterov) under a sparse strategy named at density <= 0.1, with
+        momentum correction at density <= 0.01 (measured); LAMB gets the Adam family's
+        density warm-up.
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
@@ -448,6 +449,11 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 #: Momentum correction is on by default up to this density (its masking presumes a sparse
 #: selection: at density 1 it would reset every velocity each step).
 AUTO_MOMENTUM_CORRECTION_DENSITY = 0.1
+#: For hvdx's LARS (with its local trust ratio) only up to this density: measured on the
+#: small ResNet (benchmarks/README.md, convergence.py --optimizer lars), momentum correction
+#: helps at density 0.01 (0.829 against 0.501 without, 3 seeds) and hurts above it (0.02:
+#: 0.573 against 0.642, one seed; 0.05: 0.391 against 0.900, 3 seeds).
+LARS_MOMENTUM_CORRECTION_DENSITY = 0.01
 
 
 def _classic_lars(optimizer) -> bool:
@@ -464,18 +470,21 @@ def _momentum_correction(given: Optional[bool], optimizer, communication, densit
     sparse strategy is named (or is $HVDX_COMMUNICATION's) at a density up to
     AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD, or hvdx's LARS
     with its `local_trust` ratio on (`_local_trust_ratio`; without it momentum correction
-    is LARS' worst case: the trust ratio would normalise the accumulated velocity), with a
-    momentum, not Nesterov's (measured: benchmarks/README.md, convergence.py)."""
+    is LARS' worst case: the trust ratio would normalise the accumulated velocity) up to
+    LARS_MOMENTUM_CORRECTION_DENSITY, with a momentum, not Nesterov's (measured:
+    benchmarks/README.md, convergence.py)."""
     if given is not None:
         return given
     density = _sparse_density(communication, density)
     if density is None:
         return False
     number = getattr(optimizer, "momentum", None)
-    return ((type(optimizer) is tf.keras.optimizers.SGD or (local_trust and _classic_lars(optimizer)))
+    lars = local_trust and _classic_lars(optimizer)
+    limit = LARS_MOMENTUM_CORRECTION_DENSITY if lars else AUTO_MOMENTUM_CORRECTION_DENSITY
+    return ((type(optimizer) is tf.keras.optimizers.SGD or lars)
             and isinstance(number, (int, float))
             and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
-            and isinstance(density, (int, float)) and density <= AUTO_MOMENTUM_CORRECTION_DENSITY)
+            and isinstance(density, (int, float)) and density <= limit)
 
 
 #: The density warm-up an Adam-family optimizer gets by default with a sparse strategy

@@ -96,6 +96,11 @@ def test_lars_under_a_sparse_strategy_gets_local_trust_and_momentum_correction_b
     plain = hvdx.DistributedOptimizer(lars(), communication="hitopk", momentum_correction=False)
     assert plain.local_trust_ratio and plain.communication.momentum == 0
     assert not hvdx.DistributedOptimizer(lars(), communication="hitopk", density=0.5).local_trust_ratio
+    # above density 0.01 momentum correction hurts LARS (0.05: 0.391 with it, 0.900 without, 3 seeds)
+    denser = hvdx.DistributedOptimizer(lars(), communication="hitopk", density=0.05)
+    assert denser.local_trust_ratio and denser.communication.momentum == 0
+    assert hvdx.DistributedOptimizer(lars(), communication="hitopk", density=0.01).communication.momentum == \
+        pytest.approx(0.9)
     assert not hvdx.DistributedOptimizer(lars(), communication="allreduce").local_trust_ratio
     assert not hvdx.DistributedOptimizer(lars(), communication=comm.HiTopK()).local_trust_ratio  # an instance: as given
     simclr = hvdx.DistributedOptimizer(lars(classic_momentum=False), communication="hitopk")

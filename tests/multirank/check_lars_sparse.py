@@ -62,7 +62,7 @@ def velocities_and_residuals(opt) -> dict:
 def make_optimizer():
     return hvdx.DistributedOptimizer(LARS(1.0, momentum=0.9, weight_decay=5e-5, eeta=0.01, max_trust_ratio=1.0,
                                           exclude_from_weight_decay=["bias"]),
-                                     communication="hitopk", density=0.05, backward_passes_per_step=2)
+                                     communication="hitopk", density=0.01, backward_passes_per_step=2)
 
 
 def check_training(topo) -> dict:
