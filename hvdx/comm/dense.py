@@ -140,9 +140,14 @@ class Hierarchical(Strategy):
         """Whether a bucket of `elements` of `dtype` is averaged flat (the size rule)."""
         return elements * (self.wire_dtype or tf.as_dtype(dtype)).size < self.flat_below
 
-    def _flat_allreduce(self, pieces: Sequence[tf.Tensor], name: str) -> List[tf.Tensor]:
+    def _flat_allreduce(self, pieces: Sequence[tf.Tensor], name: str, grouped: bool = False) -> List[tf.Tensor]:
+        """Horovod's flat average of each piece (one grouped allreduce of them all when
+        `grouped`), in `wire_dtype` on the wire."""
         sent = [p if self.wire_dtype is None else tf.cast(p, self.wire_dtype) for p in pieces]
-        totals = [hvd.allreduce(s, op=hvd.Average, name=f"hvdx.2dtar.flat.{name}.{j}") for j, s in enumerate(sent)]
+        if grouped and len(sent) > 1:
+            totals = hvd.grouped_allreduce(sent, op=hvd.Average, name=f"hvdx.2dtar.flat.{name}")
+        else:
+            totals = [hvd.allreduce(s, op=hvd.Average, name=f"hvdx.2dtar.flat.{name}.{j}") for j, s in enumerate(sent)]
         return [tf.cast(t, p.dtype) for t, p in zip(totals, pieces)]
 
     def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None, grouped: bool = False
@@ -152,11 +157,7 @@ class Hierarchical(Strategy):
         pieces = list(pieces)
         if not self._flat(sum(int(p.shape[0]) for p in pieces), pieces[0].dtype):
             return super()._aggregate_pieces(pieces, name, residual_scale)
-        if grouped and len(pieces) > 1:
-            sent = [p if self.wire_dtype is None else tf.cast(p, self.wire_dtype) for p in pieces]
-            totals = hvd.grouped_allreduce(sent, op=hvd.Average, name=f"hvdx.2dtar.flat.{name}")
-            return [tf.cast(t, p.dtype) for t, p in zip(totals, pieces)], Aggregated(None)
-        return self._flat_allreduce(pieces, name), Aggregated(None)
+        return self._flat_allreduce(pieces, name, grouped), Aggregated(None)
 
     def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale=None) -> Aggregated:
         if self._flat(int(buffer.shape[0]), buffer.dtype):
