@@ -37,19 +37,18 @@ import tensorflow as tf
 
 from hvdx import comm
 from hvdx.buckets import MAX_BUCKET_ELEMENTS, AggregationRecord, BucketRecord, plan
+from hvdx.comm.base import DEFAULT_BUCKET_BYTES
 from hvdx.comm.dense import OP_NAMES
 from hvdx.comm.memory import commit
 from hvdx.layout import check_agreement
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "default_communication"]
+__all__ = ["AUTO_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "default_communication"]
 
 _log = logging.getLogger("hvdx")
 
-#: The default bucket size: a bucket closes once it holds this many bytes (PyTorch DDP's
-#: rule; Horovod's fusion threshold plays the same part). Buckets fill in reverse order of
-#: the variables, the order backpropagation produces their gradients, so the first
-#: bucket's collectives run while the backward pass of earlier layers goes on.
-DEFAULT_BUCKET_BYTES = 32 << 20
+#: `bucket_bytes="auto"`: the strategy's own bucket size (`Strategy.bucket_bytes`: 32 MiB,
+#: DEFAULT_BUCKET_BYTES, except 2DTAR's 4 MiB).
+AUTO_BUCKET_BYTES = "auto"
 
 
 def default_communication() -> Tuple[str, Optional[float]]:
@@ -157,7 +156,7 @@ class GradientAggregator(tf.Module):
 
     def __init__(self, communication: Union[str, comm.Strategy, None] = None, *, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, op=hvd.Average,
+                 bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES, op=hvd.Average,
                  gradient_predivide_factor: float = 1.0, compression=None,
                  sparse_as_dense: bool = False, process_set: hvd.ProcessSet = hvd.global_process_set,
                  groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None, num_groups: int = 0,
@@ -165,9 +164,10 @@ class GradientAggregator(tf.Module):
                  loss_scale: Union[None, Callable[[], tf.Tensor], Any] = None,
                  aids: Optional[Dict[str, Any]] = None, name: str = "hvdx_aggregator") -> None:
         super().__init__(name=name)
-        if bucket_bytes is not None and (isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int)
-                                         or bucket_bytes <= 0):
-            raise ValueError(f"bucket_bytes must be a positive int or None, got {bucket_bytes!r}")
+        if bucket_bytes is not None and bucket_bytes != AUTO_BUCKET_BYTES and (
+                isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+            raise ValueError(f"bucket_bytes must be a positive int, None (one buffer per dtype) or 'auto' (the "
+                             f"strategy's own size), got {bucket_bytes!r}")
         if num_groups and groups is not None:
             raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         groups = groups if groups is not None else (num_groups or None)
@@ -221,6 +221,14 @@ class GradientAggregator(tf.Module):
             self._book.strategies.append(strategy)
             self._memories = [m for s in self._book.strategies for m in s.memories]
         self._strategy = strategy
+
+    @property
+    def effective_bucket_bytes(self) -> Optional[int]:
+        """The bucket size the next trace plans with: `bucket_bytes`, or with "auto" the
+        current strategy's (`Strategy.bucket_bytes`)."""
+        if self.bucket_bytes == AUTO_BUCKET_BYTES:
+            return type(self._strategy).bucket_bytes
+        return self.bucket_bytes
 
     @property
     def config(self) -> Dict[str, Any]:
@@ -344,7 +352,7 @@ class GradientAggregator(tf.Module):
     def _bucket_plan(self, grads: List[Any], variables: List[Any], fused: List[int]):
         """`hvdx.buckets.plan` of the fused gradients with this aggregator's options."""
         return plan({i: grads[i].shape.num_elements() for i in fused}, {i: grads[i].dtype for i in fused},
-                    variables, groups=self._book.groups, bucket_bytes=self.bucket_bytes,
+                    variables, groups=self._book.groups, bucket_bytes=self.effective_bucket_bytes,
                     max_elements=self.max_bucket_elements)
 
     def _set_key(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int]) -> str:
@@ -382,8 +390,9 @@ class GradientAggregator(tf.Module):
             "gradients": str([(i, grads[i].dtype.name, shapes[i]) if grads[i] is not None else (i, None)
                               for i in range(len(grads))]),
             "fused": str(fused), "sparse": str(sparse), "dynamic": str(dynamic),
-            "buckets": str(self.bucket_bytes), "groups": str(self._book.groups if isinstance(self._book.groups, int) else
-                                                             [len(g) for g in (self._book.groups or [])]),
+            "buckets": str(self.effective_bucket_bytes),
+            "groups": str(self._book.groups if isinstance(self._book.groups, int) else
+                          [len(g) for g in (self._book.groups or [])]),
             # named to sort after the fields it follows from: a difference names its cause first
             "layouts of the buckets": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
         }

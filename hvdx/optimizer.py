@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from hvdx import comm
 from hvdx.accumulation import LocalAccumulator, aggregate_passes
-from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
+from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.buckets import AggregationObserver
 from hvdx.comm.base import HOROVOD_OPTIONS
 from hvdx.comm.dense import OP_NAMES
@@ -72,8 +72,10 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         default there; rejected with a dense strategy).
       wire_dtype: the type values travel in (float32, float16, bfloat16).
       bucket_bytes: gradients are fused into buckets, filled from the last layer to the
-        first, each closed once it holds this many bytes (default 32 MiB); a bucket's
-        collectives start while backpropagation goes on. None: one buffer per dtype.
+        first, each closed once it holds this many bytes; a bucket's collectives start
+        while backpropagation goes on. "auto" (default): the strategy's own size
+        (`Strategy.bucket_bytes`: 32 MiB; 4 MiB for "hierarchical"). None: one buffer per
+        dtype.
       Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`;
       rejected with a dense one): momentum_correction (the wrapped SGD's momentum is
       accumulated by the strategy before selection, with momentum factor masking, and the
@@ -113,7 +115,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
+                 bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
                  clip_norm: Optional[float] = None, warmup_steps: Optional[int] = None,
                  warmup_density: Optional[float] = None, residual_decay: Optional[float] = None,
                  local_trust_ratio: Optional[bool] = None) -> None:

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from hvdx import comm
 from hvdx.accumulation import LocalAccumulator, aggregate_passes
-from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
+from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.wrapped import check_not_horovods
 
 __all__ = ["DistributedOptimizerV1"]
@@ -51,7 +51,7 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
                  num_groups: int = 0, groups=None, process_set: hvd.ProcessSet = hvd.global_process_set,
                  scale_local_gradients: bool = True, *, communication: Union[str, comm.Strategy, None] = None,
                  density: Optional[float] = None, num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES) -> None:
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise ValueError("DistributedOptimizerV1 wraps a tf.compat.v1.train optimizer, got "
                              f"{type(optimizer).__name__} (hvdx.DistributedOptimizer wraps Keras optimizers)")

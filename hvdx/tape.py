@@ -21,7 +21,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.aggregator import DEFAULT_BUCKET_BYTES, GradientAggregator
+from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 
 __all__ = ["DistributedGradientTape", "shared_aggregator"]
 
@@ -65,7 +65,7 @@ class DistributedGradientTape:
                  persistent: bool = False, watch_accessed_variables: bool = True,
                  communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
                  num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Optional[int] = DEFAULT_BUCKET_BYTES,
+                 bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES,
                  loss_scale: Any = None, aggregator: Optional[GradientAggregator] = None,
                  momentum: Optional[float] = None, clip_norm: Optional[float] = None,
                  warmup_steps: Optional[int] = None, warmup_density: Optional[float] = None,

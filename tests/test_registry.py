@@ -109,7 +109,26 @@ def test_switching_keeps_the_options_that_apply_and_reuses_residual_owners():
     agg.strategy = "hitopk"
     assert agg.strategy is first  # the same instance, so its residuals are resumed
     assert agg.config == {"communication": "hitopk", "density": 0.2, "num_samplings": 30,
-                          "wire_dtype": "bfloat16", "bucket_bytes": 32 << 20}
+                          "wire_dtype": "bfloat16", "bucket_bytes": "auto"}
+
+
+def test_each_strategy_brings_its_bucket_size_unless_one_is_given():
+    """"auto" (the default) plans with the current strategy's bucket size: 2DTAR's three
+    collectives per bucket want 4 MiB buckets, the others 32 MiB; a given size always wins."""
+    agg = hvdx.GradientAggregator("hitopk")
+    assert agg.bucket_bytes == "auto" and agg.effective_bucket_bytes == 32 << 20
+    agg.strategy = "hierarchical"  # as SwitchCommunication does: the next trace plans anew
+    assert agg.effective_bucket_bytes == 4 << 20
+    assert hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(), communication="allreduce"
+                                     ).aggregator.effective_bucket_bytes == 32 << 20
+    given = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(), communication="hierarchical", bucket_bytes=1 << 20)
+    assert given.aggregator.effective_bucket_bytes == 1 << 20
+    assert hvdx.GradientAggregator("hierarchical", bucket_bytes=None).effective_bucket_bytes is None
+    again = type(given).from_config(hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(),
+                                                              communication="hierarchical").get_config())
+    assert again.aggregator.bucket_bytes == "auto" and again.aggregator.effective_bucket_bytes == 4 << 20
+    with pytest.raises(ValueError, match="'auto'"):
+        hvdx.GradientAggregator("hitopk", bucket_bytes="big")
 
 
 def test_environment_default_takes_density_only_where_it_applies(monkeypatch):

@@ -20,7 +20,7 @@ from hvdx.comm import registry
 from hvdx.layout import check_agreement
 from hvdx.topology import Topology, set_rank_and_size, topology
 
-__all__ = ["Aggregated", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
+__all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
            "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
 
 #: Horovod's own options. A strategy may take them (`Allreduce` does); the optimizer saves
@@ -123,6 +123,12 @@ class Aggregated:
     finite: Optional[tf.Tensor] = None
 
 
+#: The default bucket size: a bucket closes once it holds this many bytes (PyTorch DDP's
+#: rule; Horovod's fusion threshold plays the same part). Buckets fill in reverse order of
+#: the variables, the order backpropagation produces their gradients, so the first
+#: bucket's collectives run while the backward pass of earlier layers goes on.
+DEFAULT_BUCKET_BYTES = 32 << 20
+
 #: The methods a strategy inherits as they are: they check rank agreement before any
 #: collective. A strategy implements `_aggregate` (and may implement `_aggregate_pieces`).
 _ENTRY_POINTS = ("__call__", "aggregate", "aggregate_pieces")
@@ -158,6 +164,9 @@ class Strategy:
     options: ClassVar[Tuple[str, ...]] = ()
     #: The ranks that take part in the strategy's collectives (`Allreduce` takes another).
     process_set: Any = None
+    #: The bucket size hvdx's optimizer and tape use with this strategy unless given one
+    #: (`bucket_bytes="auto"`, their default).
+    bucket_bytes: ClassVar[int] = DEFAULT_BUCKET_BYTES
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
