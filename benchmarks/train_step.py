@@ -282,7 +282,7 @@ def graph_census(train, iterator) -> Dict[str, object]:
 # -- profile -------------------------------------------------------------------------------
 _STRATEGY_SCOPE = re.compile(r"^(?:.*/)?(hitopk|hierarchical|allreduce|sparse_allgather)(?:_\d+)?/")
 CATEGORIES = [  # (category, test on (name with scopes, op type)); the first match wins
-    ("MSTopK", lambda n, t: t == "HvdxMstopk"),
+    ("MSTopK", lambda n, t: t in ("HvdxMstopk", "HvdxStatelessMstopk")),
     ("error feedback (residual add, update)", lambda n, t: "error_feedback" in n),
     ("sparse accumulation", lambda n, t: t in ("HvdxSparseAccumulate", "HvdxSparseScatter")),
     ("collective ops (TF side)", lambda n, t: t.startswith("Horovod")),
