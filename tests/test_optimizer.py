@@ -3,12 +3,23 @@
 from tests import suite
 
 
-# 14 epochs (~300 steps): the MSTopK strategies end 1.4-2.6 points above their bar (Allreduce's
-# accuracy minus 1 point) on both topologies, as much room as 20 epochs left (1.2-1.7 points).
+# 2x2, the accuracy claim: 14 epochs (~300 steps): the MSTopK strategies end 1.4-2.6 points
+# above their bar (Allreduce's accuracy minus 1 point) on both topologies, as much room as 20
+# epochs left (1.2-1.7 points).
 EPOCHS = 14
+# 3x2, what three nodes (an odd count, three cross-node ranks per local rank) can break in the
+# optimizer's wiring: the tape's average with every strategy (exact), model.fit with every
+# strategy leaving the six ranks bitwise equal, residuals through a checkpoint, the switch by
+# callback, Allreduce past 0.9. A wrong sparse aggregation on three nodes shows in
+# tests/test_comm.py (Algorithms 1-2 simulated step by step on 3x2, residuals included), so
+# the sparse strategies' accuracy bar, which needs the 14 epochs, runs on 2x2 only. 3 epochs: Allreduce
+# ends at 0.918 (2 epochs: 0.893, under 0.9; 14 epochs: 0.958); training is deterministic.
+EPOCHS_3X2 = 3
+CHECKS = [suite.check("optimizer.training", "2x2", epochs=EPOCHS, timeout=480),
+          suite.check("optimizer.training", "3x2", epochs=EPOCHS_3X2, accuracy_bar=False, timeout=480)]
 
 
-@suite.runs(*[suite.check("optimizer.training", t, epochs=EPOCHS, timeout=480) for t in ("2x2", "3x2")])
+@suite.runs(*CHECKS)
 def test_distributed_optimizer(ranks):
     data = ranks
     accuracy = data[0]["accuracy"]

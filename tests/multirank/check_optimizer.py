@@ -2,8 +2,8 @@
 
 - the tape with every strategy at density 1.0 averages like hvd.allreduce;
 - model.fit on scikit-learn's digits with each strategy (same seeds and hyper-parameters):
-  the MSTopK strategies end within 1 point of Allreduce's test accuracy, every rank holds
-  the same weights, and a strategy switch by callback takes effect;
+  every rank holds the same weights, a strategy switch by callback takes effect, and (with
+  `accuracy_bar`) the MSTopK strategies end within 1 point of Allreduce's test accuracy;
 - residuals survive a checkpoint round-trip; bad input fails clearly.
 """
 import os
@@ -103,7 +103,10 @@ def check_bad_input() -> None:
             raise AssertionError(f"{kwargs} accepted")
 
 
-def check_training(topo, epochs: int = 14) -> dict:
+def check_training(topo, epochs: int = 14, accuracy_bar: bool = True) -> dict:
+    """Everything above; the MSTopK strategies held to Allreduce's test accuracy minus 1
+    point only with `accuracy_bar` (it needs the epochs to get there: tests/test_optimizer.py
+    says how many)."""
     check_bad_input()
     check_tape(topo)
     check_tape_keeps_residuals_across_steps(topo)
@@ -113,7 +116,7 @@ def check_training(topo, epochs: int = 14) -> dict:
         accuracy[strategy], optimizer, model = train(topo, strategy, epochs)
         print(f"{strategy}: test accuracy {accuracy[strategy]:.4f}", flush=True)
     for strategy in ("sparse_allgather", "hitopk"):
-        assert accuracy[strategy] >= accuracy["allreduce"] - 0.01, accuracy
+        assert not accuracy_bar or accuracy[strategy] >= accuracy["allreduce"] - 0.01, accuracy
     check_checkpoint(optimizer, model)
     # Legacy optimizers, and the DAWNBench switch from MSTopK to 2DTAR.
     switched, optimizer, _ = train(topo, "hitopk", 3, legacy=True,

@@ -291,20 +291,33 @@ def check_checkpoints(topo):
 
 
 # 6. Horovod's options -----------------------------------------------------------------
-def train_steps(make_optimizer, topo, steps=4, embedding=False, seed=0):
-    """A few steps of model.fit with the same data and seeds: the final weights."""
+def train_steps(make_optimizer, topo, steps=4, embedding=False, seed=0, eager=False, models=None):
+    """A few steps of model.fit with the same data, model and initial weights: the final
+    weights and the model. `models`, a dict the caller keeps for runs under one dtype
+    policy: the model of each kind is built once into it and reset to its initial weights
+    for every run (building one is a fair share of a run's cost; None: a new model).
+    `eager` runs model.fit eagerly (no train function traced)."""
     rng = np.random.default_rng(100 + topo.rank)
-    tf.keras.utils.set_random_seed(seed)
+    models = {} if models is None else models
+    if (embedding, seed) not in models:
+        tf.keras.utils.set_random_seed(seed)
+        if embedding:
+            model = tf.keras.Sequential([tf.keras.layers.Input((6,), dtype="int32"),
+                                         tf.keras.layers.Embedding(50, 4), tf.keras.layers.Flatten(),
+                                         tf.keras.layers.Dense(3)])
+        else:
+            model = tf.keras.Sequential([tf.keras.layers.Input((6,)), tf.keras.layers.Dense(8, activation="tanh"),
+                                         tf.keras.layers.Dense(3)])
+        models[embedding, seed] = model, model.get_weights()
+    model, initial = models[embedding, seed]
+    model.set_weights(initial)
     if embedding:
-        model = tf.keras.Sequential([tf.keras.layers.Input((6,), dtype="int32"), tf.keras.layers.Embedding(50, 4),
-                                     tf.keras.layers.Flatten(), tf.keras.layers.Dense(3)])
         x = rng.integers(0, 50, (16 * steps, 6))
     else:
-        model = tf.keras.Sequential([tf.keras.layers.Input((6,)), tf.keras.layers.Dense(8, activation="tanh"),
-                                     tf.keras.layers.Dense(3)])
         x = rng.standard_normal((16 * steps, 6)).astype(np.float32)
     y = rng.integers(0, 3, 16 * steps)
-    model.compile(make_optimizer(), loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(make_optimizer(), loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                  run_eagerly=eager)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     return [w.numpy() for w in model.trainable_variables], model
 
@@ -326,7 +339,7 @@ def check_horovod_options(topo):
         "device_dense": {"device_dense": "/cpu:0", "device_sparse": "/cpu:0"},
         "scale_local_gradients": {"scale_local_gradients": False},
     }
-    horovods = {}
+    horovods, models = {}, {}
     for label, kwargs in cases.items():
         embedding = label.startswith("sparse")
         for strategy in ("allreduce", "hitopk"):
@@ -336,16 +349,14 @@ def check_horovod_options(topo):
             if strategy == "hitopk" and label == "compression_fp16":
                 extra = {"communication": "hierarchical"}  # fp16 values: compare a dense strategy
             ours, _ = train_steps(lambda: hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), **kwargs, **extra),
-                                  topo, embedding=embedding)
-            if label not in horovods:  # Horovod's weights do not depend on hvdx's strategy: train them once
-                horovods[label], _ = train_steps(
+                                  topo, embedding=embedding, models=models)
+            if label not in horovods:  # Horovod's weights do not depend on hvdx's strategy: train them once,
+                horovods[label], _ = train_steps(  # eagerly (the reference: hvdx's runs are the traced ones)
                     lambda: hvd_keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), **kwargs), topo,
-                    embedding=embedding)
+                    embedding=embedding, eager=True, models=models)
             theirs = horovods[label]
             tol = 2e-3 if label == "compression_fp16" else 1e-5
             out[f"{label}/{strategy}"] = bool(all(np.allclose(a, b, rtol=tol, atol=tol) for a, b in zip(ours, theirs)))
-    # groups as lists of variables, and a process set (ranks 0 and 1: the first node)
-    weights, model = train_steps(lambda: hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)), topo)
     out["name_positional"] = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), "mine").name == "mine"
     try:
         hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), "hitopk")
