@@ -296,6 +296,7 @@ class GradientAggregator(tf.Module):
             self._strategy.create_state(f"{set_key}_b{b}", sum(p.stop - p.start for p in bucket))
 
     # -- the step ----------------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, grads: Sequence[Any], variables: Optional[Sequence[Any]] = None,
                  local: Sequence[Any] = ()) -> List[Any]:
         """The averaged gradients, in the order, shapes and dtypes given; None stays None.

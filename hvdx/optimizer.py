@@ -241,6 +241,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         return getattr(inner, name)
 
     # -- the step ----------------------------------------------------------------------
+    @tf.autograph.experimental.do_not_convert
     def _aggregate(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
         return aggregate_passes(self._agg_helper, self._aggregate_and_observe, grads, variables)
 
@@ -255,12 +256,14 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             self._optimizer.observe_aggregation(self._aggregator.last_aggregation)
         return aggregated
 
+    @tf.autograph.experimental.do_not_convert
     def compute_gradients(self, loss, var_list, tape=None, grad_loss=None):
         """Keras' contract: this rank's gradients (aggregation happens at the hook)."""
         if _is_legacy(self._optimizer):
             return list(self._optimizer._compute_gradients(loss, var_list, grad_loss, tape=tape))
         return list(self._optimizer.compute_gradients(loss, var_list, tape=tape))
 
+    @tf.autograph.experimental.do_not_convert
     def _compute_gradients(self, loss, var_list, grad_loss=None, tape=None):
         """Horovod's contract: gradients already aggregated over the ranks. A following
         apply_gradients of exactly these gradients does not aggregate them again."""
@@ -269,11 +272,13 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         self._just_aggregated = grads
         return list(zip(grads, [v for _, v in grads_and_vars]))
 
+    @tf.autograph.experimental.do_not_convert
     def get_gradients(self, loss, params):
         """Horovod's (Keras v1) contract: aggregated gradients of `loss`."""
         grads = tf.gradients(loss, params)
         return self._aggregate(grads, params)
 
+    @tf.autograph.experimental.do_not_convert
     def aggregate_gradients(self, grads_and_vars):
         """Keras' hook (called by apply_gradients, and by LossScaleOptimizer before its
         finiteness check): the gradients aggregated over the ranks."""
@@ -289,6 +294,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     _aggregate_gradients = aggregate_gradients  # the legacy optimizers' name of the hook
 
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation: bool = False, **kwargs):
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         if not grads_and_vars:  # nothing to apply (no trainable variables, or no gradients)
@@ -318,6 +324,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             update = self._optimizer.apply_gradients(grads_and_vars, skip_gradients_aggregation=True)
         return update if update is not None else self.iterations
 
+    @tf.autograph.experimental.do_not_convert
     def minimize(self, loss, var_list, tape=None):
         grads_and_vars = self.compute_gradients(loss, var_list, tape=tape)
         return self.apply_gradients(grads_and_vars)

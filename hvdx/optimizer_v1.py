@@ -83,6 +83,7 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
         when scale_local_gradients)."""
         self._aggregator.register_local_var(var)
 
+    @tf.autograph.experimental.do_not_convert
     def compute_gradients(self, *args, **kwargs) -> List[tuple]:
         """The wrapped optimizer's compute_gradients (same arguments), aggregated over the
         ranks: [(gradient, variable)], a gradient None where the wrapped one's is."""
@@ -94,6 +95,7 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
     def _aggregate(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
         return aggregate_passes(self._accumulator, self._aggregator, grads, variables)
 
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, global_step=None, name=None):
         """The wrapped optimizer's apply_gradients; with backward_passes_per_step = N, only on
         every N-th pass (the others only advance `global_step`)."""

@@ -95,6 +95,7 @@ class DistributedGradientTape:
         ranks when scale_local_gradients)."""
         self._local_sources.append(source)
 
+    @tf.autograph.experimental.do_not_convert
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         grads = self._tape.gradient(target, sources, output_gradients=output_gradients,

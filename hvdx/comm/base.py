@@ -220,6 +220,7 @@ class Strategy:
         return self._topo or topology()
 
     # -- the entry points: agreement first, then the strategy's own work ------------------
+    @tf.autograph.experimental.do_not_convert
     def __call__(self, buffer: tf.Tensor, name: str = "grads") -> tf.Tensor:
         from hvdx.comm.memory import commit
 
@@ -237,6 +238,7 @@ class Strategy:
             raise ValueError(f"a strategy takes a 1-D buffer of known length, got {buffer.shape}")
         return buffer
 
+    @tf.autograph.experimental.do_not_convert
     def aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         """Averages `buffer` (1-D, of static length d) over all ranks. Collective.
 
@@ -258,6 +260,7 @@ class Strategy:
             return Aggregated(buffer)
         return self._aggregate(buffer, name, residual_scale)
 
+    @tf.autograph.experimental.do_not_convert
     def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
                          *, grouped: bool = False) -> Tuple[List[tf.Tensor], Aggregated]:
         """Averages a bucket given as 1-D pieces (its gradients, flattened, in order; one

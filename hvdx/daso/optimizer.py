@@ -126,6 +126,7 @@ class DASO(DistributedOptimizer):
             return list(grads)
         return super()._aggregate(grads, variables)
 
+    @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation: bool = False, **kwargs):
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         if self._params is None:

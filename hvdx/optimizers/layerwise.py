@@ -212,6 +212,7 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
     def _apply(self, gradient: tf.Tensor, direction: tf.Tensor, variable, ratio: tf.Tensor):
         raise NotImplementedError
 
+    @tf.autograph.experimental.do_not_convert
     def _internal_apply_gradients(self, grads_and_vars):
         grads_and_vars = [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]  # IndexedSlices: dense
         variables = [v for _, v in grads_and_vars]
@@ -226,6 +227,7 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
         finally:
             self._book.pending = {}
 
+    @tf.autograph.experimental.do_not_convert
     def update_step(self, gradient, variable):
         gradient = tf.convert_to_tensor(gradient)
         pending = self._book.pending.pop(self._var_key(variable), None)
