@@ -568,7 +568,9 @@ def hvd_rank() -> int:
     return hvd.rank()
 
 
-def main() -> None:
+def main(argv: Optional[List[str]] = None) -> None:
+    """The command line (`argv`: its arguments, default sys.argv[1:]; the tests call it in their
+    process for the runs that need no launch of their own)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--images", type=int, default=2048)
     parser.add_argument("--size", type=int, default=192, help="source images' side (px)")
@@ -592,7 +594,7 @@ def main() -> None:
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     parser.add_argument("--data-root", help=argparse.SUPPRESS)
     parser.add_argument("--store-root", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     readme = readme_path(args)
     if args.render:
         render(json.loads((args.out / "datacache.json").read_text()), args.out, readme)

@@ -131,7 +131,7 @@ def test_train_step_benchmark_writes_json_plot_and_table(tmp_path):
     readme = tmp_path / "README.md"
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "train_step.py"), "--local",
                            "--topologies", "2x1", "--models", "mlp", "--scale", "0.02", "--batch", "4", "--rounds", "2", "--steps", "1",
-                           "--profile", "--out", str(tmp_path), "--readme", str(readme)],
+                           "--profile", "--profile-steps", "1", "--out", str(tmp_path), "--readme", str(readme)],
                           capture_output=True, text=True, timeout=400, env=harness.test_env(str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "train_step.json").read_text())
