@@ -177,6 +177,7 @@ def test_train_step_models_and_profile_categories():
     assert sum(isinstance(layer, tf.keras.layers.Add) for layer in resnet.layers) == 6
 
     assert train_step.categorize("hitopk/HvdxMstopk", "HvdxMstopk") == "MSTopK"
+    assert train_step.categorize("hitopk/HvdxStatelessMstopk", "HvdxStatelessMstopk") == "MSTopK"
     assert train_step.categorize("hitopk_1/error_feedback/AddN", "AddN") == "error feedback (residual add, update)"
     assert train_step.categorize("gradient_tape/mlp/dense/MatMul/MatMul", "_MklMatMul") == "backward"
     assert train_step.categorize("hitopk/fuse/concat", "ConcatV2") == "fusion copies, casts"
