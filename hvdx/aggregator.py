@@ -391,11 +391,12 @@ class GradientAggregator(tf.Module):
             "gradients": str([(i, grads[i].dtype.name, shapes[i]) if grads[i] is not None else (i, None)
                               for i in range(len(grads))]),
             "fused": str(fused), "sparse": str(sparse), "dynamic": str(dynamic),
-            "buckets": str(self.effective_bucket_bytes),
             "groups": str(self._book.groups if isinstance(self._book.groups, int) else
                           [len(g) for g in (self._book.groups or [])]),
-            # named to sort after the fields it follows from: a difference names its cause first
-            "layouts of the buckets": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
+            # named to sort after the fields they follow from (the bucket size from the strategy
+            # with bucket_bytes="auto"; the layouts from everything): a difference names its cause first
+            "with bucket_bytes": str(self.effective_bucket_bytes),
+            "with the bucket layouts": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
         }
         signature = tuple(sorted(description.items()))
         if signature in self._book.verified:
