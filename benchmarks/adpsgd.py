@@ -28,7 +28,11 @@ test accuracy of the model every rank holds at the end (AD-PSGD/D-PSGD: the aver
     python benchmarks/adpsgd.py --local         # horovodrun over loopback (no slow_link scenario)
     python benchmarks/adpsgd.py --smoke --out /tmp/x   # 2x1 over loopback, tiny, no README
 
-Writes <out>/adpsgd.json, adpsgd.png and the table of benchmarks/README.md.
+Inside and across nodes (`--stem adpsgd_nodes --methods allreduce,adpsgd,adpsgd_intra,adpsgd_inter
+--topologies 2x2`): the same AD-PSGD with `cross_node_weight` 1 (uniform), 0.25 (a neighbour on
+another node four times less likely) and 4.
+
+Writes <out>/<stem>.json, <stem>.png (stem: adpsgd) and the table of benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -52,7 +56,11 @@ except ImportError:
 
 METHODS = ["allreduce", "dpsgd", "adpsgd"]
 LABELS = {"allreduce": "AllReduce-SGD (hvd.DistributedGradientTape)", "dpsgd": "D-PSGD (gossip + barrier)",
-          "adpsgd": "AD-PSGD (hvdx.adpsgd)"}
+          "adpsgd": "AD-PSGD (hvdx.adpsgd)",
+          "adpsgd_intra": "AD-PSGD, cross_node_weight=0.25 (mostly inside nodes)",
+          "adpsgd_inter": "AD-PSGD, cross_node_weight=4 (mostly across nodes)"}
+# The gossip methods: (synchronous, cross_node_weight); `--stem adpsgd_nodes` compares the weights.
+GOSSIP = {"dpsgd": (True, 1.0), "adpsgd": (False, 1.0), "adpsgd_intra": (False, 0.25), "adpsgd_inter": (False, 4.0)}
 SCENARIOS = ["homogeneous", "slow_rank", "slow_link"]
 
 
@@ -97,9 +105,10 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
         for v in model.variables:  # the same start everywhere (as BroadcastGlobalVariables)
             v.assign(hvd.broadcast(v, 0, name=f"adpsgd.bench.bcast.{v.name}"))
     else:
+        synchronous, cross_node_weight = GOSSIP[method]
         gossip = ADPSGD(model.trainable_variables, topology="exponential", timeout=120,
                         name=f"adpsgd.bench.{method}.{scenario}.{round_index}",
-                        step_budget=budget if method == "adpsgd" else None).start()
+                        step_budget=None if synchronous else budget, cross_node_weight=cross_node_weight).start()
 
     @tf.function
     def local_step(x, y):
@@ -134,7 +143,7 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
     k = 0
 
     def more() -> bool:
-        if method == "adpsgd":  # until the ranks together ran the budget (steps 0 and 1 on every rank:
+        if method in GOSSIP and not GOSSIP[method][0]:  # until the ranks together ran the budget (steps 0 and 1 on every rank:
             return k < 2 or not gossip.done  # step 1 meets every rank)
         return k < steps
 
@@ -161,7 +170,17 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
     if k % args.eval_every:
         evaluate()
     exchanges = gossip.stats()["exchanges"] if gossip is not None else 0
+    cross_share, spread = None, None
     if gossip is not None:
+        # rank 0's exchanges with another node, and how far the models drifted apart before the
+        # final average: max over ranks of ||x_i - mean|| / ||mean|| (one allreduce, one allgather)
+        partners = gossip.stats()["partners"]
+        mine = set(topo.node_ranks[topo.node])
+        cross_share = sum(n for p, n in partners.items() if int(p) not in mine) / max(1, sum(partners.values()))
+        flat = gossip.gossip.model().astype(np.float64)
+        mean = hvd.allreduce(tf.constant(flat), op=hvd.Average, name=f"adpsgd.bench.mean.{method}").numpy()
+        spread = float(np.max(hvd.allgather(tf.constant([np.linalg.norm(flat - mean) / np.linalg.norm(mean)]),
+                                            name=f"adpsgd.bench.spread.{method}").numpy()))
         gossip.finish()
     if shaping:
         shape_node_link(cluster["rate_bps"])
@@ -171,7 +190,7 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
     seconds = hvd.allgather(tf.constant([clock], tf.float64), name=f"adpsgd.bench.clock.{method}").numpy().tolist()
     rank_steps = hvd.allgather(tf.constant([k], tf.int64), name=f"adpsgd.bench.steps.{method}").numpy().tolist()
     return {"curve": curve, "accuracy": accuracy, "train_seconds": seconds, "steps": k, "exchanges": exchanges,
-            "rank_steps": rank_steps, "budget": budget}
+            "rank_steps": rank_steps, "budget": budget, "cross_node_share": cross_share, "spread": spread}
 
 
 def parse_rate(text: str) -> int:
@@ -259,7 +278,7 @@ def summarize(result: dict, target: float) -> dict:
 
 def report(args, results: List[dict]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "adpsgd.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
+    (args.out / f"{args.stem}.json").write_text(json.dumps({"args": {k: (str(v) if isinstance(v, Path) else v)
                                                                for k, v in vars(args).items()},
                                                       "results": results}, indent=1) + "\n")
     import matplotlib
@@ -282,7 +301,7 @@ def report(args, results: List[dict]) -> None:
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(args.out / "adpsgd.png", dpi=100)
+    fig.savefig(args.out / f"{args.stem}.png", dpi=100)
     rows = []
     for result in results:
         topo = f"{result['topology']['nodes']}x{result['topology']['ranks_per_node']}"
@@ -294,18 +313,24 @@ def report(args, results: List[dict]) -> None:
                 times = [t for t in s["time_to_target"] if t is not None]
                 runs = result["runs"][scenario][method]
                 per_step = statistics.median(run["exchanges"] / run["steps"] for run in runs)
+                cross = [run["cross_node_share"] for run in runs if run.get("cross_node_share") is not None]
+                spread = [run["spread"] for run in runs if run.get("spread") is not None]
                 rank_steps = "/".join(str(n) for n in runs[0].get("rank_steps", [runs[0]["steps"]]))
                 rows.append([topo, scenario.replace("_", " "), LABELS[method],
                              f"{statistics.median(times):.2f}" if times else "not reached", ratio,
                              f"{statistics.median(s['accuracy']):.4f}",
-                             "-" if method == "allreduce" else f"{per_step:.2f}", rank_steps,
+                             "-" if method == "allreduce" else f"{per_step:.2f}",
+                             f"{statistics.median(cross):.2f}" if cross else "-",
+                             f"{statistics.median(spread):.2g}" if spread else "-", rank_steps,
                              f"{result['load_average'][0]:.1f}"])
     readme = readme_path(args)
     if readme is None:
         return
     where = (f"on the emulated cluster of `hvdx/runner/cluster.py` ({args.rate} between nodes, tbf-shaped)"
              if not args.local else "over loopback (horovodrun, no slow links)")
-    body = (f"## adpsgd.py: AD-PSGD against AllReduce-SGD and D-PSGD (lian2018 Figs. 3-6)\n\n"
+    title = ("adpsgd.py: AD-PSGD against AllReduce-SGD and D-PSGD (lian2018 Figs. 3-6)" if args.stem == "adpsgd" else
+             f"adpsgd.py --stem {args.stem}: {', '.join(LABELS[m] for m in args.methods)}")
+    body = (f"## {title}\n\n"
             f"An MLP ({args.width}x{args.width}) on the digits, batch {args.batch} per rank, SGD lr {args.lr}, "
             f"{args.epochs} epochs of the training set counted over all ranks (AllReduce-SGD, D-PSGD: every rank "
             f"the same steps; AD-PSGD: a budget of the same total steps, the fast ranks doing a slow rank's share), "
@@ -317,12 +342,14 @@ def report(args, results: List[dict]) -> None:
             f"every step; `slow link`: the last node's uplink at {args.slow_rate}. Final accuracy: the test accuracy of the model every rank holds at the end. "
             f"Averagings per step: the exchanges rank 0 took part in over its steps (Algorithm 1 averages once per "
             f"step; fewer means the gossip did not keep up with the computation and the ranks trained mostly alone). "
+            f"Across nodes: the share of rank 0's exchanges made with a rank of another node. Spread: how far the "
+            f"models drifted apart before the final average, max over ranks of ||x_i - mean|| / ||mean||. "
             f"Steps per rank: rank 0 / 1 / ... in the first round. "
-            f"`results/adpsgd.json`, `results/adpsgd.png`.\n\n"
+            f"`results/{args.stem}.json`, `results/{args.stem}.png`.\n\n"
             + markdown_table(["topology", "scenario", "method", "time to target (s)", "ratio to AllReduce",
-                              "final accuracy", "rank 0's averagings per step", "steps per rank", "load avg"], rows,
-                             text_columns=3))
-    update_readme("adpsgd", body, readme)
+                              "final accuracy", "rank 0's averagings per step", "across nodes", "spread",
+                              "steps per rank", "load avg"], rows, text_columns=3))
+    update_readme(args.stem, body, readme)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -341,8 +368,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--smoke", action="store_true", help="2x1 over loopback, tiny: checks the script runs")
+    parser.add_argument("--stem", default="adpsgd", help="the results' file names and README section (adpsgd_nodes: "
+                        "the cross_node_weight comparison, --methods allreduce,adpsgd,adpsgd_intra,adpsgd_inter)")
     add_output_arguments(parser, readme=None)
     args = parser.parse_args(argv)
+    unknown = [m for m in args.methods if m not in LABELS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}: choose from {sorted(LABELS)}")
     if args.smoke and not args.worker_json:
         args.local, args.topologies, args.width, args.epochs, args.rounds, args.target = True, "2x1", 32, 2, 1, 2.2
         argv_out = sys.argv[1:] + ["--local", "--topologies", "2x1", "--width", "32", "--epochs", "2", "--rounds", "1",

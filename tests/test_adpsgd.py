@@ -353,6 +353,50 @@ def test_ranks_with_different_step_budgets_are_told_so():
     assert "ranks disagree on the step budget: rank 1 has 100, its neighbour rank 0 None" in str(errors[1])
 
 
+def test_neighbour_weights_set_how_often_each_edge_mixes_and_keep_the_mean():
+    """Two nodes {0, 1}, {2, 3} on a ring: the active ranks 0 and 2 each have one neighbour
+    inside their node and one across; with weights 1 and 0.25 a fifth of their exchanges
+    cross. Every exchange stays doubly stochastic (eq. 2): the mean of the models is kept."""
+    from tests.adpsgd_world import make_gossip
+    rng = np.random.default_rng(1)
+    models = [rng.normal(size=300) for _ in range(4)]
+    mean = np.mean(models, axis=0)
+    weights = {0: {1: 1.0, 3: 0.25}, 2: {3: 1.0, 1: 0.25}}
+    gather = thread_allgather(4)
+    world = harness.on_threads(lambda r: make_gossip(models[r], r, 4, "ring", gather(r), weights=weights.get(r)),
+                               4, join_timeout=90)
+
+    def train(g):
+        for _ in range(600):
+            g.step(np.zeros(300))
+            time.sleep(0.001)
+    try:
+        run_threads([lambda g=g: train(g) for g in world])
+        settle(world)
+        np.testing.assert_allclose(np.mean([g.model() for g in world], axis=0), mean, atol=1e-12)
+        stats = [g.stats() for g in world]
+    finally:
+        for g in world:
+            g.close()
+    for r, across in ((0, "3"), (2, "1")):
+        partners = stats[r]["partners"]
+        share = partners[across] / sum(partners.values())
+        assert sum(partners.values()) >= 200 and 0.1 < share < 0.3, (r, partners)  # 0.2 expected
+
+
+def test_bad_neighbour_weights_are_refused():
+    from hvdx.adpsgd.gossip import _check_weights
+    with pytest.raises(ValueError, match="weight of neighbour 3 must be a positive finite number"):
+        _check_weights({1: 1.0, 3: 0.0}, (1, 3), 0)
+    with pytest.raises(ValueError, match="must give every neighbour of rank 0"):
+        _check_weights({1: 1.0}, (1, 3), 0)
+    assert _check_weights({3: 2, 1: 1.0}, (1, 3), 0) == [1.0, 2.0]
+    from hvdx.adpsgd.keras import check_cross_node_weight
+    with pytest.raises(ValueError, match="cross_node_weight must be a positive number"):
+        check_cross_node_weight(-1)
+    assert check_cross_node_weight(4) == 4.0
+
+
 def test_a_bad_step_budget_is_refused():
     with pytest.raises(ValueError, match="step_budget must be a positive int"):
         build_world([np.zeros(10), np.ones(10)], "ring", step_budget=0)
@@ -476,6 +520,10 @@ def test_bad_arguments_get_clear_errors_on_horovod_ranks(ranks):
         assert "cannot run with the synchronous" in data["hvdx_optimizer"], data
         assert "unknown AD-PSGD topology" in data["topology"], data
         assert "is int32" in data["non_float"], data
+        assert "cross_node_weight must be a positive number" in data["cross_node_weight"], data
+        node = next(r for r in data["node_ranks"] if rank in r)
+        expected = {str(p): 1.0 if p in node else 0.25 for p in data["neighbours"]}
+        assert data["weights"] == expected, data  # 2x2 ring: one neighbour inside the node, one across
 
 
 def test_ranks_that_average_at_different_points_are_told_so():

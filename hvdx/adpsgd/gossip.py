@@ -70,7 +70,10 @@ class Gossip:
       peers: a `PeerTransport` connected to `graph.neighbours(rank)`.
       ring: a `GroupTransport` over all ranks (one group) for the averages.
       seed: the neighbour choice's random seed (default: the rank).
-      timeout: seconds an exchange may take before the neighbour is reported as failed.
+      weights: an active rank's relative probability of picking each neighbour, {rank:
+        weight > 0} for every neighbour (None: uniform, lian2018 Algorithm 1 line 5). Any
+        positive weights keep each exchange doubly stochastic (eq. 2) and every edge in use;
+        they change how often each edge mixes (e.g. `cross_node_weight` of `ADPSGD`).
       finish_timeout: seconds a rank waits in `average()` for the others to arrive (None:
         as long as they are alive).
       switch_interval: while the gossip runs, Python's thread switch interval (seconds,
@@ -83,7 +86,7 @@ class Gossip:
     def __init__(self, model: np.ndarray, graph: Graph, rank: int, peers: PeerTransport, ring: GroupTransport,
                  *, seed: Optional[int] = None, timeout: float = 60.0,
                  finish_timeout: Optional[float] = None, switch_interval: Optional[float] = 0.001,
-                 step_budget: Optional[int] = None) -> None:
+                 step_budget: Optional[int] = None, weights: Optional[Dict[int, float]] = None) -> None:
         if step_budget is not None and (isinstance(step_budget, bool) or not isinstance(step_budget, (int, np.integer))
                                         or step_budget < 1):
             raise ValueError(f"step_budget must be a positive int (steps over all ranks) or None, got {step_budget!r}")
@@ -101,6 +104,7 @@ class Gossip:
         self.graph, self.rank, self.peers, self.ring = graph, rank, peers, ring
         self.active = graph.is_active(rank)
         self.neighbours = graph.neighbours(rank)
+        self.weights = _check_weights(weights, self.neighbours, rank)
         self.timeout, self.finish_timeout = float(timeout), finish_timeout
         self._x = model.copy()
         self._lock = threading.Lock()          # the model: held for one vector operation at a time
@@ -320,7 +324,10 @@ class Gossip:
 
     def _launch(self) -> None:
         """Starts one exchange with a random passive neighbour (after `_claim`)."""
-        peer = self._rng.choice(self.neighbours)
+        if self.weights is None:
+            peer = self._rng.choice(self.neighbours)
+        else:
+            peer = self._rng.choices(self.neighbours, self.weights)[0]
         snapshot = self.model()
         self._inflight = (peer, time.monotonic())
         request = self.peers.exchange(peer, snapshot, lambda theirs: self._merge(snapshot, theirs, peer), direct=True)
@@ -390,6 +397,23 @@ class Gossip:
 _switch_lock = threading.Lock()
 _switch_users: List[float] = []
 _switch_saved: Optional[float] = None
+
+
+def _check_weights(weights: Optional[Dict[int, float]], neighbours: tuple, rank: int) -> Optional[List[float]]:
+    """The weights of `neighbours` in their order, or None (uniform); ValueError naming what is wrong."""
+    if weights is None:
+        return None
+    if not isinstance(weights, dict) or set(weights) != set(neighbours):
+        raise ValueError(f"weights must give every neighbour of rank {rank} ({list(neighbours)}) a weight, got "
+                         f"{weights!r}")
+    out = []
+    for p in neighbours:
+        w = weights[p]
+        if isinstance(w, bool) or not isinstance(w, (int, float, np.floating)) or not 0 < float(w) < float("inf"):
+            raise ValueError(f"rank {rank}'s weight of neighbour {p} must be a positive finite number, got {w!r} "
+                             f"(a zero weight would drop the edge and could cut the graph)")
+        out.append(float(w))
+    return out
 
 
 def _shorten_switch_interval(seconds: float) -> None:

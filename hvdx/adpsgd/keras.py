@@ -66,15 +66,21 @@ class ADPSGD:
         of reach it (`Gossip`). None: each rank decides alone.
       switch_interval: Python's thread switch interval while the gossip runs (seconds; None:
         leave it). Process-wide; restored by `finish()`/`close()` (`Gossip`).
+      cross_node_weight: how likely an active rank picks a neighbour on another node (hvdx's
+        topology: `hvdx.init()`), relative to one on its own node: 1.0 is the paper's uniform
+        choice; below 1 exchanges stay inside nodes more often (cheaper, but the nodes' models
+        mix more slowly). Measured in benchmarks/README.md (adpsgd.py, "inside and across nodes").
 
     Raises ValueError: a non-float variable (named), an empty list, a job of one rank, an
-    unknown topology, an `optimizer` that is synchronous.
+    unknown topology, an `optimizer` that is synchronous, a `cross_node_weight` that is not a
+    positive number. RuntimeError: Horovod not initialized, or `cross_node_weight` != 1
+    without `hvdx.init()`.
     """
 
     def __init__(self, variables: Sequence[tf.Variable], *, topology: "str | Callable[[int], Edges]" = "ring",
                  seed: Optional[int] = None, timeout: float = 60.0, finish_timeout: Optional[float] = None,
                  optimizer: Any = None, name: str = "hvdx.adpsgd", step_budget: Optional[int] = None,
-                 switch_interval: Optional[float] = 0.001) -> None:
+                 switch_interval: Optional[float] = 0.001, cross_node_weight: float = 1.0) -> None:
         variables = list(variables)
         if not variables:
             raise ValueError("ADPSGD needs the model's variables, got none (build the model first)")
@@ -91,6 +97,7 @@ class ADPSGD:
         self.topology = topology
         self.seed, self.timeout, self.finish_timeout, self.name = seed, timeout, finish_timeout, name
         self.step_budget, self.switch_interval = step_budget, switch_interval
+        self.cross_node_weight = check_cross_node_weight(cross_node_weight)
         self.gossip: Optional[Gossip] = None
         self._last: Optional[np.ndarray] = None  # what the variables were last given
         self._shapes = [tuple(v.shape) for v in variables]
@@ -101,6 +108,7 @@ class ADPSGD:
             raise RuntimeError("ADPSGD needs Horovod initialized: call hvdx.init() first")
         self.rank, self.size = hvd.rank(), hvd.size()
         self.graph = build_graph(topology, self.size)  # ValueError for one rank or an unknown topology
+        self.weights = self._weights()
 
     def start(self) -> "ADPSGD":
         """Collective over all ranks: connects the neighbours and the ring, and starts every
@@ -116,7 +124,8 @@ class ADPSGD:
         try:
             self.gossip = Gossip(self._flat(), self.graph, self.rank, peers, ring, seed=self.seed,
                                  timeout=self.timeout, finish_timeout=self.finish_timeout,
-                                 switch_interval=self.switch_interval, step_budget=self.step_budget)
+                                 switch_interval=self.switch_interval, step_budget=self.step_budget,
+                                 weights=self.weights)
         except BaseException:
             peers.close()
             ring.close()
@@ -164,6 +173,23 @@ class ADPSGD:
     def stats(self) -> Dict[str, Any]:
         return self._gossip().stats()
 
+    def _weights(self) -> Optional[Dict[int, float]]:
+        """Each neighbour's weight: `cross_node_weight` for one on another node, 1 for one on
+        this rank's node; None when they are all equal (the uniform choice)."""
+        if self.cross_node_weight == 1.0:
+            return None
+        from hvdx.topology import initialized, topology
+        if not initialized():
+            raise RuntimeError(f"cross_node_weight={self.cross_node_weight} needs hvdx's topology (which ranks share "
+                               f"a node): call hvdx.init() instead of hvd.init()")
+        topo = topology()
+        if topo.size != self.size:
+            raise RuntimeError(f"hvdx's topology has {topo.size} ranks, Horovod {self.size}: call hvdx.init() "
+                               f"after hvd.init() with the same ranks")
+        mine = set(topo.node_ranks[topo.node])
+        weights = {p: 1.0 if p in mine else self.cross_node_weight for p in self.graph.neighbours(self.rank)}
+        return None if len(set(weights.values())) == 1 else weights
+
     def _gossip(self) -> Gossip:
         if self.gossip is None:
             raise RuntimeError("call ADPSGD.start() first (collective over all ranks)")
@@ -180,11 +206,19 @@ class ADPSGD:
         self._last = np.asarray(flat, self._dtype).copy()
 
 
+def check_cross_node_weight(weight: Any) -> float:
+    """`weight` as a float; ValueError unless it is a positive finite number."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
+        raise ValueError(f"cross_node_weight must be a positive number (1.0: a neighbour on another node as likely "
+                         f"as one on this node; 0.25: four times less likely), got {weight!r}")
+    return float(weight)
+
+
 class ADPSGDCallback(tf.keras.callbacks.Callback):
     """AD-PSGD in `Model.fit`: the model's float weights gossip after every batch.
 
     Args:
-      topology, seed, timeout, finish_timeout, switch_interval: as `ADPSGD`.
+      topology, seed, timeout, finish_timeout, switch_interval, cross_node_weight: as `ADPSGD`.
       global_epochs: training ends when all ranks together ran that many epochs of steps:
         global_epochs x the sum over ranks of their steps per epoch (Keras' `steps`; one
         Horovod allreduce at the start), so fast ranks do the slow ones' share (lian2018's
@@ -204,7 +238,7 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
                  timeout: float = 60.0, finish_timeout: Optional[float] = None,
                  max_seconds: Optional[float] = None, average_every_epoch: bool = False,
                  name: str = "hvdx.adpsgd", global_epochs: Optional[float] = None,
-                 switch_interval: Optional[float] = 0.001) -> None:
+                 switch_interval: Optional[float] = 0.001, cross_node_weight: float = 1.0) -> None:
         super().__init__()
         if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
                                         or max_seconds <= 0):
@@ -221,7 +255,8 @@ class ADPSGDCallback(tf.keras.callbacks.Callback):
                              "ranks run more epochs than the slow ones: use one or the other")
         self.global_epochs = global_epochs
         self._kwargs = dict(topology=topology, seed=seed, timeout=timeout, finish_timeout=finish_timeout, name=name,
-                            switch_interval=switch_interval)
+                            switch_interval=switch_interval,
+                            cross_node_weight=check_cross_node_weight(cross_node_weight))
         build_graph(topology, 2)  # an unknown topology fails here, before fit
         self.max_seconds, self.average_every_epoch = max_seconds, average_every_epoch
         self.adpsgd: Optional[ADPSGD] = None

@@ -215,6 +215,15 @@ def check_errors(topo):
         ADPSGD([tf.Variable(np.int32(3), name="count")])
     except ValueError as exc:
         out["non_float"] = str(exc)
+    try:
+        ADPSGD(model.trainable_variables, cross_node_weight=0)
+    except ValueError as exc:
+        out["cross_node_weight"] = str(exc)
+    # hvdx's nodes decide the neighbour weights (no transport is started: no collective)
+    weighted = ADPSGD(model.trainable_variables, cross_node_weight=0.25)
+    out["weights"] = {str(p): w for p, w in (weighted.weights or {}).items()}
+    out["neighbours"] = list(weighted.graph.neighbours(topo.rank))
+    out["node_ranks"] = [list(r) for r in topo.node_ranks]
     hvdx.barrier()
     return out
 
