@@ -1,6 +1,7 @@
 """Launching under MPI (docs/launching.md): `mpirun` 1 x 4, `horovodrun --mpi`, and `mpirun`
 2 x 2 on nodes emulated with UTS namespaces (hvdx/runner/mpi.py), each training the digits demo
-to its end with every rank holding the same weights; and hvdx's own part (hvdx/launcher.py):
+to its end with every rank holding the same weights, and AD-PSGD's transport under mpirun on
+two emulated nodes; and hvdx's own part (hvdx/launcher.py):
 Open MPI told to yield the core while it waits where ranks outnumber cores, a warning with the
 flags to pass where hvdx cannot tell it."""
 import os
@@ -215,6 +216,50 @@ def test_mpirun_two_emulated_nodes_of_two_train_the_demo_to_the_end():
     with mpi.EmulatedNodes(2, 2) as nodes:
         out = train_digits(nodes.command([sys.executable, DEMO, "--epochs", str(EPOCHS)]), np=4)
     assert_trained(out, nodes=2, per_node=2)
+
+
+ADPSGD_FIT = """
+import numpy as np, tensorflow as tf, hvdx
+from hvdx.adpsgd import ADPSGDCallback
+from sklearn.datasets import load_digits
+topo = hvdx.init()
+x, y = load_digits(return_X_y=True)
+x = (x / 16).astype("float32")
+tf.keras.utils.set_random_seed(topo.rank)
+model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(32, activation="relu"),
+                             tf.keras.layers.Dense(10)])
+model.compile(tf.keras.optimizers.SGD(0.1), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+gossip = ADPSGDCallback(topology="ring", cross_node_weight=0.5, timeout=60)
+model.fit(x[topo.rank::topo.size], y[topo.rank::topo.size], epochs=2, batch_size=16, verbose=0, callbacks=[gossip])
+digest = float(sum(float(np.abs(w).sum()) for w in model.get_weights()))
+print(f"ADPSGD {topo.rank} node {topo.node} of {topo.num_nodes} exchanges {gossip.stats['exchanges']} "
+      f"weights {digest:.6f}", flush=True)
+hvdx.barrier()
+"""
+
+
+@pytest.mark.multirank
+@needs_emulation
+def test_mpirun_two_emulated_nodes_run_adpsgd_to_the_same_average_model(tmp_path):
+    """AD-PSGD's transport where mpirun puts ranks (issue 24): no Gloo rendezvous, hvdx's nodes
+    from MPI's, the neighbour weights across them; every rank ends with the average model."""
+    script = tmp_path / "adpsgd_fit.py"
+    script.write_text(ADPSGD_FIT)
+    with mpi.EmulatedNodes(2, 2) as nodes:
+        command = nodes.command([sys.executable, str(script)])
+        job = launch.run(command, timeout=300, env=harness.test_env(), cwd=harness.ROOT)
+    problems = mpi.explain(job.output, job.returncode, job.timed_out, 4)
+    assert not problems, f"{' '.join(command)}\n\n" + "\n\n".join(problems)
+    lines = [line for rank_lines in mpi.rank_lines(job.output).values() for line in rank_lines
+             if line.startswith("ADPSGD ")]
+    assert len(lines) == 4, job.output
+    fields = [line.split() for line in lines]
+    # "ADPSGD <rank> node <node> of <nodes> exchanges <n> weights <sum of |w|>"
+    assert sorted(f[3] for f in fields) == ["0", "0", "1", "1"] and {f[5] for f in fields} == {"2"}, lines
+    # rank 0 (active: it starts exchanges) averaged with its neighbours; a passive rank may finish
+    # its few steps before an exchange reaches it, and still ends with the average below
+    assert int(next(f for f in fields if f[1] == "0")[7]) > 0, lines
+    assert len({f[9] for f in fields}) == 1, lines    # the same (average) model everywhere
 
 
 # -- mpirun on the emulated cluster (hvdx/runner/cluster.py): namespaces, shaped links --------
