@@ -164,13 +164,17 @@ class Segment:
                                   channel_offset, stride, slots_offset, total, os.getpid())
                 mm[0:8] = MAGIC
             segment = cls(path, fd, 0, True)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # an early attacher counts itself under the same lock
+            try:
+                segment._register(num_ranks, slot_bytes)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
         except OSError as exc:
             _remove(path)
             raise NodeShmError(f"/dev/shm cannot hold a {total}-byte node segment ({exc}): free space there, mount it "
                                f"larger (docker: --shm-size) or lower HVDX_NODE_SHM_SLOT_BYTES") from exc
         finally:
             os.close(fd)
-        segment._register(num_ranks, slot_bytes)
         return segment
 
     @classmethod
