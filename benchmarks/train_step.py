@@ -11,6 +11,7 @@ machine hits all of them alike); a time is the slowest rank's time of `--steps` 
     python benchmarks/train_step.py --local             # horovodrun over loopback (no shaping)
     python benchmarks/train_step.py --profile           # also: where the time of one step goes
     python benchmarks/train_step.py --engines gloo,mpi  # each topology under Gloo, then under mpirun (root)
+    python benchmarks/train_step.py --engines gloo,shm  # Gloo, then Gloo with node_engine="shm" for 2DTAR/HiTopK
 
 With `--profile`, rank 0 records one step of each optimizer with TensorFlow's profiler and
 Horovod's timeline and sums the time of the step's operations by what they do (forward and
@@ -136,16 +137,25 @@ def make_optimizer(key: str, args: argparse.Namespace):
         return hvd_keras.DistributedOptimizer(inner, **dense)
     import hvdx
 
+    node_engine = os.environ.get(NODE_ENGINE_ENV, "horovod")  # --engines shm: 2DTAR's and HiTopK's node collectives
     if key in ("hierarchical_sized", "hierarchical_all"):
         options = {} if args.bucket_bytes is None else {"bucket_bytes": args.bucket_bytes or None}
         flat_below = 4 << 20 if key == "hierarchical_sized" else 0
-        return hvdx.DistributedOptimizer(inner, communication=hvdx.comm.Hierarchical(flat_below=flat_below),
-                                         **options)
+        return hvdx.DistributedOptimizer(
+            inner, communication=hvdx.comm.Hierarchical(flat_below=flat_below, node_engine=node_engine), **options)
     strategy, fused = (key[:-len("_fused")], True) if key.endswith("_fused") else (key, False)
     options = {"density": args.density, **dense} if strategy in ("sparse_allgather", "hitopk") else dict(dense)
     if fused or args.bucket_bytes is not None:
         options["bucket_bytes"] = None if fused else args.bucket_bytes or None
+    if node_engine != "horovod" and strategy in ("hierarchical", "hitopk"):
+        extra = {"density": options.pop("density")} if "density" in options else {}
+        return hvdx.DistributedOptimizer(
+            inner, communication=hvdx.comm.get(strategy, node_engine=node_engine, **extra), **options)
     return hvdx.DistributedOptimizer(inner, communication=strategy, **options)
+
+
+#: The ranks' node engine for 2DTAR and HiTopK (set by the launcher for `--engines shm`).
+NODE_ENGINE_ENV = "HVDX_BENCH_NODE_ENGINE"
 
 
 # -- the ranks -----------------------------------------------------------------------------
@@ -420,7 +430,7 @@ def run_ranks(args: argparse.Namespace) -> None:
     if hvd.rank() == 0:
         Path(args.worker_json).write_text(json.dumps({
             "topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size},
-            "engine": "mpi" if hvd.mpi_enabled() else "gloo",
+            "engine": "mpi" if hvd.mpi_enabled() else os.environ.get(NODE_ENGINE_ENV) == "shm" and "shm" or "gloo",
             "network": cluster_description(), "models": results}, indent=1))
     hvdx.barrier()
 
@@ -497,15 +507,16 @@ def census_table(result: dict) -> str:
 
 
 def engine_table(results: List[dict]) -> str:
-    """Per topology run under both engines: each optimizer's median step under Gloo and under
-    MPI and their ratio (> 1: faster under MPI). The engines run one after the other, not in
-    turns, so a change of load between the runs shows here: read it with their load averages."""
+    """Per topology run under Gloo and another engine (MPI, or Gloo with node_engine="shm"):
+    each optimizer's median step under both and their ratio (> 1: faster under the other).
+    The engines run one after the other, not in turns, so a change of load between the runs
+    shows here: read it with their load averages."""
     by_label = {run_label(r): r for r in results}
     rows = []
-    for result in results:
+    for result, engine in [(r, e) for r in results for e in ("mpi", "shm")]:
         topo = result["topology"]
         name = f"{topo['nodes']}x{topo['ranks_per_node']}"
-        gloo, mpi = by_label.get(f"{name} gloo"), by_label.get(f"{name} mpi")
+        gloo, mpi = by_label.get(f"{name} gloo"), by_label.get(f"{name} {engine}")
         if result is not gloo or mpi is None:
             continue
         for kind, summary in gloo["summary"].items():
@@ -514,13 +525,14 @@ def engine_table(results: List[dict]) -> str:
                 if other is None:
                     continue
                 g, m = row["median_seconds"], other["median_seconds"]
-                rows.append([name, kind, LABELS.get(key, key), f"{g * 1e3:.0f}", f"{m * 1e3:.0f}", f"{g / m:.2f}x",
+                rows.append([name, engine, kind, LABELS.get(key, key), f"{g * 1e3:.0f}", f"{m * 1e3:.0f}",
+                             f"{g / m:.2f}x",
                              "" if key == "horovod" or "speedup_vs_horovod" not in row else
                              f"{row['speedup_vs_horovod']:.2f}x / {other.get('speedup_vs_horovod', 0):.2f}x"])
     if not rows:
         return ""
-    return markdown_table(["topology", "model", "optimizer", "Gloo step (ms)", "MPI step (ms)", "MPI speed-up",
-                           "vs Horovod, Gloo / MPI"], rows, text_columns=3)
+    return markdown_table(["topology", "other engine", "model", "optimizer", "Gloo step (ms)", "other's step (ms)",
+                           "other's speed-up", "vs Horovod, Gloo / other"], rows, text_columns=4)
 
 
 def profile_table(result: dict, kind: str) -> str:
@@ -626,7 +638,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--models", default=",".join(DEFAULT_MODELS), type=lambda s: s.split(","),
                         help=f"of {', '.join(MODELS)}")
     parser.add_argument("--engines", default="gloo", type=lambda s: s.split(","),
-                        help="gloo and/or mpi (mpirun, Open MPI; root), each topology under each in turn")
+                        help="gloo, mpi (mpirun, Open MPI; root) and/or shm (Gloo, 2DTAR's and HiTopK's node "
+                             "collectives through hvdx's shared memory), each topology under each in turn")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), type=lambda s: s.split(","))
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--bucket-bytes", type=int, default=None, help="hvdx's bucket size (0: one fused buffer)")
@@ -638,7 +651,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--profile-steps", type=int, default=2)
     add_output_arguments(parser, readme=README)
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.engines) - {"gloo", "mpi"}) + sorted(set(args.models) - set(MODELS))
+    unknown = sorted(set(args.engines) - {"gloo", "mpi", "shm"}) + sorted(set(args.models) - set(MODELS))
     if unknown:
         parser.error(f"unknown engine(s) or model(s): {', '.join(unknown)}")
     if args.worker_json:
@@ -650,7 +663,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     for topology in args.topologies.split(","):  # each topology under each engine, one after the other
         for engine in args.engines:
             one = argparse.Namespace(**{**vars(args), "topologies": topology})
-            for result in run_topologies(__file__, one, argv, env=env, engine=engine):
+            launch_env = dict(env or {}, **({NODE_ENGINE_ENV: "shm"} if engine == "shm" else {}))
+            for result in run_topologies(__file__, one, argv, env=launch_env or None,
+                                         engine="gloo" if engine == "shm" else engine):
                 result["summary"] = summarize(result["models"])
                 results.append(result)
     report(args, results)

@@ -21,7 +21,7 @@ from hvdx.layout import check_agreement
 from hvdx.topology import Topology, set_rank_and_size, topology
 
 __all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
-           "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
+           "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
 
 #: Horovod's own options. A strategy may take them (`Allreduce` does); the optimizer saves
 #: them in its config itself, so they are not part of a strategy's `get_config()`.
@@ -67,10 +67,14 @@ def node_slices(d: int, n: int) -> List[Tuple[int, int]]:
     return [(j * size, size) for j in range(n)]
 
 
-def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> List[tf.Tensor]:
+def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str, engine: str = "horovod"
+                              ) -> List[tf.Tensor]:
     """Tensors whose sum is the node's sum of this rank's slice of `buffer` (shi2021 eq. 4),
     the slices of `node_slices` (a small buffer is zero-padded first). Collective over the
     node-local set.
+
+    engine "shm": the all-to-all below through the node's shared-memory segment
+    (`hvdx.comm.node_shm`) instead of Horovod, whatever the controller.
 
     Under Gloo: one all-to-all (rank j receives every rank's slice j, the (n-1)/n d
     elements of eq. 7) and the n received slices are returned, for the caller to add in
@@ -87,6 +91,11 @@ def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> L
     if total > d:
         buffer = tf.pad(buffer, [[0, total - d]])
     length = slices[topo.local_set.rank()][1]
+    if engine == "shm":
+        from hvdx.comm import node_shm
+
+        received = node_shm.node_alltoall(buffer, slices, f"{name}.a2a", topo)
+        return tf.unstack(tf.reshape(received, [n, length]))
     if not hvd.gloo_enabled() and len({size for _, size in slices}) == 1:
         return [hvd.reducescatter(buffer, op=hvd.Sum, process_set=topo.local_set, name=f"{name}.rs")]
     received, _ = hvd.alltoall(buffer, splits=[size for _, size in slices], process_set=topo.local_set,
@@ -95,10 +104,21 @@ def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str) -> L
     return tf.unstack(tf.reshape(received, [n, length]))
 
 
-def node_reduce_scatter(buffer: tf.Tensor, topo: Topology, name: str) -> tf.Tensor:
+def node_reduce_scatter(buffer: tf.Tensor, topo: Topology, name: str, engine: str = "horovod") -> tf.Tensor:
     """The node's sum of this rank's slice of `buffer` (see `node_reduce_scatter_parts`)."""
-    parts = node_reduce_scatter_parts(buffer, topo, name)
+    parts = node_reduce_scatter_parts(buffer, topo, name, engine)
     return parts[0] if len(parts) == 1 else tf.add_n(parts)
+
+
+def node_allgather(tensor: tf.Tensor, topo: Topology, name: str, engine: str = "horovod") -> tf.Tensor:
+    """Every node-local rank's `tensor` (dimension 0 may differ per rank), in local rank
+    order: `hvd.allgather` over the node-local set, or through the node's shared-memory
+    segment (engine "shm", `hvdx.comm.node_shm`). Collective over the node-local set."""
+    if engine == "shm" and topo.local_size > 1:
+        from hvdx.comm import node_shm
+
+        return node_shm.node_allgather(tensor, name, topo)
+    return hvd.allgather(tensor, process_set=topo.local_set, name=name)
 
 
 @dataclass

@@ -7,7 +7,8 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.comm import wire
-from hvdx.comm.base import Aggregated, Strategy, node_reduce_scatter, node_slices
+from hvdx.comm.base import Aggregated, Strategy, node_allgather, node_reduce_scatter, node_slices
+from hvdx.comm.node_shm import check_engine
 from hvdx.comm.registry import register
 from hvdx.topology import Topology
 
@@ -122,19 +123,31 @@ class Hierarchical(Strategy):
       flat_below: bytes on the wire under which a bucket is averaged flat (default
         DEFAULT_FLAT_BELOW, 4 MiB); 0: every bucket through 2DTAR (shi2021's algorithm as
         written).
+      node_engine: what runs the node-local reduce-scatter and all-gather: "horovod"
+        (default, over the node's process set) or "shm" (hvdx's shared-memory segment per
+        node, `hvdx.comm.node_shm`; set up collectively on the first trace). "shm" pays under
+        Gloo, whose node-local bytes otherwise cross TCP loopback; under MPI or NCCL it is
+        allowed but rarely faster. CPU tensors only (a GPU buffer raises ValueError). A node of
+        one rank makes no node collective either way.
     Raises:
-      ValueError: a negative or non-integer flat_below.
+      ValueError: a negative or non-integer flat_below, an unknown node_engine.
+      hvdx.comm.node_shm.NodeShmError: (first call, "shm") a rank of the node could not
+        create or attach the segment; tf.errors.InternalError at run time when the node's
+        ranks issue different node collectives, or one died or did not arrive within
+        HVDX_NODE_SHM_TIMEOUT seconds (the message names it).
     """
 
-    options = ("wire_dtype", "flat_below")
+    options = ("wire_dtype", "flat_below", "node_engine")
     #: 4 MiB buckets by default: a bucket's three collectives start while backpropagation goes
     #: on (measured on the emulated 2x2 cluster, benchmarks/README.md: the CNN whose
     #: gradients fill one 32 MiB bucket goes from 0.87x Horovod's step to 1.02x; MLP 1.24x
     #: -> 1.23x, ResNet 1.01x -> 1.00x).
     bucket_bytes = 4 << 20
 
-    def __init__(self, wire_dtype=None, flat_below: int = DEFAULT_FLAT_BELOW, topo: Optional[Topology] = None) -> None:
+    def __init__(self, wire_dtype=None, flat_below: int = DEFAULT_FLAT_BELOW, topo: Optional[Topology] = None,
+                 node_engine: str = "horovod") -> None:
         super().__init__(topo)
+        self.node_engine = check_engine(node_engine)
         if isinstance(flat_below, bool) or not isinstance(flat_below, int) or flat_below < 0:
             raise ValueError(f"flat_below must be a number of bytes >= 0 (0: every bucket through 2DTAR), got "
                              f"{flat_below!r}")
@@ -171,12 +184,12 @@ class Hierarchical(Strategy):
         d = int(buffer.shape[0])
         offset, length = node_slices(d, topo.local_size)[topo.local_set.rank()]
         sent = buffer if self.wire_dtype is None else tf.cast(buffer, self.wire_dtype)
-        mine = node_reduce_scatter(sent, topo, f"hvdx.2dtar.rs.{name}")
+        mine = node_reduce_scatter(sent, topo, f"hvdx.2dtar.rs.{name}", self.node_engine)
         total = hvd.allreduce(tf.ensure_shape(mine, [length]), op=hvd.Sum, process_set=topo.cross_set,
                               name=f"hvdx.2dtar.ar.{name}")
         averaged = tf.cast(total, buffer.dtype) / tf.cast(topo.size, buffer.dtype)
-        gathered = hvd.allgather(tf.cast(averaged, sent.dtype), process_set=topo.local_set,
-                                 name=f"hvdx.2dtar.ag.{name}")  # slices of different lengths: fine
+        gathered = node_allgather(tf.cast(averaged, sent.dtype), topo, f"hvdx.2dtar.ag.{name}",
+                                  self.node_engine)  # slices of different lengths: fine
         # [:d] drops a small buffer's padding; otherwise it is the whole tensor (no copy).
         output = tf.reshape(tf.cast(gathered[:d], buffer.dtype), [d])
         return Aggregated(output, local_slice=(averaged, offset))
@@ -185,4 +198,6 @@ class Hierarchical(Strategy):
         options = [f"wire_dtype={self.wire_dtype.name}"] if self.wire_dtype else []
         if self.flat_below != DEFAULT_FLAT_BELOW:
             options.append(f"flat_below={self.flat_below}")
+        if self.node_engine != "horovod":
+            options.append(f"node_engine={self.node_engine!r}")
         return f"Hierarchical({', '.join(options)})"

@@ -8,6 +8,7 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm.base import Aggregated, node_reduce_scatter_parts, node_slices
+from hvdx.comm.node_shm import check_engine
 from hvdx.comm.registry import register
 from hvdx.comm.sparse import TopKStrategy
 from hvdx.topology import barrier
@@ -31,14 +32,42 @@ class HiTopK(TopKStrategy):
     of the buffer), and k = density * slice length on each.
     Set `record_times = True` to keep each step's wall time (eager mode, a barrier of all
     ranks before each step) in `last_times`.
+
+    Args: those of `TopKStrategy` (density, num_samplings, wire_dtype, DGC's aids), and
+      node_engine: what runs steps 1 and 4 inside the node: "horovod" (default, over the
+        node's process set) or "shm" (hvdx's shared-memory segment per node,
+        `hvdx.comm.node_shm`; set up collectively on the first trace). "shm" pays under Gloo,
+        whose node-local bytes otherwise cross TCP loopback; under MPI or NCCL it is allowed
+        but rarely faster. CPU tensors only. A node of one rank makes no node collective.
+    Raises:
+      ValueError: a bad option; node_engine="shm" with warmup_steps (the warm-up builds the
+        exchange inside tf.switch_case branches, where node collectives are not ordered).
+      hvdx.comm.node_shm.NodeShmError, tf.errors.InternalError: as `Hierarchical`'s with "shm".
     """
 
     STEPS = ("reduce_scatter", "mstopk", "inter_allgather", "intra_allgather")
+    options = (*TopKStrategy.options, "node_engine")
 
-    def __init__(self, *args, **kwargs) -> None:
+    def __init__(self, *args, node_engine: str = "horovod", **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        self.node_engine = check_engine(node_engine)
+        if self.node_engine == "shm" and self.warmup_steps:
+            raise ValueError("HiTopK(node_engine='shm') does not take warmup_steps: the density warm-up builds the "
+                             "exchange in tf.switch_case branches, where shared-memory node collectives are not "
+                             "ordered. Use node_engine='horovod' with the warm-up")
         self.record_times = False
         self.last_times: Dict[str, float] = {}
+
+    def get_config(self):
+        """`TopKStrategy`'s, with node_engine only where it is not the default."""
+        config = super().get_config()
+        if config.get("node_engine") == "horovod":
+            config.pop("node_engine")
+        return config
+
+    def __repr__(self) -> str:
+        text = super().__repr__()
+        return text if self.node_engine == "horovod" else f"{text[:-1]}, node_engine={self.node_engine!r})"
 
     def residual_length(self, d: int) -> int:
         """The longest node slice of a d-element buffer (`node_slices`): every rank keeps a
@@ -52,7 +81,7 @@ class HiTopK(TopKStrategy):
         slices = node_slices(d, n)
         offset, slice_length = slices[topo.local_set.rank()]  # this rank's slice of the d-vector
         clock = _StepClock(self.record_times)
-        parts = node_reduce_scatter_parts(buffer, topo, f"hvdx.hitopk.rs.{name}")
+        parts = node_reduce_scatter_parts(buffer, topo, f"hvdx.hitopk.rs.{name}", self.node_engine)
         clock.lap("reduce_scatter")  # (the n parts are added to the residual in the next step)
         values, indices, k, updates = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name,
                                                    residual_scale, stored=self.residual_length(d))
@@ -64,7 +93,7 @@ class HiTopK(TopKStrategy):
         node_k = [topo.num_nodes * self.k(length) for _, length in slices]
         values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype),
                                          node_k if len(set(node_k)) > 1 else node_k[0],
-                                         topo.local_set, f"hvdx.hitopk.ag2.{name}")
+                                         topo.local_set, f"hvdx.hitopk.ag2.{name}", self.node_engine)
         # Averaging the m n k pairs rather than the d-vector saves a pass over d elements.
         values = values / tf.cast(topo.size, values.dtype)
         padded = slices[-1][0] + slices[-1][1]

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm import dgc, wire
-from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int
+from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int, node_allgather
 from hvdx.comm.memory import ResidualMemory, Update
 from hvdx.topology import Topology
 
@@ -208,9 +208,18 @@ class TopKStrategy(Strategy):
         return values, indices, k, updates
 
     def _exchange(self, values: tf.Tensor, indices: tf.Tensor, k: Union[int, Sequence[int]],
-                  process_set: hvd.ProcessSet, name: str) -> Tuple[tf.Tensor, tf.Tensor]:
-        """All-gather of every member's pairs: k per member, or one k per member in order."""
-        gathered = hvd.allgather(wire.pack(values, indices, self.wire_dtype), process_set=process_set, name=name)
+                  process_set: hvd.ProcessSet, name: str, node_engine: str = "horovod") -> Tuple[tf.Tensor, tf.Tensor]:
+        """All-gather of every member's pairs: k per member, or one k per member in order.
+        node_engine "shm": `process_set` is the node's, gathered through its shared-memory
+        segment (`hvdx.comm.base.node_allgather`)."""
+        packed = wire.pack(values, indices, self.wire_dtype)
+        if node_engine == "shm":
+            topo = self.topology
+            if process_set is not topo.local_set:
+                raise ValueError("node_engine='shm' gathers inside the node only (topo.local_set)")
+            gathered = node_allgather(packed, topo, name, node_engine)
+            return wire.unpack(gathered, k, indices.dtype)
+        gathered = hvd.allgather(packed, process_set=process_set, name=name)
         return wire.unpack(gathered, k, indices.dtype)
 
     @staticmethod
