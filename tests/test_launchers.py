@@ -219,6 +219,7 @@ def test_mpirun_two_emulated_nodes_of_two_train_the_demo_to_the_end():
 
 
 ADPSGD_FIT = """
+import sys
 import numpy as np, tensorflow as tf, hvdx
 from hvdx.adpsgd import ADPSGDCallback
 from sklearn.datasets import load_digits
@@ -232,8 +233,9 @@ model.compile(tf.keras.optimizers.SGD(0.1), tf.keras.losses.SparseCategoricalCro
 gossip = ADPSGDCallback(topology="ring", cross_node_weight=0.5, timeout=60)
 model.fit(x[topo.rank::topo.size], y[topo.rank::topo.size], epochs=2, batch_size=16, verbose=0, callbacks=[gossip])
 digest = float(sum(float(np.abs(w).sum()) for w in model.get_weights()))
-print(f"ADPSGD {topo.rank} node {topo.node} of {topo.num_nodes} exchanges {gossip.stats['exchanges']} "
-      f"weights {digest:.6f}", flush=True)
+sys.stdout.write(f"ADPSGD {topo.rank} node {topo.node} of {topo.num_nodes} exchanges {gossip.stats['exchanges']} "
+                 f"weights {digest:.6f}\\n")  # one write: one tagged line (print's newline may come apart)
+sys.stdout.flush()
 hvdx.barrier()
 """
 

@@ -40,6 +40,7 @@ def check_no_lost_update(topo, rounds=100):
     model = make_model(width=256, depth=3)          # ~150k elements, 4 blocks (layers) of different sizes
     method = ASSM().start(model)
     n = method.shared.size
+    hvdx.barrier()  # the creator unlinks after its own wait for the attachers: look once every start returned
     unlinked = not method.shared.path.exists()
     increments = {}
     for mode in ("atomic", "block", "whole"):
