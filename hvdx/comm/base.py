@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -182,6 +182,9 @@ class Strategy:
     #: The options of hvdx's optimizer and tape that the strategy takes: keywords of its
     #: constructor, each validated there (the one place).
     options: ClassVar[Tuple[str, ...]] = ()
+    #: Options that `get_config` and `repr` leave out while they hold these values (their
+    #: defaults), so that configs and agreement records name only what a user changed.
+    quiet_defaults: ClassVar[Mapping[str, Any]] = {}
     #: The ranks that take part in the strategy's collectives (`Allreduce` takes another).
     process_set: Any = None
     #: The bucket size hvdx's optimizer and tape use with this strategy unless given one
@@ -222,13 +225,23 @@ class Strategy:
 
     def get_config(self) -> Dict[str, Any]:
         """This strategy's own options (not Horovod's, `HOROVOD_OPTIONS`) as JSON values;
-        `from_config` rebuilds an equal strategy from them. Options left at None are omitted."""
+        `from_config` rebuilds an equal strategy from them. Options left at None, and those at
+        their `quiet_defaults`, are omitted."""
         config: Dict[str, Any] = {}
         for option in self.options:
             value = getattr(self, option, None)
-            if option not in HOROVOD_OPTIONS and value is not None:
-                config[option] = value.name if isinstance(value, tf.DType) else value
+            if option in HOROVOD_OPTIONS or value is None or self._quiet(option, value):
+                continue
+            config[option] = value.name if isinstance(value, tf.DType) else value
         return config
+
+    def _quiet(self, option: str, value: Any) -> bool:
+        return option in self.quiet_defaults and value == self.quiet_defaults[option]
+
+    def _changed_options(self) -> List[str]:
+        """`name=value` of each of `quiet_defaults` that differs from its default, for `repr`."""
+        return [f"{option}={getattr(self, option)!r}" for option in self.quiet_defaults
+                if not self._quiet(option, getattr(self, option))]
 
     @classmethod
     def from_config(cls, config: Dict[str, Any]) -> "Strategy":

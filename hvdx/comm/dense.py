@@ -138,6 +138,7 @@ class Hierarchical(Strategy):
     """
 
     options = ("wire_dtype", "flat_below", "node_engine")
+    quiet_defaults = {"flat_below": DEFAULT_FLAT_BELOW, "node_engine": "horovod"}
     #: 4 MiB buckets by default: a bucket's three collectives start while backpropagation goes
     #: on (measured on the emulated 2x2 cluster, benchmarks/README.md: the CNN whose
     #: gradients fill one 32 MiB bucket goes from 0.87x Horovod's step to 1.02x; MLP 1.24x
@@ -196,8 +197,4 @@ class Hierarchical(Strategy):
 
     def __repr__(self) -> str:
         options = [f"wire_dtype={self.wire_dtype.name}"] if self.wire_dtype else []
-        if self.flat_below != DEFAULT_FLAT_BELOW:
-            options.append(f"flat_below={self.flat_below}")
-        if self.node_engine != "horovod":
-            options.append(f"node_engine={self.node_engine!r}")
-        return f"Hierarchical({', '.join(options)})"
+        return f"Hierarchical({', '.join(options + self._changed_options())})"

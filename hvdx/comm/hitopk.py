@@ -47,6 +47,7 @@ class HiTopK(TopKStrategy):
 
     STEPS = ("reduce_scatter", "mstopk", "inter_allgather", "intra_allgather")
     options = (*TopKStrategy.options, "node_engine")
+    quiet_defaults = {**TopKStrategy.quiet_defaults, "node_engine": "horovod"}
 
     def __init__(self, *args, node_engine: str = "horovod", **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -57,17 +58,6 @@ class HiTopK(TopKStrategy):
                              "ordered. Use node_engine='horovod' with the warm-up")
         self.record_times = False
         self.last_times: Dict[str, float] = {}
-
-    def get_config(self):
-        """`TopKStrategy`'s, with node_engine only where it is not the default."""
-        config = super().get_config()
-        if config.get("node_engine") == "horovod":
-            config.pop("node_engine")
-        return config
-
-    def __repr__(self) -> str:
-        text = super().__repr__()
-        return text if self.node_engine == "horovod" else f"{text[:-1]}, node_engine={self.node_engine!r})"
 
     def residual_length(self, d: int) -> int:
         """The longest node slice of a d-element buffer (`node_slices`): every rank keeps a

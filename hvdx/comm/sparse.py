@@ -42,6 +42,7 @@ class TopKStrategy(Strategy):
 
     lossy = True
     options = ("density", "num_samplings", "wire_dtype", *AIDS)
+    quiet_defaults = AIDS
 
     def __init__(self, density: float = DEFAULT_DENSITY, num_samplings: int = 30,
                  wire_dtype: tf.DType = tf.float32, topo: Optional[Topology] = None,
@@ -99,14 +100,6 @@ class TopKStrategy(Strategy):
         if not self.warmup_steps:
             return None
         return dgc.DensityWarmup(self.warmup_density, self.density, self.warmup_steps)
-
-    def get_config(self):
-        """The options (`Strategy.get_config`), the aids only where they differ from their defaults."""
-        config = super().get_config()
-        for option, default in AIDS.items():
-            if config.get(option, default) == default:
-                config.pop(option, None)
-        return config
 
     def create_state(self, name: str, d: int) -> None:
         self._memory.variable(name, self.residual_length(d), tf.float32)
@@ -234,8 +227,7 @@ class TopKStrategy(Strategy):
             return tf.reduce_all(tf.math.is_finite(values))
 
     def __repr__(self) -> str:
-        aids = "".join(f", {option}={getattr(self, option)!r}" for option, default in AIDS.items()
-                       if getattr(self, option) != default)
+        changed = "".join(f", {option}" for option in self._changed_options())
         return (f"{type(self).__name__}(density={self.density}, num_samplings={self.num_samplings}, "
-                f"wire_dtype={self.wire_dtype.name}{aids})")
+                f"wire_dtype={self.wire_dtype.name}{changed})")
 
