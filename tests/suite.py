@@ -205,6 +205,7 @@ class LaunchRecord:
     check_cpu: Dict[str, float] = field(default_factory=dict)  # CPU seconds of every rank together, by check id
     start_up_cpu: float = 0.0  # every rank together, up to its first check
     ranks_cpu: float = 0.0  # every rank's own total (0: a rank did not report it)
+    max_rss_mib: float = 0.0  # the largest peak resident memory of a rank (0: not reported)
 
     def __str__(self) -> str:
         slowest = sorted(self.check_seconds.items(), key=lambda kv: -kv[1])[:10]
@@ -221,6 +222,8 @@ class LaunchRecord:
         if slowest:
             text += " (slowest: " + ", ".join(
                 f"{cid} {sec:.0f} s, {self.check_cpu.get(cid, 0):.0f} CPU s" for cid, sec in slowest) + ")"
+        if self.max_rss_mib:
+            text += f" (largest rank: {self.max_rss_mib:.0f} MiB)"
         return text + (f"; failed: {', '.join(self.failed)}" if self.failed else "")
 
 
@@ -439,13 +442,15 @@ class Suite:
         return seconds, cpu
 
     @staticmethod
-    def _rank_cpu(out: Path, np: int) -> Tuple[float, float]:
-        """The ranks' start-up CPU seconds and their own totals, all together; (0, 0) unless
-        every rank reported them (tests/multirank/suite.py writes cpu-<rank>.json at its end)."""
+    def _rank_cpu(out: Path, np: int) -> Tuple[float, float, float]:
+        """The ranks' start-up CPU seconds and their own totals, all together, and the largest
+        rank's peak memory in MiB; zeros unless every rank reported them
+        (tests/multirank/suite.py writes cpu-<rank>.json at its end)."""
         reports = [json.loads(path.read_text()) for path in out.glob("cpu-*.json")]
         if len(reports) != np:
-            return 0.0, 0.0
-        return sum(r["start_up"] for r in reports), sum(r["total"] for r in reports)
+            return 0.0, 0.0, 0.0
+        return (sum(r["start_up"] for r in reports), sum(r["total"] for r in reports),
+                max(r.get("max_rss_mib", 0.0) for r in reports))
 
     @staticmethod
     def _reached(out: Path, ids: List[str], np: int) -> Dict[int, int]:
