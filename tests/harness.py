@@ -92,6 +92,11 @@ _kill_tree = kill_tree  # SIGKILL to a process and all its descendants (hvdx/run
 #: steps (optimizer.training: 85 s at 5 ms, 109 s at 20). 10 ms: most of the saving, little
 #: of the wait. Tests run many ranks on few cores; a user's job may set its own (the
 #: environment wins).
+#: A prefix that starts a command as a terminal would, SIGINT at its default: a shell runs a
+#: background job (`make test &`, nohup) with SIGINT ignored, its children inherit that, and
+#: Python then installs no KeyboardInterrupt handler, so a test's Ctrl-C would not reach them.
+FOREGROUND = ["env", "--default-signal=INT"]
+
 TEST_CYCLE_TIME_MS = "10"
 
 

@@ -1,13 +1,15 @@
 """One process of the node shared-memory tests (tests/test_node_shm.py), without Horovod:
 local rank RANK of SIZE on segment NAME (rank 0 creates it, the others attach once it exists,
-rank 0 unlinks once all attached), then a scenario, then one JSON line on stdout.
+rank 0 unlinks once all attached), then a scenario, then one JSON line on stdout; several
+scenarios (comma-separated) run one after another, each on a fresh segment NAME-<i>.
 
-    python tests/node_shm_worker.py NAME RANK SIZE SLOT_BYTES SCENARIO [TIMEOUT_S]
+    python tests/node_shm_worker.py NAME RANK SIZE SLOT_BYTES SCENARIO[,SCENARIO...] [TIMEOUT_S]
 
 Scenarios: "parity" (all-to-all and all-gather of several sizes, checked against NumPy, eager
 and in a tf.function), "order" (many collectives in a tf.function whose ops could run in any
 order), "die" (rank 1 prints "ready" and sleeps until killed; the others wait in a collective),
-"mismatch_name", "mismatch_size" (rank 1 issues another collective than rank 0).
+"mismatch_name", "mismatch_size", "mismatch_dtype" (rank 1 issues another collective than
+rank 0), "dtype" (a dtype the engine cannot move).
 """
 import json
 import os
@@ -134,13 +136,12 @@ def order(comm, rank, size):
     return {"buckets": buckets}
 
 
-def main(argv):
-    name, rank, size, slot_bytes, scenario = argv[0], int(argv[1]), int(argv[2]), int(argv[3]), argv[4]
-    timeout = float(argv[5]) if len(argv) > 5 else 60.0
+def run(name, rank, size, slot_bytes, scenario, timeout):
+    """One scenario on a fresh segment `name`; what it returns (an "error" on failure)."""
     segment = attach(name, rank, size, slot_bytes)
     comm = node_shm.NodeCommunicator(segment, timeout_s=timeout)
     comm.ordered = scenario != "unordered"  # the test's control: no chain
-    result = {"rank": rank}
+    result = {"rank": rank, "scenario": scenario}
     try:
         if scenario == "parity":
             result.update(parity(comm, rank, size))
@@ -164,11 +165,22 @@ def main(argv):
                 comm.alltoall(tf.constant(["a", "b"]), [1] * (size - 1) + [2 - (size - 1)], "strings")
             except TypeError as exc:
                 result["error"] = str(exc)
+        else:
+            raise ValueError(f"unknown scenario {scenario!r}")
     except tf.errors.OpError as exc:
         result["error"] = exc.message
         if scenario == "die":
             result["waited_s"] = time.monotonic() - t0
-    print(json.dumps(result), flush=True)
+    return result
+
+
+def main(argv):
+    """Each scenario of the comma-separated list in turn, the i-th on segment NAME-i (one
+    process, one TensorFlow start-up, for several scenarios); a JSON line after each."""
+    name, rank, size, slot_bytes = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    timeout = float(argv[5]) if len(argv) > 5 else 60.0
+    for i, scenario in enumerate(argv[4].split(",")):
+        print(json.dumps(run(f"{name}-{i}", rank, size, slot_bytes, scenario, timeout)), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import ROOT
+from tests.harness import FOREGROUND, ROOT
 
-SEGMENT = [sys.executable, str(ROOT / "tests" / "asynchronous_segment.py")]
+SEGMENT = [*FOREGROUND, sys.executable, str(ROOT / "tests" / "asynchronous_segment.py")]
 SHM = Path("/dev/shm")
 
 

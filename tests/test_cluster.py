@@ -42,7 +42,7 @@ def leaves_nothing_behind():
 
 
 def launcher(*args: str, **kwargs) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, CLUSTER_PY, *args], stdout=subprocess.PIPE,
+    return subprocess.Popen([*harness.FOREGROUND, sys.executable, CLUSTER_PY, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, env=harness.test_env(), **kwargs)
 
 

@@ -3,7 +3,8 @@
 Single-process tests: the segment's checks in this process, and plain processes
 (tests/node_shm_worker.py, no Horovod) that map one segment as the ranks of a node: parity
 with NumPy (chunked too), the order of many collectives in a graph, a rank killed while the
-others wait, mismatched calls. The parity of the strategies against Horovod on 2x2 and 3x2 is
+others wait, mismatched calls. The scenarios that can share processes do (one node of 2 and
+one of 3, each process one TensorFlow start-up, each scenario on a fresh segment). The parity of the strategies against Horovod on 2x2 and 3x2 is
 tests/multirank/check_node_shm.py's (test_node_shm_strategies below).
 """
 import json
@@ -31,52 +32,70 @@ def _names(token):
     return sorted(p.name for p in node_shm.SHM_DIR.glob(f"{node_shm.PREFIX}{token}*"))
 
 
-def _start(size, scenario, slot_bytes=8192, timeout=60):
-    """`size` worker processes on a fresh segment; (token, processes)."""
+def _start(size, scenarios, slot_bytes=8192, timeout=60):
+    """`size` worker processes that run `scenarios` (comma-separated), each on a fresh
+    segment; (token, processes)."""
     token = f"test{secrets.token_hex(4)}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TF_CPP_MIN_LOG_LEVEL="3")
-    procs = [subprocess.Popen([*WORKER, f"{node_shm.PREFIX}{token}-0", str(rank), str(size), str(slot_bytes), scenario,
+    procs = [subprocess.Popen([*WORKER, f"{node_shm.PREFIX}{token}", str(rank), str(size), str(slot_bytes), scenarios,
                                str(timeout)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
              for rank in range(size)]
     return token, procs
 
 
 def _results(procs, timeout=240):
+    """Every rank's JSON lines, a list per rank."""
     results = []
     for rank, proc in enumerate(procs):
         out, err = proc.communicate(timeout=timeout)
-        lines = [line for line in out.splitlines() if line.startswith("{")]
+        lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
         assert proc.returncode == 0 and lines, f"rank {rank} (rc {proc.returncode}):\n{out}\n{err[-3000:]}"
-        results.append(json.loads(lines[-1]))
+        results.append(lines)
     return results
 
 
-def _run(size, scenario, **kw):
-    token, procs = _start(size, scenario, **kw)
+def _run(size, *scenarios):
+    """`scenarios` on `size` worker processes, one after another on fresh segments (one
+    TensorFlow start-up per process for all of them): {scenario: [rank 0's result, ...]}."""
+    token, procs = _start(size, ",".join(scenarios))
     try:
-        return _results(procs)
+        results = _results(procs)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         assert _names(token) == [], "a node segment was left in /dev/shm"
+    return {scenario: [lines[i] for lines in results] for i, scenario in enumerate(scenarios)}
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """One node of 2 worker processes, for the scenarios of the tests below that need 2."""
+    return _run(2, "parity", "mismatch_name", "mismatch_size", "mismatch_dtype", "dtype")
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    """One node of 3 worker processes, for the scenarios of the tests below that need 3."""
+    return _run(3, "parity", "order")
 
 
 @pytest.mark.parametrize("size", [2, 3])
-def test_collectives_equal_numpy_bit_for_bit_also_in_chunks(size):
+def test_collectives_equal_numpy_bit_for_bit_also_in_chunks(size, request):
     """All-to-all (node_slices' splits, the last slice shorter) and all-gather (per-rank
     counts, 2-D rows, empty) of sizes from 1 element to 4 MiB through 8 KiB slots (so that most
     run in many chunks), float32 and float64, eager and in a tf.function."""
-    assert all(r["checked"] == 31 for r in _run(size, "parity"))
+    world = request.getfixturevalue({2: "two_ranks", 3: "three_ranks"}[size])
+    assert all(r["checked"] == 31 for r in world["parity"])
 
 
-def test_many_buckets_in_a_graph_run_in_one_order_on_every_rank():
+def test_many_buckets_in_a_graph_run_in_one_order_on_every_rank(three_ranks):
     """40 buckets of an all-to-all and an all-gather each, in a TF1 graph (no automatic
     control dependencies) whose inputs appear in a different order on each rank: the
     communicator's chain keeps one order (without it the ranks issue different collectives:
     the scenario "unordered" fails with the mismatch error)."""
-    assert [r["buckets"] for r in _run(3, "order")] == [40] * 3
+    assert [r["buckets"] for r in three_ranks["order"]] == [40] * 3
 
 
 def test_a_killed_rank_fails_the_waiting_ranks_naming_it_and_leaves_nothing_in_dev_shm():
@@ -87,7 +106,7 @@ def test_a_killed_rank_fails_the_waiting_ranks_naming_it_and_leaves_nothing_in_d
         time.sleep(0.5)  # ranks 0 and 2 wait in the next collective
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
-        results = _results([procs[0], procs[2]])
+        results = [lines[-1] for lines in _results([procs[0], procs[2]])]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -105,14 +124,14 @@ def test_a_killed_rank_fails_the_waiting_ranks_naming_it_and_leaves_nothing_in_d
      "all-to-all 'grads' (call #1, float32, 1000 elements"),
     ("mismatch_dtype", "all-to-all 'grads' (call #1, float32", "all-to-all 'grads' (call #1, float64"),
 ])
-def test_ranks_that_disagree_fail_naming_both_ranks_and_calls(scenario, rank0, rank1):
-    for result in _run(2, scenario):
+def test_ranks_that_disagree_fail_naming_both_ranks_and_calls(scenario, rank0, rank1, two_ranks):
+    for result in two_ranks[scenario]:
         message = result["error"]
         assert f"node-local rank 0 called {rank0}" in message and f"node-local rank 1 called {rank1}" in message, message
 
 
-def test_a_dtype_it_cannot_move_is_refused_when_the_op_is_built():
-    for result in _run(2, "dtype"):
+def test_a_dtype_it_cannot_move_is_refused_when_the_op_is_built(two_ranks):
+    for result in two_ranks["dtype"]:
         assert "node_engine='shm' moves float32" in result["error"] and "got string" in result["error"]
 
 
