@@ -49,10 +49,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
     from common import (add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
-                        markdown_table, readme_path, run_topologies, update_readme)
+                        freeze_start_up, markdown_table, readme_path, run_topologies, update_readme)
 except ImportError:
     from benchmarks.common import (add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
-                                   markdown_table, readme_path, run_topologies, update_readme)
+                                   freeze_start_up, markdown_table, readme_path, run_topologies, update_readme)
 
 METHODS = ["allreduce", "dpsgd", "adpsgd"]
 LABELS = {"allreduce": "AllReduce-SGD (hvd.DistributedGradientTape)", "dpsgd": "D-PSGD (gossip + barrier)",
@@ -382,6 +382,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     else:
         argv_out = sys.argv[1:]
     if args.worker_json:
+        freeze_start_up()
         run_ranks(args)
         return
     if args.local and "slow_link" in args.scenarios:

@@ -43,11 +43,11 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import add_output_arguments, add_topology_arguments, markdown_table, readme_path, run_topologies, \
-        update_readme
+    from common import (add_output_arguments, add_topology_arguments, freeze_start_up, markdown_table, readme_path,
+                        run_topologies, update_readme)
 except ImportError:
-    from benchmarks.common import add_output_arguments, add_topology_arguments, markdown_table, readme_path, \
-        run_topologies, update_readme
+    from benchmarks.common import (add_output_arguments, add_topology_arguments, freeze_start_up, markdown_table,
+                                   readme_path, run_topologies, update_readme)
 
 METHODS = ["sync", "asyncminibatch", "assm", "passm", "passm+"]
 LABELS = {"sync": "synchronous (hvd.DistributedGradientTape)", "asyncminibatch": "AsyncMiniBatch",
@@ -323,6 +323,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         raw += ["--topologies", "1x2", "--width", "32", "--epochs", "2", "--rounds", "1", "--target", "0.3",
                 "--eval-every", "5"]
     if args.worker_json:
+        freeze_start_up()
         run_ranks(args)
         return
     args.local = True   # one node: horovodrun over loopback

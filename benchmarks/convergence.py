@@ -394,6 +394,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.smoke and not args.worker_json:
         args.steps, args.eval_every = min(args.steps, 6), min(args.eval_every, 3)
     if args.worker_json:
+        common.freeze_start_up()
         run_ranks(args)
         return
     worker_argv = [a for a in (argv if argv is not None else sys.argv[1:])]

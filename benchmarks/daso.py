@@ -33,10 +33,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
     from common import (README, add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
-                        markdown_table, run_topologies, update_readme)
+                        freeze_start_up, markdown_table, run_topologies, update_readme)
 except ImportError:
     from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
-                                   digits_shards, markdown_table, run_topologies, update_readme)
+                                   digits_shards, freeze_start_up, markdown_table, run_topologies, update_readme)
 
 METHODS = ["horovod", "daso"]
 LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO"}
@@ -306,6 +306,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     add_output_arguments(parser, readme=README)
     args = parser.parse_args(argv)
     if args.worker_json:
+        freeze_start_up()
         run_ranks(args)
         return
     results = []

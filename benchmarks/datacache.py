@@ -54,11 +54,11 @@ from hvdx.data import DataCache, SlowSource, decode_image  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402
 from hvdx.data.store import remove_store  # noqa: E402
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (add_output_arguments, launch_ranks, load_during, markdown_table, readme_path,  # noqa: E402
-                        slowest, under_launcher, update_readme)
+    from common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
+                        markdown_table, readme_path, slowest, under_launcher, update_readme)
 except ImportError:
-    from benchmarks.common import (add_output_arguments, launch_ranks, load_during, markdown_table,  # noqa: E402
-                                   readme_path, slowest, under_launcher, update_readme)
+    from benchmarks.common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
+                                   markdown_table, readme_path, slowest, under_launcher, update_readme)
 
 INPUT_METHODS = ("no_cache", "no_cache_16", "tf_cache", "datacache")
 TRAIN_METHODS = ("no_cache", "tf_cache", "datacache")
@@ -521,6 +521,7 @@ def render_like(result: dict, out: Path, readme: Optional[Path]) -> None:
 def run_like(args: argparse.Namespace, readme: Optional[Path]) -> None:
     """The like-for-like rows, on 1 rank and on the --like-topologies (horovodrun over loopback)."""
     if args.worker_json:  # a rank of a launched job
+        freeze_start_up()
         result = bench_like(Path(args.data_root), Path(args.store_root), args)
         if hvd_rank() == 0:
             Path(args.worker_json).write_text(json.dumps(result))

@@ -36,11 +36,12 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (RESULTS, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
-                        readme_path, run_topologies, timed_rounds, update_readme)
+    from common import (RESULTS, add_output_arguments, add_topology_arguments, cluster_description, freeze_start_up,
+                        markdown_table, readme_path, run_topologies, timed_rounds, update_readme)
 except ImportError:
     from benchmarks.common import (RESULTS, add_output_arguments, add_topology_arguments, cluster_description,
-                                   markdown_table, readme_path, run_topologies, timed_rounds, update_readme)
+                                   freeze_start_up, markdown_table, readme_path, run_topologies, timed_rounds,
+                                   update_readme)
 
 
 @dataclass(frozen=True)
@@ -401,6 +402,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if unknown:
         parser.error(f"unknown {unknown}: workloads are {list(WORKLOADS)}, configurations {CONFIGS}")
     if args.worker_json:
+        freeze_start_up()
         run_ranks(args)
         return
     if len(args.topologies.split(",")) != 1:

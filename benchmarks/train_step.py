@@ -39,11 +39,11 @@ from typing import Callable, Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, markdown_table,
-                        run_topologies, timed_rounds, update_readme)
+    from common import (README, add_output_arguments, add_topology_arguments, cluster_description, freeze_start_up,
+                        markdown_table, run_topologies, timed_rounds, update_readme)
 except ImportError:
     from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
-                                   markdown_table, run_topologies, timed_rounds, update_readme)
+                                   freeze_start_up, markdown_table, run_topologies, timed_rounds, update_readme)
 
 #: hvdx's strategies; "none" is the no-communication floor, "horovod" the baseline.
 STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
@@ -655,6 +655,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if unknown:
         parser.error(f"unknown engine(s) or model(s): {', '.join(unknown)}")
     if args.worker_json:
+        freeze_start_up()
         run_ranks(args)
         return
     results = []
