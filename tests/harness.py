@@ -82,6 +82,11 @@ def leftover_processes(job: "Launch") -> List[psutil.Process]:
 _kill_tree = kill_tree  # SIGKILL to a process and all its descendants (hvdx/runner/launch.py)
 
 
+#: A prefix that starts a command as a terminal would, SIGINT at its default: a shell runs a
+#: background job (`make test &`, nohup) with SIGINT ignored, its children inherit that, and
+#: Python then installs no KeyboardInterrupt handler, so a test's Ctrl-C would not reach them.
+FOREGROUND = ["env", "--default-signal=INT"]
+
 #: Horovod's background thread wakes every HOROVOD_CYCLE_TIME ms (default 1) and, under Gloo,
 #: negotiates with the other ranks even when no tensor is pending: 4 idle ranks on this 2-core
 #: machine burn about one core between them (0.3 CPU s per rank per second, against 0.03 at
@@ -92,11 +97,6 @@ _kill_tree = kill_tree  # SIGKILL to a process and all its descendants (hvdx/run
 #: steps (optimizer.training: 85 s at 5 ms, 109 s at 20). 10 ms: most of the saving, little
 #: of the wait. Tests run many ranks on few cores; a user's job may set its own (the
 #: environment wins).
-#: A prefix that starts a command as a terminal would, SIGINT at its default: a shell runs a
-#: background job (`make test &`, nohup) with SIGINT ignored, its children inherit that, and
-#: Python then installs no KeyboardInterrupt handler, so a test's Ctrl-C would not reach them.
-FOREGROUND = ["env", "--default-signal=INT"]
-
 TEST_CYCLE_TIME_MS = "10"
 
 

@@ -4,8 +4,9 @@ Single-process tests: the segment's checks in this process, and plain processes
 (tests/node_shm_worker.py, no Horovod) that map one segment as the ranks of a node: parity
 with NumPy (chunked too), the order of many collectives in a graph, a rank killed while the
 others wait, mismatched calls. The scenarios that can share processes do (one node of 2 and
-one of 3, each process one TensorFlow start-up, each scenario on a fresh segment). The parity of the strategies against Horovod on 2x2 and 3x2 is
-tests/multirank/check_node_shm.py's (test_node_shm_strategies below).
+one of 3, each process one TensorFlow start-up, each scenario on a fresh segment). The parity
+of the strategies against Horovod on 2x2 and 3x2 is tests/multirank/check_node_shm.py's
+(test_node_shm_strategies below).
 """
 import json
 import os

@@ -104,7 +104,8 @@ def _fresh_state() -> None:
     every later collection, the next check's automatic ones and its closing one, traverses
     only the objects made since. Without it a rank spent 18 % of its CPU in the collector,
     traversing TensorFlow's and Keras' long-lived objects again on every collection
-    (docs/developing.md). Freezing keeps nothing alive: the objects frozen were reachable."""
+    (docs/developing.md). The objects frozen were reachable; one that later becomes part of an
+    unreachable cycle is never freed (the launch line reports the largest rank's peak memory)."""
     import tensorflow as tf
 
     tf.keras.backend.clear_session()
