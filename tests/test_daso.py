@@ -164,6 +164,15 @@ def test_blocking_float32_every_step_equals_synchronous_horovod(ranks):
 
 
 @running("blocking")
+def test_a_dropped_optimizer_closes_its_transport(ranks):
+    # three DASO models one after another in one process, in a custom loop that never calls close():
+    # collecting each optimizer closes its sockets and threads (a second model leaks nothing)
+    for result in ranks.every():
+        assert [result[w]["earlier_transports_open"] for w in ("float32", "bfloat16", "float16")] == [0, 0, 0]
+        assert result["transports_open_when_dropped"] == 0
+
+
+@running("blocking")
 def test_optimizer_slots_stay_node_local(ranks):
     nodes = ranks.nodes
     for result in ranks.every():
@@ -207,6 +216,7 @@ def test_converges_on_digits_within_one_point_of_horovod(ranks):
     daso = results[0]["daso"]
     assert daso["starts"] > 0 and daso["blocking"] > 0  # both kinds of synchronisation ran
     assert all(r["daso"]["spread"] == 0.0 for r in results)  # training ends drained
+    assert all(r["daso"]["transport_closed_after_fit"] for r in results)  # ... and closes DASO's transport
 
 
 @running("mixed")
@@ -216,6 +226,8 @@ def test_mixed_precision_and_the_keras_format(ranks):
     for result in results:
         assert result["finite"] and result["spread"] == 0.0
         assert result["loaded_type"] == "DASO" and result["state_round_trip"] and result["weights_round_trip"]
+        # two fits (2 epochs, then the third): each closes its transport at its end, the second opens its own
+        assert result["transports"] == {"first_closed": True, "second_closed": True, "new": True, "epochs": 3}
     scales = results[0]["loss_scales"]
     by_node = [scales[i:i + ranks.per_node] for i in range(0, len(scales), ranks.per_node)]
     # the overflowing rank 1 lowered its node's loss scale only: node-local gradient averaging

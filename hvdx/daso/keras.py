@@ -6,7 +6,7 @@ After every batch the callback runs the schedule's global synchronisation
 (`DASO.after_step`); after the last batch of an epoch it drains the exchange in flight
 (every rank then holds the same parameters, before validation and before any other
 callback's on_epoch_end, e.g. ModelCheckpoint) and hands the epoch's training loss to
-the schedule (`DASO.end_epoch`). Before the first batch it checks that every rank runs as
+the schedule (`DASO.end_epoch`). When training ends it closes DASO's transport (`DASO.close`). Before the first batch it checks that every rank runs as
 many steps and epochs (DASO itself starts every rank from rank 0's parameters). No manual
 per-epoch call is needed.
 """
@@ -64,6 +64,9 @@ class DASOCallback(tf.keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs=None) -> None:
         if not self._epoch_ended:  # steps per epoch unknown (a dataset of unknown length)
             self._end_epoch(logs)
+
+    def on_train_end(self, logs=None) -> None:
+        self.daso.close()  # drained by the last epoch's end; a later fit() opens a new transport
 
     def _end_epoch(self, logs) -> None:
         loss = (logs or {}).get("loss")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import weakref
 from typing import Any, Deque, Dict, List, Optional
 
 import horovod.tensorflow as hvd
@@ -104,6 +105,7 @@ class DASO(DistributedOptimizer):
         self.schedule = self._for_topology(schedule)
         self._params: Optional[List[tf.Variable]] = None  # set once: a plain list, not tracked
         self._sync: Optional[ParameterSync] = None
+        self._close_transport: Optional[weakref.finalize] = None  # closes it, also when this optimizer is collected
         self._reference0: Optional[np.ndarray] = None
         self._flat: Optional[FlatParameters] = None
         self._identical = False  # every rank holds the same parameters right now
@@ -164,21 +166,41 @@ class DASO(DistributedOptimizer):
 
     # -- between steps (eager) ---------------------------------------------------------
     def _setup(self) -> None:
+        """Collective: the transport between the nodes, and the first time the parameter sync."""
         if self._params is None:
             raise RuntimeError("after_step() comes after the step's apply_gradients (no variables yet)")
         from hvdx.transport.ring import GroupTransport
 
         topo = self._topo
-        check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),
-                         "variables": f"{len(self._params)} of {sum(int(np.prod(v.shape)) for v in self._params)} "
-                                      f"elements"},
-                        "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
+        if self._sync is None:
+            check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),
+                             "variables": f"{len(self._params)} of "
+                                          f"{sum(int(np.prod(v.shape)) for v in self._params)} elements"},
+                            "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
         groups = [tuple(node[lr] for node in topo.node_ranks) for lr in range(topo.local_size)]
         transport = GroupTransport.create(groups, topo.rank, name="hvdx.daso.transport",
                                           timeout=self._daso_config["timeout"])
-        self._sync = ParameterSync(self._flat, topo, transport, wire_dtype=self._daso_config["blocking_wire_dtype"])
-        self._sync.set_reference(self._reference0)
-        self._reference0 = None
+        self._close_transport = weakref.finalize(self, transport.close)
+        if self._sync is None:
+            self._sync = ParameterSync(self._flat, topo, transport,
+                                       wire_dtype=self._daso_config["blocking_wire_dtype"])
+            self._sync.set_reference(self._reference0)
+            self._reference0 = None
+        else:  # reopened after close(): the reference, the statistics and the schedule go on
+            self._sync.transport = transport
+
+    def _ensure_transport(self) -> None:
+        if self._sync is None or self._sync.transport.closed:
+            self._setup()
+
+    def close(self) -> None:
+        """Closes the transport between the nodes (its sockets and threads); idempotent, no
+        collective, never hangs. Model.fit's end does it (DASOCallback); a step after it opens
+        a new one (collective, like the first step). An exchange still in flight then fails its
+        merge (TransportError): drain() first, as every epoch's end does. An optimizer that is
+        garbage-collected closes its transport too."""
+        if self._close_transport is not None:
+            self._close_transport()
 
     def _load_state_if_restored(self) -> None:
         """A checkpoint restored into this optimizer brings its schedule with it."""
@@ -216,8 +238,7 @@ class DASO(DistributedOptimizer):
 
     def after_step(self) -> Action:
         """Collective, after each step's update: the schedule's global synchronisation."""
-        if self._sync is None:
-            self._setup()
+        self._ensure_transport()
         self._load_state_if_restored()
         self._unsynced.assign(0)
         action = self.schedule.after_step()
@@ -235,8 +256,7 @@ class DASO(DistributedOptimizer):
     def drain(self) -> Optional[Action]:
         """Collective: merges the exchange in flight and averages over all ranks, so that
         every rank holds the same parameters (before a checkpoint; epochs end with it)."""
-        if self._sync is None:
-            self._setup()
+        self._ensure_transport()
         action = self.schedule.drain()
         if action is not None and self._topo.num_nodes > 1:
             self._sync.merge(action.staleness)

@@ -462,6 +462,11 @@ class GroupTransport:
             except OSError:
                 pass
 
+    @property
+    def closed(self) -> bool:
+        """Whether close() ran (the connections and threads are gone)."""
+        return self._closed
+
     def close(self) -> None:
         """Closes the connections and stops the threads; idempotent, never hangs.
 

@@ -3,6 +3,7 @@
 Run by tests/test_daso.py through the suite (tests/multirank/suite.py): `CHECKS` below, each
 returning what the test asserts on.
 """
+import gc
 import os
 import tempfile
 
@@ -66,6 +67,7 @@ def check_blocking_equals_horovod(topo, steps=6):
         horovod_step(x, y)
     expected = [v.numpy() for v in horovod_model.trainable_variables]
     out = {}
+    transports = []  # each optimizer's, for the check that a dropped optimizer closes its own
     for wire in ("float32", "bfloat16", "float16"):
         initial = make_model().get_weights()  # every rank builds as many models: Keras names stay aligned
         model = make_model(seed=10 + topo.rank)  # other initial weights on every rank: DASO starts from rank 0's
@@ -87,6 +89,11 @@ def check_blocking_equals_horovod(topo, steps=6):
             "off_bf16_grid": int(sum(np.count_nonzero(w != w.astype("bfloat16").astype(np.float32)) for w in got)),
             "groups": [a.blocking_group for a in opt.history],
         }
+        transports.append(opt._sync.transport)
+        del model, opt, step  # a custom loop that never calls close(): collecting the optimizer closes it
+        gc.collect()
+        out[wire]["earlier_transports_open"] = sum(not t.closed for t in transports[:-1])
+    out["transports_open_when_dropped"] = sum(not t.closed for t in transports)
     return out
 
 
@@ -231,6 +238,7 @@ def check_convergence(topo, epochs=16, batch=16):
             out[method]["starts"] = sum(a.start_group is not None for a in opt.history)
             out[method]["blocking"] = sum(a.blocking_group is not None for a in opt.history)
             out[method]["exchange_seconds"] = sorted(opt.stats.exchange) if opt.stats else []
+            out[method]["transport_closed_after_fit"] = opt._sync.transport.closed
     return out
 
 
@@ -250,11 +258,14 @@ def check_mixed_precision_and_keras_format(topo, steps=10):
             DASO(tf.keras.optimizers.SGD(0.05), total_epochs=3, warmup_epochs=1, cooldown_epochs=1,
                  max_global_skips=2))
         model.compile(optimizer=opt, loss=LOSS)
-        model.fit(x, y, batch_size=16, epochs=3, verbose=0, callbacks=[DASOCallback()])
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[DASOCallback()])
+        first = opt.inner_optimizer._sync.transport  # closed at the fit's end; the next fit opens another
+        model.fit(x, y, batch_size=16, initial_epoch=2, epochs=3, verbose=0, callbacks=[DASOCallback()])
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     weights = model.get_weights()
     daso = opt.inner_optimizer
+    second = daso._sync.transport
     path = os.path.join(tempfile.gettempdir(), f"hvdx-daso-{os.getppid()}-{topo.rank}.keras")
     model.save(path)
     loaded = tf.keras.models.load_model(path)
@@ -264,6 +275,8 @@ def check_mixed_precision_and_keras_format(topo, steps=10):
             # the loss scale is node-local: only a node's ranks see each other's overflows
             "loss_scales": [float(s) for s in hvd.allgather(tf.reshape(opt.loss_scale, [1]), name="mixed.scale")],
             "loaded_type": type(loaded_daso).__name__,
+            "transports": {"first_closed": first.closed, "second_closed": second.closed, "new": second is not first,
+                           "epochs": daso.schedule.epoch},
             "state_round_trip": loaded_daso is not None and loaded_daso.schedule.state() == daso.schedule.state(),
             "weights_round_trip": all(np.array_equal(a, b) for a, b in zip(loaded.get_weights(), weights))}
 
