@@ -13,8 +13,8 @@ check's result. A check that failed fails only its tests, with each rank's trace
 that hangs or crashes a rank ends at its timeout naming the rank and the check; the checks
 after it run in a fresh launch of their own.
 
-In a whole session (`Suite.start_ahead`), the launches start at once in background threads,
-two at a time (AHEAD_LANES) in the order the tests need them, while the tests that launch nothing run;
+In a whole session (`Suite.start_ahead`), the launches start at once in a background thread,
+one after another in the order the tests need them, while the tests that launch nothing run;
 those tests run first, the multi-rank tests after them, each waiting for its launch only if it
 has not ended yet (HVDX_LAUNCH_AHEAD=0: each launch when its first test needs it).
 
@@ -38,9 +38,6 @@ import pytest
 from tests import harness
 
 STARTUP = 180  # seconds a launch may spend starting (horovodrun, TensorFlow's import) and ending
-#: Launches ahead that run at once: a 2x2 launch keeps about 1.2 of this machine's 2 cores
-#: busy (its ranks wait for each other's collectives), so a second one fills what it leaves.
-AHEAD_LANES = 2
 GRACE = 120  # seconds past a check's timeout before the host stops a launch (the rank's own watchdog did not)
 _LINE = re.compile(r"^\[(\d+)\]<(stdout|stderr)>:(.*)$")
 
@@ -316,28 +313,21 @@ class Suite:
         self.launches: List[LaunchRecord] = []
         self.ledger = Ledger()  # the CPU seconds of its launches that have ended
         self._ahead: Dict[str, threading.Event] = {}  # topology -> set when its launch ahead has ended
-        self._ahead_threads: List[threading.Thread] = []
-        self._count_lock = threading.Lock()
+        self._ahead_thread: Optional[threading.Thread] = None
         self._stopping = threading.Event()
 
-    def start_ahead(self, items: Sequence[pytest.Item], lanes: int = AHEAD_LANES) -> List[str]:
-        """Starts, in `lanes` background threads, one launch per topology that `items` need (all
-        its checks), each thread taking the next topology in the order of first need; returns
-        those topologies. `result` then waits for a topology's launch instead of making it."""
+    def start_ahead(self, items: Sequence[pytest.Item]) -> List[str]:
+        """Starts, in a background thread, one launch per topology that `items` need (all its
+        checks), one after another in the order of first need; returns those topologies.
+        `result` then waits for a topology's launch instead of making it."""
         plan: Dict[str, List[Check]] = {}
         for c in dict.fromkeys(needed(i) for i in items):
             if c is not None:
                 plan.setdefault(c.topology, []).append(c)
         self._ahead = {name: threading.Event() for name in plan}
-        queue = list(plan.items())
-        taking = threading.Lock()
 
         def run() -> None:
-            while True:
-                with taking:
-                    if not queue:
-                        return
-                    name, checks = queue.pop(0)
+            for name, checks in plan.items():
                 try:
                     if not self._stopping.is_set():
                         self.launch(name, checks)
@@ -347,19 +337,16 @@ class Suite:
                 finally:
                     self._ahead[name].set()
 
-        self._ahead_threads = [threading.Thread(target=run, name=f"hvdx-launch-ahead-{lane}", daemon=True)
-                               for lane in range(max(1, lanes))]
-        for thread in self._ahead_threads:
-            thread.start()
+        self._ahead_thread = threading.Thread(target=run, name="hvdx-launch-ahead", daemon=True)
+        self._ahead_thread.start()
         return list(plan)
 
     def stop(self) -> None:
         """Ends the launches ahead: no new one starts, the running one is stopped."""
         self._stopping.set()
-        if any(thread.is_alive() for thread in self._ahead_threads):
+        if self._ahead_thread is not None and self._ahead_thread.is_alive():
             _stop_processes(str(self._base()), prefix=True)
-            for thread in self._ahead_threads:
-                thread.join(timeout=60)
+            self._ahead_thread.join(timeout=60)
 
     def result(self, wanted: Check, items: Sequence[pytest.Item]) -> RankResults:
         """`wanted`'s result; launches its topology first (with every check `items` need there),
@@ -384,10 +371,8 @@ class Suite:
         """Runs `checks` (all on `topology_name`) in one launch, or more when one dies early."""
         assert all(c.topology == topology_name for c in checks), checks
         topology = Topology.parse(topology_name)
-        with self._count_lock:
-            self._count += 1
-            count = self._count
-        root = self._base() / (f"{count}-" + re.sub(r"[^\w.+-]", "_", topology_name))
+        self._count += 1
+        root = self._base() / (f"{self._count}-" + re.sub(r"[^\w.+-]", "_", topology_name))
         planned = []
         for index, c in enumerate(checks):
             p = _Planned(c, f"{index:02d}-{c.name}", root / "work" / f"{index:02d}-{c.name}", dict(c.kwargs))
