@@ -6,9 +6,10 @@ After every batch the callback runs the schedule's global synchronisation
 (`DASO.after_step`); after the last batch of an epoch it drains the exchange in flight
 (every rank then holds the same parameters, before validation and before any other
 callback's on_epoch_end, e.g. ModelCheckpoint) and hands the epoch's training loss to
-the schedule (`DASO.end_epoch`). When training ends it closes DASO's transport (`DASO.close`). Before the first batch it checks that every rank runs as
-many steps and epochs (DASO itself starts every rank from rank 0's parameters). No manual
-per-epoch call is needed.
+the schedule (`DASO.end_epoch`). When training ends it closes DASO's transport
+(`DASO.close`). Before the first batch it checks that every rank runs as many steps and
+epochs (DASO itself starts every rank from rank 0's parameters). No manual per-epoch call
+is needed.
 """
 from __future__ import annotations
 

@@ -34,7 +34,7 @@ import collections
 import json
 import logging
 import weakref
-from typing import Any, Deque, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -49,6 +49,9 @@ from hvdx.daso.sync import FlatParameters, ParameterSync
 from hvdx.layout import check_agreement
 from hvdx.optimizer import DistributedOptimizer
 from hvdx.wrapped import check_not_horovods
+
+if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
+    from hvdx.transport.ring import GroupTransport
 
 __all__ = ["DASO"]
 
@@ -166,32 +169,35 @@ class DASO(DistributedOptimizer):
 
     # -- between steps (eager) ---------------------------------------------------------
     def _setup(self) -> None:
-        """Collective: the transport between the nodes, and the first time the parameter sync."""
+        """Collective, at the first step: the ranks agree, the parameter sync and its transport."""
         if self._params is None:
             raise RuntimeError("after_step() comes after the step's apply_gradients (no variables yet)")
+        check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),
+                         "variables": f"{len(self._params)} of {sum(int(np.prod(v.shape)) for v in self._params)} "
+                                      f"elements"},
+                        "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
+        self._sync = ParameterSync(self._flat, self._topo, self._open_transport(),
+                                   wire_dtype=self._daso_config["blocking_wire_dtype"])
+        self._sync.set_reference(self._reference0)
+        self._reference0 = None
+
+    def _open_transport(self) -> "GroupTransport":
+        """Collective: one ring per local rank across the nodes, closed by close() or when
+        this optimizer is collected."""
         from hvdx.transport.ring import GroupTransport
 
         topo = self._topo
-        if self._sync is None:
-            check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),
-                             "variables": f"{len(self._params)} of "
-                                          f"{sum(int(np.prod(v.shape)) for v in self._params)} elements"},
-                            "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
         groups = [tuple(node[lr] for node in topo.node_ranks) for lr in range(topo.local_size)]
         transport = GroupTransport.create(groups, topo.rank, name="hvdx.daso.transport",
                                           timeout=self._daso_config["timeout"])
         self._close_transport = weakref.finalize(self, transport.close)
-        if self._sync is None:
-            self._sync = ParameterSync(self._flat, topo, transport,
-                                       wire_dtype=self._daso_config["blocking_wire_dtype"])
-            self._sync.set_reference(self._reference0)
-            self._reference0 = None
-        else:  # reopened after close(): the reference, the statistics and the schedule go on
-            self._sync.transport = transport
+        return transport
 
     def _ensure_transport(self) -> None:
-        if self._sync is None or self._sync.transport.closed:
+        if self._sync is None:
             self._setup()
+        elif self._sync.transport.closed:  # reopened after close(): reference, statistics, schedule go on
+            self._sync.transport = self._open_transport()
 
     def close(self) -> None:
         """Closes the transport between the nodes (its sockets and threads); idempotent, no
