@@ -54,8 +54,8 @@ int hvdx_cuda_memcpy(void* dst, const void* src, int64_t bytes, int kind, char* 
 int hvdx_cuda_sync(void* stream, char* msg, size_t msg_size);
 
 /* Error injection: a launch through the kernels' checked launcher (kernels/gpu_launch.h)
- * with a grid of 65536 blocks in y (the limit is 65535): must return 13 and name
- * cudaErrorInvalidConfiguration. */
+ * with a grid of 65536 blocks in y (the limit is 65535): must return 13 and name the CUDA
+ * error (cudaErrorInvalidValue from CUDA 13 on an H100). */
 int hvdx_inject_too_large_grid(void* stream, char* msg, size_t msg_size);
 
 #ifdef __cplusplus

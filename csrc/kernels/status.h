@@ -12,8 +12,9 @@
 
 #if defined(HVDX_WITHOUT_TENSORFLOW)
 
-#include <sstream>
 #include <string>
+#include <string_view>
+#include <type_traits>
 #include <utility>
 
 namespace hvdx {
@@ -38,12 +39,25 @@ inline Status OkStatus() { return Status(); }
 
 namespace errors {
 
-// args... written one after another with operator<< (integers in decimal, as StrCat).
+// StrCat's pieces: text as it is, numbers in decimal (as absl::StrCat writes integers).
+// No iostreams: a message is built without the locale machinery, which crashed the
+// harness on a machine whose compiler and loaded libstdc++ differed (docs/gpu.md).
+inline void Append(std::string* out, std::string_view text) { out->append(text.data(), text.size()); }
+inline void Append(std::string* out, const char* text) { out->append(text != nullptr ? text : "(null)"); }
+inline void Append(std::string* out, char c) { out->push_back(c); }
+template <typename T, typename std::enable_if<std::is_arithmetic<T>::value && !std::is_same<T, char>::value &&
+                                                  !std::is_same<T, bool>::value,
+                                              int>::type = 0>
+void Append(std::string* out, T number) {
+  out->append(std::to_string(number));
+}
+
+// args... written one after another (text, or integers in decimal, as StrCat).
 template <typename... Args>
 std::string StrCat(const Args&... args) {
-  std::ostringstream out;
-  (out << ... << args);
-  return out.str();
+  std::string out;
+  (Append(&out, args), ...);
+  return out;
 }
 template <typename... Args>
 Status InvalidArgument(const Args&... args) {
