@@ -8,14 +8,17 @@ writing the results under --out:
     build.log      CMake's output
 
     python3 -m scripts.gpu_harness.run --out DIR [--lib PATH | --build-dir DIR]
-        [--cpu-only] [--quick] [--skip-bench] [--sanitizer-subset]
+        [--cpu-only] [--quick] [--skip-bench] [--sanitizer-subset] [--kernels mstopk,sparse_accumulate]
 
-Exit status 1 when a check failed. Needs NumPy; the benchmark needs PyTorch (CuPy optional).
+Exit status 1 when a check failed. summary.json is rewritten after each part, and a crash
+of the process (a segmentation fault in a kernel's host code) prints the Python stack
+(faulthandler), so what ran before it is kept and where it stopped is named. Needs NumPy; the benchmark needs PyTorch (CuPy optional).
 Never imports TensorFlow (summary.json records that it was not loaded).
 """
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import platform
 import sys
@@ -36,6 +39,7 @@ CPU_ONLY_SIZES = [1, 17, 4097, 65_537, 1_000_003]
 SANITIZER_SIZES = [1, 4097, 100_003]
 DENSITIES = [0.001, 0.01, 0.1]
 LARGEST = 2**28   # one case at the issue's largest d (normal, density 0.001, int64 indices)
+KERNELS = ("mstopk", "sparse_accumulate")
 
 
 def gpu_name() -> str:
@@ -62,7 +66,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help="the small GPU cases only, no errors injected, no benchmark: what compute-sanitizer runs")
     parser.add_argument("--threads", type=int, default=0, help="CPU kernel threads (0: all)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"which kernels to check and benchmark, comma-separated (default: {','.join(KERNELS)})")
     args = parser.parse_args(argv)
+    kernels = [k for k in args.kernels.split(",") if k]
+    unknown = sorted(set(kernels) - set(KERNELS))
+    if unknown or not kernels:
+        parser.error(f"--kernels takes a comma-separated list of {', '.join(KERNELS)}; got {args.kernels!r}")
+    faulthandler.enable()
     args.out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     log_lines: List[str] = []
@@ -101,52 +112,75 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sizes, dists, densities, largest = CPU_ONLY_SIZES, inputs.DISTRIBUTIONS, DENSITIES, []
     else:
         sizes, dists, densities, largest = FULL_SIZES, inputs.DISTRIBUTIONS, DENSITIES, [LARGEST]
-    small = [d for d in sizes if d <= 1 << 20]
-    cases = checks.mstopk_cases(small, dists, densities, args.seed)
-    if len(small) < len(sizes):  # the large sizes at the Figure 6 densities only (time)
-        cases += checks.mstopk_cases([d for d in sizes if d > 1 << 20], dists, [0.001, 0.01], args.seed + 1)
-    cases += [dict(dist=dist, d=d, k=d // 1000, num_samplings=30, index_bits=64, random=2**63 + 12345)
-              for d in largest for dist in ("normal",)]
-    log(f"MSTopK parity: {len(cases)} cases, d up to {max(c['d'] for c in cases):,}")
-    summary["mstopk"] = checks.check_mstopk(h, cases, gpu, reference_max_d=max(sizes + largest), seed=args.seed,
-                                            threads=args.threads)
-    sparse_cases = checks.sparse_cases(args.seed)
-    if args.quick or args.sanitizer_subset:
-        sparse_cases = [c for c in sparse_cases if c["nnz"] <= 100_000 and c["size"] <= 1_000_000]
-    log(f"sparse accumulation parity: {len(sparse_cases)} cases")
-    summary["sparse_accumulate"] = checks.check_sparse(h, sparse_cases, gpu, seed=args.seed, threads=args.threads)
+    def save() -> None:  # after each part: a crash later keeps what ran
+        summary["tensorflow_loaded"] = "tensorflow" in sys.modules
+        summary["seconds"] = time.time() - t0
+        (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+
+    empty: dict = {"cases": [], "failures": []}
+    summary["kernels"] = kernels
+    summary["mstopk"] = summary["sparse_accumulate"] = empty
+    if "mstopk" in kernels:
+        small = [d for d in sizes if d <= 1 << 20]
+        cases = checks.mstopk_cases(small, dists, densities, args.seed)
+        if len(small) < len(sizes):  # the large sizes at the Figure 6 densities only (time)
+            cases += checks.mstopk_cases([d for d in sizes if d > 1 << 20], dists, [0.001, 0.01], args.seed + 1)
+        cases += [dict(dist=dist, d=d, k=d // 1000, num_samplings=30, index_bits=64, random=2**63 + 12345)
+                  for d in largest for dist in ("normal",)]
+        log(f"MSTopK parity: {len(cases)} cases, d up to {max(c['d'] for c in cases):,}")
+        summary["mstopk"] = checks.check_mstopk(h, cases, gpu, reference_max_d=max(sizes + largest), seed=args.seed,
+                                                threads=args.threads)
+        save()
+    if "sparse_accumulate" in kernels:
+        sparse_cases = checks.sparse_cases(args.seed)
+        if args.quick or args.sanitizer_subset:
+            sparse_cases = [c for c in sparse_cases if c["nnz"] <= 100_000 and c["size"] <= 1_000_000]
+        log(f"sparse accumulation parity: {len(sparse_cases)} cases")
+        summary["sparse_accumulate"] = checks.check_sparse(h, sparse_cases, gpu, seed=args.seed, threads=args.threads)
+        save()
     summary["argument_errors"] = checks.check_argument_errors(h)
     if gpu and not args.sanitizer_subset:
         log("injected launch errors")
-        summary["injected_errors"] = checks.check_injected_errors(h, str(lib_path))
+        summary["injected_errors"] = checks.check_injected_errors(h, str(lib_path), kernels=kernels)
     for part in ("mstopk", "sparse_accumulate", "argument_errors", "injected_errors"):
         for failure in summary.get(part, {}).get("failures", []):
             summary["failures"].append({"part": part, **failure})
     n_cases = len(summary["mstopk"]["cases"]) + len(summary["sparse_accumulate"]["cases"])
     log(f"checks: {n_cases} cases, {len(summary['failures'])} failures")
-
-    summary["tensorflow_loaded"] = "tensorflow" in sys.modules
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))  # kept if the bench is cut
-    report = [f"# hvdx kernel harness: {'GPU' if gpu else 'CPU'} run", "",
+    save()  # kept if the bench is cut
+    report = [f"# hvdx kernel harness: {'GPU' if gpu else 'CPU'} run ({', '.join(kernels)})", "",
               f"Checks: {n_cases} parity cases (MSTopK vs tests/mstopk_reference.py"
               f"{', GPU vs CPU bit for bit, GPU run to run' if gpu else ''}; sparse accumulation vs np.add.at), "
               f"**{len(summary['failures'])} failures**.", ""]
     if gpu and not args.skip_bench and not args.sanitizer_subset:
         device = gpu_name()
         log(f"Figure 6 benchmark on {device}")
-        try:
-            topk = bench.bench_topk(h, bench.QUICK_SIZES if args.quick else bench.SIZES, bench.DENSITIES, log)
-            dists_rows = bench.bench_distributions(h, 2**22 if args.quick else bench.DIST_D, 0.001, log)
-            sparse = bench.bench_sparse(h, 2**22 if args.quick else bench.SPARSE_D,
-                                        bench.SPARSE_NNZ[:2] if args.quick else bench.SPARSE_NNZ, log)
-            verdict = bench.goal(topk)
+        topk: list = []
+        dists_rows: list = []
+        sparse: list = []
+        verdict: dict = {}
+
+        def save_bench() -> None:
             (args.out / "bench.json").write_text(json.dumps(
-                {"device": device, "topk": topk, "distributions": dists_rows, "sparse": sparse, "goal": verdict},
-                indent=1))
+                {"device": device, "kernels": kernels, "topk": topk, "distributions": dists_rows, "sparse": sparse,
+                 "goal": verdict}, indent=1))
+
+        try:
+            if "mstopk" in kernels:
+                topk = bench.bench_topk(h, bench.QUICK_SIZES if args.quick else bench.SIZES, bench.DENSITIES, log)
+                verdict = bench.goal(topk)
+                save_bench()
+                dists_rows = bench.bench_distributions(h, 2**22 if args.quick else bench.DIST_D, 0.001, log)
+                save_bench()
+            if "sparse_accumulate" in kernels:
+                sparse = bench.bench_sparse(h, 2**22 if args.quick else bench.SPARSE_D,
+                                            bench.SPARSE_NNZ[:2] if args.quick else bench.SPARSE_NNZ, log)
+                save_bench()
             report.append(bench.markdown(device, topk, dists_rows, sparse, verdict))
             if not bench.plot(args.out / "fig6.png", topk, sparse):
                 report.append("(no matplotlib: no fig6.png; the tables above are the figure)")
-            summary["goal"] = verdict
+            if verdict:
+                summary["goal"] = verdict
         except ImportError as err:
             log(f"benchmark skipped: {err} (it needs PyTorch with CUDA)")
             summary["bench_skipped"] = str(err)
@@ -155,9 +189,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             log(f"benchmark failed: {text}")
             summary["failures"].append({"part": "bench", "check": "run", "differences": [f"{type(err).__name__}: {err}"]})
             report.append(f"Benchmark failed: `{type(err).__name__}: {err}` (traceback in run.log).")
-    summary["tensorflow_loaded"] = "tensorflow" in sys.modules
-    summary["seconds"] = time.time() - t0
-    (args.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    save()
     (args.out / "report.md").write_text("\n".join(report) + "\n")
     log(f"wrote {args.out}/summary.json, report.md; tensorflow loaded: {summary['tensorflow_loaded']}")
     for failure in summary["failures"][:20]:
