@@ -65,28 +65,57 @@ def finite_sum(a: np.ndarray) -> float:
     return float(blocks[0]) if blocks.size else 0.0
 
 
+@dataclass
+class Bisection:
+    """Algorithm 1 lines 4-23, one round at a time (mstopk::Bisection in csrc/kernels/mstopk.h):
+    the caller counts nnz(a >= threshold()) however it likes and reports it to update()."""
+    mean: float
+    span: float      # max - mean >= 0
+    k: int
+    k2: int          # d
+    lo: float = 0.0
+    hi: float = 1.0
+    k1: int = 0
+    thres1: float = np.inf
+    thres2: float = 0.0
+
+    @classmethod
+    def of(cls, a: np.ndarray, k: int) -> "Bisection":
+        """Lines 1-3: mean and max of the finite magnitudes (mean clamped to <= max)."""
+        finite = a[np.isfinite(a)]
+        u = float(finite.max()) if finite.size else 0.0
+        mean = min(finite_sum(a) / finite.size, u) if finite.size else 0.0
+        return cls(mean=mean, span=u - mean, k=k, k2=a.size)
+
+    def ratio(self) -> float:
+        return self.lo + (self.hi - self.lo) / 2
+
+    def threshold_at(self, ratio: float) -> float:
+        return self.mean + ratio * self.span
+
+    def threshold(self) -> float:
+        return self.threshold_at(self.ratio())
+
+    def update(self, nnz: int) -> None:
+        """Lines 10-23 for the current round, given nnz = count(a >= threshold())."""
+        ratio = self.ratio()
+        thres = self.threshold_at(ratio)
+        if nnz <= self.k:
+            self.hi = ratio
+            if nnz > self.k1:
+                self.k1, self.thres1 = nnz, thres
+        else:
+            self.lo = ratio
+            if nnz < self.k2:
+                self.k2, self.thres2 = nnz, thres
+
+
 def thresholds(a: np.ndarray, k: int, num_samplings: int):
     """The bisection of Algorithm 1 lines 1-24: (thres1, k1, thres2, k2)."""
-    finite = a[np.isfinite(a)]
-    u = float(finite.max()) if finite.size else 0.0
-    mean = min(finite_sum(a) / finite.size, u) if finite.size else 0.0
-    span = u - mean
-    lo, hi = 0.0, 1.0
-    k1, k2 = 0, a.size
-    thres1, thres2 = np.inf, 0.0
+    bis = Bisection.of(a, k)
     for _ in range(num_samplings):
-        ratio = lo + (hi - lo) / 2
-        thres = mean + ratio * span
-        nnz = int(np.count_nonzero(a >= thres))
-        if nnz <= k:
-            hi = ratio
-            if nnz > k1:
-                k1, thres1 = nnz, thres
-        else:
-            lo = ratio
-            if nnz < k2:
-                k2, thres2 = nnz, thres
-    return thres1, k1, thres2, k2
+        bis.update(int(np.count_nonzero(a >= bis.threshold())))
+    return bis.thres1, bis.k1, bis.thres2, bis.k2
 
 
 def mstopk(x: np.ndarray, k: int, num_samplings: int = 30, offset: Optional[int] = None,

@@ -6,8 +6,12 @@
 //           max and non-finite count; the 16 lanes of a block folded in order in shared
 //           memory; the block sums added pairwise by a parallel tree (mstopk::PairwiseSum's
 //           order), 512 per thread block and level;
-//   rounds  N x (count |x| >= threshold, one thread updates the Bisection), as Algorithm 1
-//           is written: on a GPU a pass is cheap and the state never leaves the device;
+//   rounds  up to kBatchRounds rounds of the bisection per pass over x: the next m rounds
+//           can only visit the 2^m - 1 ratios lo + j (hi - lo) / 2^m (dyadic, exact in
+//           float64), so one pass counts |x| >= each of their thresholds (a histogram of
+//           which thresholds each element reaches, in shared memory, warp-aggregated), and
+//           one thread then runs the m rounds of Bisection::Update on those exact counts.
+//           N = 30 takes 4 passes instead of 30, with the same counts, so the same bits;
 //   select  per chunk of 4096 (loaded coalesced, through shared memory) the counts of the
 //           above set and the band; device-wide exclusive scans of those counts; one thread
 //           places the window; then a block-wide scan writes every selected element in order.
@@ -37,6 +41,10 @@ using mstopk::kSumLanes;
 constexpr int kThreads = 256;
 constexpr int kPerThread = kSumBlock / kThreads;  // a chunk of kSumBlock elements per thread block
 constexpr int kTree = 2 * kThreads;               // block sums added per thread block and level
+constexpr int kBatchRounds = 8;                   // bisection rounds counted per pass over x
+constexpr int kBatch = 1 << kBatchRounds;         // thresholds per pass (+1: slot 0 unused)
+constexpr int kBatchGrid = 1024;                  // thread blocks of CountBatch (its atomics)
+static_assert(kBatch == kThreads, "PlanBatch runs one thread per threshold slot");
 static_assert(kThreads % kSumLanes == 0, "a thread block holds whole sum blocks");
 
 struct MaxOp {
@@ -56,6 +64,8 @@ struct Scratch {
   GpuState* st;
   double *block_sums, *tree;
   int64_t *above, *band, *above_start, *band_start;
+  float* batch_f;                    // kBatch thresholds of the current pass
+  unsigned long long* batch_counts;  // kBatch counts
   void* scan;
   size_t scan_bytes;
 };
@@ -82,6 +92,10 @@ Scratch Layout(void* base, int64_t d) {
     *c = reinterpret_cast<int64_t*>(p);
     p += Align(chunks * 8);
   }
+  s.batch_f = reinterpret_cast<float*>(p);
+  p += Align(kBatch * 4);
+  s.batch_counts = reinterpret_cast<unsigned long long*>(p);
+  p += Align(kBatch * 8);
   s.scan = p;
   s.scan_bytes = ScanBytes(chunks);
   return s;
@@ -90,7 +104,6 @@ Scratch Layout(void* base, int64_t d) {
 __global__ void ResetState(GpuState* st) {
   st->max_bits = 0;
   st->nonfinite = 0;
-  st->nnz = 0;
 }
 
 // One thread per (sum block, lane); the lanes of each sum block are folded in order.
@@ -155,25 +168,63 @@ __global__ void InitBisection(const double* sum, int64_t d, int64_t k, GpuState*
   const int64_t finite = d - static_cast<int64_t>(st->nonfinite);
   const double mean = finite > 0 ? fmin(__ddiv_rn(*sum, static_cast<double>(finite)), max) : 0.0;
   st->bis = mstopk::Bisection(mean, max, k, d);
-  st->nnz = 0;
 }
 
+// The thresholds of the next m rounds: f[j] = FloatCeil(ThresholdAt(lo + j (hi - lo) / 2^m))
+// for j = 1 .. 2^m - 1, non-decreasing in j; counts zeroed. One thread block of kBatch.
+__global__ void PlanBatch(const GpuState* st, int m, float* f, unsigned long long* counts) {
+  const int j = threadIdx.x;
+  const int n = 1 << m;
+  if (j < kBatch) counts[j] = 0;
+  if (j == 0 || j >= n) return;
+  const double step = (st->bis.hi - st->bis.lo) / n;  // a power of two: exact, as is lo + j * step
+  f[j] = mstopk::FloatCeil(st->bis.ThresholdAt(st->bis.lo + j * step));
+}
+
+// counts[b] += the number of elements that reach exactly b of the thresholds f[1 .. 2^m - 1]
+// (b >= 1; b = 0, below every threshold, is not counted). Integer sums: any order gives
+// the same counts.
 template <typename T>
-__global__ void CountRound(const T* x, int64_t d, GpuState* st) {
-  const float f = mstopk::FloatCeil(st->bis.Threshold());
-  unsigned long long count = 0;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < d;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
-    count += Mag(static_cast<float>(x[i])) >= f ? 1 : 0;
-  using Reduce = cub::BlockReduce<unsigned long long, kThreads>;
-  __shared__ typename Reduce::TempStorage temp;
-  const unsigned long long total = Reduce(temp).Sum(count);
-  if (threadIdx.x == 0 && total > 0) atomicAdd(&st->nnz, total);
+__global__ void CountBatch(const T* x, int64_t d, int m, const float* f, unsigned long long* counts) {
+  __shared__ float sf[kBatch];
+  __shared__ unsigned int hist[kBatch];
+  const int n = 1 << m;
+  for (int j = threadIdx.x; j < kBatch; j += blockDim.x) {
+    sf[j] = j > 0 && j < n ? f[j] : INFINITY;
+    hist[j] = 0;
+  }
+  __syncthreads();
+  const float lowest = sf[1];
+  const unsigned lane = threadIdx.x % 32;
+  // base is the same for the whole block, so every warp calls __match_any_sync together.
+  for (int64_t base = blockIdx.x * static_cast<int64_t>(blockDim.x); base < d;
+       base += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t i = base + threadIdx.x;
+    const float a = i < d ? Mag(static_cast<float>(x[i])) : -1.0f;
+    int b = 0;
+    if (a >= lowest) {  // the largest b with f[b] <= a (f non-decreasing)
+      b = 1;
+      for (int s = n / 2; s >= 1; s /= 2)
+        if (b + s < n && sf[b + s] <= a) b += s;
+    }
+    const unsigned peers = __match_any_sync(0xFFFFFFFFu, b);
+    if (b > 0 && lane == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&hist[b], static_cast<unsigned>(__popc(peers)));
+  }
+  __syncthreads();
+  for (int j = threadIdx.x + 1; j < n; j += blockDim.x)
+    if (hist[j] > 0) atomicAdd(&counts[j], static_cast<unsigned long long>(hist[j]));
 }
 
-__global__ void UpdateRound(GpuState* st) {
-  st->bis.Update(static_cast<int64_t>(st->nnz));
-  st->nnz = 0;
+// One thread: the m rounds of Algorithm 1 (lines 10-23) on the counts of CountBatch.
+// count(|x| >= f[j]) = sum of counts[b] for b >= j; round r's ratio is lo + j * step.
+__global__ void ApplyBatch(GpuState* st, int m, unsigned long long* counts) {
+  const int n = 1 << m;
+  for (int j = n - 2; j >= 1; --j) counts[j] += counts[j + 1];  // suffix sums
+  const double lo = st->bis.lo, step = (st->bis.hi - st->bis.lo) / n;
+  for (int r = 0; r < m; ++r) {
+    const int j = static_cast<int>((st->bis.Ratio() - lo) / step);  // exact: 1 .. n - 1
+    st->bis.Update(static_cast<int64_t>(counts[j]));
+  }
 }
 
 // This thread's kPerThread consecutive elements of chunk blockIdx.x, loaded coalesced
@@ -298,7 +349,8 @@ struct MsTopK<GpuDevice, T, Tidx> {
   static int64_t ScratchBytes(int64_t d) {
     const int64_t chunks = Chunks(d);
     return Align(sizeof(GpuState)) + Align(chunks * 8) + Align(((chunks + kTree - 1) / kTree) * 8) +
-           4 * Align(chunks * 8) + Align(static_cast<int64_t>(ScanBytes(chunks)));
+           4 * Align(chunks * 8) + Align(kBatch * 4) + Align(kBatch * 8) +
+           Align(static_cast<int64_t>(ScanBytes(chunks)));
   }
 
   Status operator()(const GpuDevice& dev, const T* x, int64_t d, int64_t k, int num_samplings,
@@ -322,9 +374,13 @@ struct MsTopK<GpuDevice, T, Tidx> {
       std::swap(in, out);
     }
     HVDX_RETURN_IF_ERROR(Launch("InitBisection", InitBisection, 1, 1, 0, stream, in, d, k, s.st));
-    for (int r = 0; r < num_samplings; ++r) {
-      HVDX_RETURN_IF_ERROR(Launch("CountRound", CountRound<T>, GridFor(d), kThreads, 0, stream, x, d, s.st));
-      HVDX_RETURN_IF_ERROR(Launch("UpdateRound", UpdateRound, 1, 1, 0, stream, s.st));
+    const int count_grid = std::min(GridFor(d), kBatchGrid);
+    for (int done = 0; done < num_samplings; done += kBatchRounds) {
+      const int m = std::min(kBatchRounds, num_samplings - done);
+      HVDX_RETURN_IF_ERROR(Launch("PlanBatch", PlanBatch, 1, kBatch, 0, stream, s.st, m, s.batch_f, s.batch_counts));
+      HVDX_RETURN_IF_ERROR(Launch("CountBatch", CountBatch<T>, count_grid, kThreads, 0, stream, x, d, m, s.batch_f,
+                                s.batch_counts));
+      HVDX_RETURN_IF_ERROR(Launch("ApplyBatch", ApplyBatch, 1, 1, 0, stream, s.st, m, s.batch_counts));
     }
     HVDX_RETURN_IF_ERROR(
         Launch("SelectCount", SelectCount<T>, grid_chunks, kThreads, 0, stream, x, d, s.st, s.above, s.band));

@@ -102,7 +102,7 @@ inline double PairwiseSum(double* s, int64_t n) {
 // Device-side state of the CUDA kernel, at the start of its scratch buffer.
 struct GpuState {
   Bisection bis;
-  unsigned long long nnz, nonfinite;
+  unsigned long long nonfinite;
   unsigned int max_bits;
   int above_is_band;
   int64_t k1, band, need, offset;
