@@ -17,7 +17,8 @@
 #   3. sanitizer.txt compute-sanitizer memcheck and racecheck over the small GPU cases
 #                    (when compute-sanitizer is installed);
 #      run.log       all of the above as it ran.
-# 110 s on an H100 (2026-11-26: build 22 s, checks 57 s, benchmark 20 s). The whole run keeps within HVDX_HARNESS_BUDGET_S seconds
+# 110 s on an H100 (2026-11-26: build 22 s, checks 57 s, benchmark 20 s). The whole run
+# keeps within HVDX_HARNESS_BUDGET_S seconds
 # (default 540, under the device tool's 10-minute limit): checks + benchmark get at most 360 s,
 # each sanitizer at most 90 s, each cut to what is left. Exit status: 0 when every check passed.
 #

@@ -42,7 +42,7 @@ constexpr int kThreads = 256;
 constexpr int kPerThread = kSumBlock / kThreads;  // a chunk of kSumBlock elements per thread block
 constexpr int kTree = 2 * kThreads;               // block sums added per thread block and level
 constexpr int kBatchRounds = 8;                   // bisection rounds counted per pass over x
-constexpr int kBatch = 1 << kBatchRounds;         // thresholds per pass (+1: slot 0 unused)
+constexpr int kBatch = 1 << kBatchRounds;         // slots: thresholds 1 .. kBatch - 1 (0 unused)
 constexpr int kBatchGrid = 1024;                  // thread blocks of CountBatch (its atomics)
 static_assert(kBatch == kThreads, "PlanBatch runs one thread per threshold slot");
 static_assert(kThreads % kSumLanes == 0, "a thread block holds whole sum blocks");
@@ -208,7 +208,8 @@ __global__ void CountBatch(const T* x, int64_t d, int m, const float* f, unsigne
         if (b + s < n && sf[b + s] <= a) b += s;
     }
     const unsigned peers = __match_any_sync(0xFFFFFFFFu, b);
-    if (b > 0 && lane == static_cast<unsigned>(__ffs(peers) - 1)) atomicAdd(&hist[b], static_cast<unsigned>(__popc(peers)));
+    if (b > 0 && lane == static_cast<unsigned>(__ffs(peers) - 1))
+      atomicAdd(&hist[b], static_cast<unsigned>(__popc(peers)));
   }
   __syncthreads();
   for (int j = threadIdx.x + 1; j < n; j += blockDim.x)

@@ -12,7 +12,8 @@ writing the results under --out:
 
 Exit status 1 when a check failed. summary.json is rewritten after each part, and a crash
 of the process (a segmentation fault in a kernel's host code) prints the Python stack
-(faulthandler), so what ran before it is kept and where it stopped is named. Needs NumPy; the benchmark needs PyTorch (CuPy optional).
+(faulthandler), so what ran before it is kept and where it stopped is named. Needs NumPy;
+the benchmark needs PyTorch (CuPy optional).
 Never imports TensorFlow (summary.json records that it was not loaded).
 """
 from __future__ import annotations
@@ -112,6 +113,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         sizes, dists, densities, largest = CPU_ONLY_SIZES, inputs.DISTRIBUTIONS, DENSITIES, []
     else:
         sizes, dists, densities, largest = FULL_SIZES, inputs.DISTRIBUTIONS, DENSITIES, [LARGEST]
+
     def save() -> None:  # after each part: a crash later keeps what ran
         summary["tensorflow_loaded"] = "tensorflow" in sys.modules
         summary["seconds"] = time.time() - t0
