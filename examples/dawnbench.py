@@ -144,11 +144,11 @@ def parser() -> argparse.ArgumentParser:
 
 def make_config(args: dict) -> Config:
     """The preset named by args["preset"], overridden by the other (non-None) flags."""
-    preset = args.pop("preset")
+    preset = args["preset"]
     values = dict(PRESETS[preset], out=os.path.join(os.path.expanduser("~"), ".cache", "hvdx", "dawnbench", preset))
-    values.update({k: v for k, v in args.items() if v is not None})
-    config = Config(**dict(values, phases=ph.parse_phases(values["phases"]), widths=tuple(values.get("widths",
-                                                                                                   Config.widths))))
+    values.update({k: v for k, v in args.items() if v is not None and k != "preset"})
+    values.update(phases=ph.parse_phases(values["phases"]), widths=tuple(values.get("widths", Config.widths)))
+    config = Config(**values)
     if not 0 <= config.switch_epoch <= ph.total_epochs(config.phases):
         raise ValueError(f"--switch-epoch {config.switch_epoch} is outside the {ph.total_epochs(config.phases)} epochs")
     if not (0 < config.crop_area <= 1 and config.crop_source >= 1):
@@ -205,6 +205,7 @@ def build_model(config: Config) -> tf.keras.Model:
 
 
 def compiled(model: tf.keras.Model, config: Config, optimizer) -> tf.keras.Model:
+    """`model` compiled with `optimizer`, label-smoothed cross-entropy, top-1 and top-5."""
     loss = tf.keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=config.label_smoothing)
     model.compile(optimizer=optimizer, loss=loss, metrics=[
         tf.keras.metrics.CategoricalAccuracy(name="top1"), tf.keras.metrics.TopKCategoricalAccuracy(5, "top5")])
