@@ -1,14 +1,16 @@
 """The DAWNBench recipe (examples/dawnbench.py, shi2021 sec. 5.6) on an m x n job, every rank:
-its smoke preset (tiny ResNet, 2 short phases, synthetic data) three times:
+its smoke preset (tiny ResNet, 2 short phases, synthetic data) run three times through the
+script's main(), as a user runs it:
 
-1. uninterrupted, 3 epochs, then Table 4's 1-rank throughput (`--se-steps 2`);
+1. uninterrupted, 3 epochs, keeping the newest 2 checkpoints, then Table 4's 1-rank
+   throughput (`--se-steps 2`);
 2. stopped after epoch 1 (a pre-emption: the checkpoint holds HiTopK's residuals);
-3. resumed from that checkpoint to the end.
+3. resumed from that checkpoint to the end, keeping the newest 2.
 
 Returns, per run, what every epoch trained with (phase, resolution, batch, strategy), how
 the resumed run's checkpoint and final weights compare with the uninterrupted run's
-(`check_resume`), and the uninterrupted run's per-phase throughput and scaling efficiency.
-tests/test_dawnbench.py asserts.
+(`check_resume`), which checkpoints each run kept, and the uninterrupted run's per-phase
+throughput and scaling efficiency. tests/test_dawnbench.py asserts.
 """
 import importlib.util
 import os
@@ -21,12 +23,13 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
+from hvdx.checkpoints import EpochCheckpoints
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "dawnbench.py")
 
 
 def load_script():
-    """examples/dawnbench.py as the module `dawnbench` (loaded once per process)."""
+    """examples/dawnbench.py as the module `dawnbench` (loaded once per process), for its main()."""
     if "dawnbench" not in sys.modules:
         spec = importlib.util.spec_from_file_location("dawnbench", SCRIPT)
         module = importlib.util.module_from_spec(spec)
@@ -75,21 +78,27 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
     script = load_script()
     out = hvd.broadcast_object(tempfile.mkdtemp(prefix="hvdx-dawnbench-") if topo.rank == 0 else None,
                                root_rank=0, name="check.dawnbench.tmp")
-    flags = ["--preset", "smoke", "--phases", phases, "--switch-epoch", str(switch_epoch), "--verbose", "0"]
+    flags = ["--preset", "smoke", "--phases", phases, "--switch-epoch", str(switch_epoch), "--verbose", "0",
+             "--synthetic-steps", str(steps), "--no-plot", "--no-comm-timing"]
 
     def run(name: str, *extra: str) -> dict:
-        config = script.make_config(flags + ["--out", os.path.join(out, name), *extra])
-        config.synthetic_steps, config.plot, config.comm_timing = steps, False, False
-        return script.train(config)
+        return script.main(flags + ["--out", os.path.join(out, name), *extra])
+
+    def checkpoints(name: str) -> EpochCheckpoints:
+        return EpochCheckpoints(os.path.join(out, name, "checkpoints", f"rank{topo.rank}"))
 
     def checkpoint(name: str, epoch: int) -> str:
-        return os.path.join(out, name, "checkpoints", f"rank{topo.rank}", f"epoch{epoch}")
+        return checkpoints(name).path(epoch)
 
     try:
-        full = run("full", "--se-steps", "2")  # and Table 4's SE (after training: the weights are unchanged)
+        # and Table 4's SE (after training: the weights are unchanged); the newest 2 checkpoints kept
+        full = run("full", "--se-steps", "2", "--keep-checkpoints", "2")
         stopped = run("resumed", "--stop-after", "1")
+        kept_after_stop = checkpoints("resumed").saved()
         residuals = residual_norms(checkpoint("resumed", 1))
-        resumed = run("resumed", "--resume")
+        resumed = run("resumed", "--resume", "--keep-checkpoints", "2")
+        kept = {"full": checkpoints("full").saved(), "stopped": kept_after_stop,
+                "resumed": checkpoints("resumed").saved()}
         same = [bool(np.array_equal(a, b)) for a, b in zip(full["weights"], resumed["weights"])]
         before, after = (tf.train.load_checkpoint(checkpoint("full", e)) for e in (switch_epoch, switch_epoch + 1))
         model_variables = sorted(n for n in before.get_variable_to_shape_map() if n.startswith("model/"))
@@ -103,6 +112,7 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
                 "weights_relative_difference": relative_difference(full["weights"], resumed["weights"]),
                 "last_epoch_relative_change": last_change,
                 "residuals_at_checkpoint": residuals,
+                "checkpoints_kept": kept,
                 "phases": [{k: p[k] for k in ("phase", "samples_per_s", "single_samples_per_s", "scaling_efficiency")}
                            for p in full["phases"]],
                 "trainable_norm": float(sum(np.sum(np.square(w)) for w in full["trainable_weights"]))}
