@@ -3,13 +3,15 @@
 2DTAR and HiTopKComm run an all-to-all (the node-local reduce-scatter) and all-gathers inside
 each node. Through Horovod under Gloo those bytes cross TCP loopback; here they go through one
 shared-memory segment per node, written and read by the node's ranks with two copies and a
-futex barrier (csrc/kernels/node_shm.h has the layout and the protocol).
+futex barrier (csrc/kernels/node_shm.h has the layout and the protocol; the segment's header,
+creation, attachment and removal are `hvdx.shm`'s, shared with the asynchronous methods).
 
 Life of a segment (nothing is left in /dev/shm after any exit, SIGKILL included):
 
-1. `setup()` (collective over all ranks, once per process and topology): rank 0 draws a token
-   and Horovod broadcasts it; the node's local rank 0 creates `/dev/shm/hvdx-node-<token>-<node>`
-   (O_EXCL), writes the header and registers an atexit hook that unlinks it.
+1. `communicator()` (collective over all ranks, once per process and topology): rank 0 draws a
+   token and Horovod broadcasts it; the node's local rank 0 creates
+   `/dev/shm/hvdx-node-<token>-<node>` (O_EXCL), writes the header and registers an atexit
+   hook that unlinks it.
 2. After a node barrier (a Horovod all-gather over the node's set, which also reports any
    rank's failure to every rank), the other ranks attach: map it, check magic, layout, number
    of ranks and slot size, record their pid at their local rank.
@@ -33,11 +35,7 @@ be copied through the host).
 """
 from __future__ import annotations
 
-import atexit
-import fcntl
-import mmap
 import os
-import secrets
 import struct
 import weakref
 from pathlib import Path
@@ -46,15 +44,19 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
+from hvdx import shm
+from hvdx.shm import PAGE, SHM_DIR, align
+
 __all__ = ["ALLGATHER", "ALLTOALL", "ENGINES", "NodeCommunicator", "NodeShmError", "PREFIX", "SHM_DIR", "Segment",
            "check_engine", "communicator", "node_allgather", "node_alltoall", "sweep"]
 
 #: The values of the strategies' `node_engine` option.
 ENGINES = ("horovod", "shm")
-SHM_DIR = Path("/dev/shm")
+
 PREFIX = "hvdx-node-"
 MAGIC = b"HVDXNSM1"
-LAYOUT_VERSION = 1
+#: 2: the common header of hvdx.shm (csrc/kernels/shm_segment.h) at the start.
+LAYOUT_VERSION = 2
 MAX_RANKS = 64
 #: Channels of a segment: each an independent communicator with its own order.
 ALLTOALL, ALLGATHER = 0, 1
@@ -63,11 +65,12 @@ CHANNELS = 2
 #: two alternating buffers; larger collectives run in chunks. A node of n ranks maps 2 n of them.
 DEFAULT_SLOT_BYTES = 8 << 20
 DEFAULT_TIMEOUT_S = 300.0
-_PAGE = 4096
-_HEADER = struct.Struct("<8sIIIIQQQQQi188x")  # SegmentHeader of csrc/kernels/node_shm.h, pids after it
-assert _HEADER.size == 256
+#: NodeHeader of csrc/kernels/node_shm.h after the common header (hvdx.shm.HEADER): num_ranks,
+#: channels, slot_bytes, channel_offset, channel_stride, slots_offset; the local ranks' pids at
+#: _PIDS; the channels from _CHANNEL_OFFSET.
+_FIELDS = struct.Struct("<IIQQQQ")
 _PIDS = 256
-_ATTACHED = 20  # byte offset of SegmentHeader::attached
+_CHANNEL_OFFSET = _PIDS + 4 * MAX_RANKS
 _CHANNEL_HEADER, _RECORD = 256, 256
 _DTYPES = (tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int32, tf.int64, tf.uint8, tf.int8, tf.int16,
            tf.uint16, tf.bool)
@@ -85,58 +88,38 @@ def check_engine(node_engine: str) -> str:
     return node_engine
 
 
-def _align(x: int, to: int) -> int:
-    return (x + to - 1) // to * to
+NODE = shm.Kind(prefix=PREFIX, magic=MAGIC, version=LAYOUT_VERSION, header_bytes=_CHANNEL_OFFSET, what="node segment",
+                creator="the node's local rank 0", error=NodeShmError,
+                full_hint=", or lower HVDX_NODE_SHM_SLOT_BYTES")
 
 
 def _layout(num_ranks: int, slot_bytes: int) -> Tuple[int, int, int, int]:
     """(channel_offset, slots_offset, channel_stride, total bytes) of a segment."""
-    channel_offset = 512
-    slots_offset = _align(_CHANNEL_HEADER + 64 * MAX_RANKS + 2 * _RECORD * num_ranks, _PAGE)
-    stride = _align(slots_offset + slot_bytes * num_ranks, _PAGE)
-    return channel_offset, slots_offset, stride, _align(channel_offset + CHANNELS * stride, _PAGE)
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    slots_offset = align(_CHANNEL_HEADER + 64 * MAX_RANKS + 2 * _RECORD * num_ranks, PAGE)
+    stride = align(slots_offset + slot_bytes * num_ranks, PAGE)
+    return _CHANNEL_OFFSET, slots_offset, stride, align(_CHANNEL_OFFSET + CHANNELS * stride, PAGE)
 
 
 def sweep(directory: Path = SHM_DIR) -> List[str]:
     """Removes node segments whose creator (pid in the header) no longer exists; returns their
     names. Only a creator killed before it unlinked leaves one."""
-    removed = []
-    for path in Path(directory).glob(PREFIX + "*"):
-        try:
-            with open(path, "rb") as f:
-                head = f.read(_HEADER.size)
-            if len(head) < _HEADER.size or head[:8] != MAGIC:
-                continue
-            pid = _HEADER.unpack(head)[-1]
-            if pid > 0 and not _pid_alive(pid):
-                path.unlink()
-                removed.append(path.name)
-        except (FileNotFoundError, PermissionError):
-            continue
-    return removed
+    return shm.sweep(NODE, directory)
 
 
-class Segment:
-    """One node's mapped segment. Build with `create` (local rank 0) or `attach`."""
+class Segment(shm.Segment):
+    """One node's mapped segment, as local rank `rank`. Build with `create` (local rank 0)
+    or `attach`.
 
-    def __init__(self, path: Path, fd: int, rank: int, creator: bool) -> None:
-        self.path, self.rank, self.creator = path, rank, creator
-        total = os.fstat(fd).st_size
-        if total < 512:
-            raise NodeShmError(f"{path} is {total} bytes: not an hvdx node segment")
-        self._mmap = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        self._buffer = np.frombuffer(self._mmap, np.uint8)
-        self._unlinked = not creator
+    Attributes (besides `hvdx.shm.Segment`'s): rank, num_ranks, slot_bytes."""
+
+    kind = NODE
+    rank: int = 0
+
+    def _on_map(self) -> None:
+        self.num_ranks, _, self.slot_bytes, *_ = _FIELDS.unpack_from(self._mmap, shm.HEADER_BYTES)
+
+    def _pids(self) -> np.ndarray:
+        return np.frombuffer(self._mmap, np.int32, MAX_RANKS, _PIDS)
 
     @classmethod
     def create(cls, name: str, num_ranks: int, slot_bytes: int = DEFAULT_SLOT_BYTES, *,
@@ -146,36 +129,16 @@ class Segment:
         exists or /dev/shm cannot hold it."""
         if not 1 <= num_ranks <= MAX_RANKS:
             raise ValueError(f"a node segment serves 1 to {MAX_RANKS} ranks, got {num_ranks}")
-        if slot_bytes < _PAGE or slot_bytes % _PAGE:
-            raise ValueError(f"slot_bytes must be a multiple of {_PAGE} (HVDX_NODE_SHM_SLOT_BYTES), got {slot_bytes}")
+        if slot_bytes < PAGE or slot_bytes % PAGE:
+            raise ValueError(f"slot_bytes must be a multiple of {PAGE} (HVDX_NODE_SHM_SLOT_BYTES), got {slot_bytes}")
         channel_offset, slots_offset, stride, total = _layout(num_ranks, slot_bytes)
-        path = Path(directory) / name
-        sweep(directory)
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        except OSError as exc:
-            raise NodeShmError(f"cannot create the node segment {path}: {exc}") from exc
-        _CREATED.add(path)
-        try:
-            os.ftruncate(fd, total)
-            os.posix_fallocate(fd, 0, total)  # a full /dev/shm fails here, not with SIGBUS later
-            with mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-                _HEADER.pack_into(mm, 0, b"\0" * 8, LAYOUT_VERSION, num_ranks, CHANNELS, 0, slot_bytes,
-                                  channel_offset, stride, slots_offset, total, os.getpid())
-                mm[0:8] = MAGIC
-            segment = cls(path, fd, 0, True)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # an early attacher counts itself under the same lock
-            try:
-                segment._register(num_ranks, slot_bytes)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        except OSError as exc:
-            _remove(path)
-            raise NodeShmError(f"/dev/shm cannot hold a {total}-byte node segment ({exc}): free space there, mount it "
-                               f"larger (docker: --shm-size) or lower HVDX_NODE_SHM_SLOT_BYTES") from exc
-        finally:
-            os.close(fd)
-        return segment
+
+        def write(mm) -> None:
+            _FIELDS.pack_into(mm, shm.HEADER_BYTES, num_ranks, CHANNELS, slot_bytes, channel_offset, stride,
+                              slots_offset)
+            np.frombuffer(mm, np.int32, 1, _PIDS)[0] = os.getpid()  # local rank 0, counted in `attached`
+
+        return cls._create(name, total, write, directory=directory)
 
     @classmethod
     def attach(cls, name: str, rank: int, num_ranks: int, slot_bytes: int = DEFAULT_SLOT_BYTES, *,
@@ -183,77 +146,22 @@ class Segment:
         """Maps the segment `name` as local rank `rank` of `num_ranks` and records this
         process's pid. Raises NodeShmError when it is missing or its layout, number of ranks
         or slot size differ, or `rank` is taken by a live process."""
-        path = Path(directory) / name
-        try:
-            fd = os.open(path, os.O_RDWR)
-        except OSError as exc:
-            raise NodeShmError(f"cannot open the node segment {path} ({exc}): the node's local rank 0 did not create "
-                               f"it or removed it already") from exc
-        try:
-            segment = cls(path, fd, rank, False)
-            fcntl.flock(fd, fcntl.LOCK_EX)  # attaching is rare: count under a file lock
-            try:
-                segment._register(num_ranks, slot_bytes)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
-        return segment
 
-    def _register(self, num_ranks: int, slot_bytes: int) -> None:
-        magic, version, ranks, _, _, slots, *_ = _HEADER.unpack_from(self._mmap, 0)
-        if magic != MAGIC or version != LAYOUT_VERSION:
-            raise NodeShmError(f"{self.path} is not an hvdx node segment of layout {LAYOUT_VERSION} (magic {magic!r}, "
-                               f"layout {version})")
-        if ranks != num_ranks or slots != slot_bytes:
-            raise NodeShmError(f"{self.path} serves {ranks} ranks with {slots}-byte slots, but this rank expects "
-                               f"{num_ranks} ranks and {slot_bytes}-byte slots: set HVDX_NODE_SHM_SLOT_BYTES alike "
-                               f"on every rank")
-        if not 0 <= self.rank < num_ranks:
-            raise NodeShmError(f"local rank {self.rank} is outside the node's {num_ranks} ranks")
-        pids = np.frombuffer(self._mmap, np.int32, MAX_RANKS, _PIDS)
-        owner = int(pids[self.rank])
-        if owner and owner != os.getpid() and _pid_alive(owner):
-            raise NodeShmError(f"local rank {self.rank} of {self.path} is already attached by pid {owner}")
-        pids[self.rank] = os.getpid()
-        attached = np.frombuffer(self._mmap, np.uint32, 1, _ATTACHED)
-        attached[0] += 1
-        self.num_ranks, self.slot_bytes = num_ranks, slot_bytes
+        def admit(segment: "Segment") -> None:
+            if segment.num_ranks != num_ranks or segment.slot_bytes != slot_bytes:
+                raise NodeShmError(f"{segment.path} serves {segment.num_ranks} ranks with {segment.slot_bytes}-byte "
+                                   f"slots, but this rank expects {num_ranks} ranks and {slot_bytes}-byte slots: set "
+                                   f"HVDX_NODE_SHM_SLOT_BYTES alike on every rank")
+            if not 0 <= rank < num_ranks:
+                raise NodeShmError(f"local rank {rank} is outside the node's {num_ranks} ranks")
+            pids = segment._pids()
+            owner = int(pids[rank])
+            if owner and owner != os.getpid() and shm.pid_alive(owner):
+                raise NodeShmError(f"local rank {rank} of {segment.path} is already attached by pid {owner}")
+            pids[rank] = os.getpid()
+            segment.rank = rank
 
-    @property
-    def attached(self) -> int:
-        """How many ranks have attached (the creator included)."""
-        return int(np.frombuffer(self._mmap, np.uint32, 1, _ATTACHED)[0])
-
-    @property
-    def address(self) -> int:
-        """The segment's address in this process (the ops' `address` attribute)."""
-        return int(self._buffer.ctypes.data)
-
-    def unlink(self) -> None:
-        """Removes the name (creator only; idempotent). Mapped memory stays until every
-        process that maps it has exited."""
-        if self.creator and not self._unlinked:
-            self._unlinked = True
-            _remove(self.path)
-
-
-#: Names this process created and has not unlinked yet (atexit removes them).
-_CREATED: set = set()
-
-
-def _remove(path: Path) -> None:
-    _CREATED.discard(path)
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-@atexit.register
-def _unlink_created() -> None:
-    for path in list(_CREATED):
-        _remove(path)
+        return cls._attach(name, directory=directory, admit=admit)
 
 
 class NodeCommunicator:
@@ -355,9 +263,9 @@ def communicator(topo=None) -> NodeCommunicator:
         return _COMMUNICATORS[key]
     slot_bytes = int(os.environ.get("HVDX_NODE_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
     with tf.init_scope():
-        token = hvd.broadcast_object(secrets.token_hex(6) if hvd.rank() == 0 else None, root_rank=0,
+        token = hvd.broadcast_object(shm.token() if hvd.rank() == 0 else None, root_rank=0,
                                      name="hvdx.node_shm.token")
-        name = f"{PREFIX}{token}-{topo.node}"
+        name = NODE.name(token, topo.node)
         segment, error = None, None
         if topo.local_rank == 0:
             try:
