@@ -1,4 +1,4 @@
-// Node-local collectives through one shared-memory segment per node (hvdx/comm/node_shm.py
+// Node-local collectives through one shared-memory segment per node (hvdx/node/shm_engine.py
 // creates it with hvdx/shm.py, maps it in every rank of the node, and unlinks it once all have
 // attached).
 //
