@@ -41,7 +41,8 @@ else:  # loaded by its path without the hvdx package (tests/asynchronous_segment
     import importlib.util
     import sys
 
-    _spec = importlib.util.spec_from_file_location("hvdx_shm_standalone", Path(__file__).resolve().parents[1] / "shm.py")
+    _KIT = Path(__file__).resolve().parents[1] / "shm.py"
+    _spec = importlib.util.spec_from_file_location("hvdx_shm_standalone", _KIT)
     shm = sys.modules.get(_spec.name)
     if shm is None:
         shm = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
