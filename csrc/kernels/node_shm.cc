@@ -1,10 +1,8 @@
 // The node-local shared-memory collectives (layout and protocol: node_shm.h). Builds without
-// TensorFlow too (csrc/harness): only status.h.
+// TensorFlow too (csrc/harness): only status.h and shm_segment.h.
 #include "kernels/node_shm.h"
 
-#include <errno.h>
 #include <linux/futex.h>
-#include <signal.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -32,24 +30,6 @@ using Clock = std::chrono::steady_clock;
 
 long Futex(uint32_t* word, int op, uint32_t value, const struct timespec* timeout) {
   return syscall(SYS_futex, word, op, value, timeout, nullptr, 0);
-}
-
-// Whether process `pid` exists and is not a zombie (a killed rank whose parent has not reaped
-// it yet is gone for us).
-bool Alive(int32_t pid) {
-  if (pid <= 0) return false;
-  if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-  char path[64];
-  std::snprintf(path, sizeof(path), "/proc/%d/stat", pid);
-  FILE* f = std::fopen(path, "r");
-  if (f == nullptr) return true;  // no /proc: trust kill()
-  char buffer[512];
-  size_t got = std::fread(buffer, 1, sizeof(buffer) - 1, f);
-  std::fclose(f);
-  buffer[got] = '\0';
-  const char* paren = std::strrchr(buffer, ')');
-  if (paren == nullptr || paren[1] == '\0' || paren[2] == '\0') return true;
-  return paren[2] != 'Z' && paren[2] != 'X';
 }
 
 // TensorFlow's DataType codes of the types the ops take (types.proto).
@@ -125,7 +105,7 @@ Status Barrier(Channel* c, Clock::time_point deadline, double timeout_s, const s
     for (uint32_t r = 0; r < c->size; ++r) {
       if (r == c->rank || __atomic_load_n(&c->states[r].barriers, __ATOMIC_ACQUIRE) >= mine) continue;
       const int32_t pid = __atomic_load_n(&c->segment->pids[r], __ATOMIC_ACQUIRE);
-      if (pid != 0 && !Alive(pid)) {  // 0: not attached yet (it may still come)
+      if (pid != 0 && !shm::ProcessAlive(pid)) {  // 0: not attached yet (it may still come)
         std::ostringstream message;
         message << "node-local rank " << r << " (pid " << pid << ") is gone while node-local rank " << c->rank
                 << " waited for it in " << what;
@@ -182,14 +162,9 @@ uint64_t NameHash(const std::string& name) {
 }
 
 Status Open(uint64_t address, uint32_t channel_index, uint32_t rank, Channel* channel) {
-  if (address == 0 || address % 64 != 0) {
-    return errors::InvalidArgument("node_shm: ", address, " is not the address of a mapped segment");
-  }
-  auto* s = reinterpret_cast<SegmentHeader*>(address);
-  if (std::memcmp(s->magic, kMagic, sizeof(kMagic)) != 0 || s->layout_version != kLayoutVersion) {
-    return errors::InvalidArgument("node_shm: the segment at ", address, " is not an hvdx node segment of layout ",
-                                   kLayoutVersion);
-  }
+  shm::SegmentHeader* header = nullptr;
+  HVDX_RETURN_IF_ERROR(shm::OpenHeader(address, kMagic, kLayoutVersion, "node segment", &header));
+  auto* s = reinterpret_cast<NodeHeader*>(header);
   if (s->num_ranks < 1 || s->num_ranks > kMaxRanks || rank >= s->num_ranks) {
     return errors::InvalidArgument("node_shm: local rank ", rank, " is outside the segment's ", s->num_ranks, " ranks");
   }
@@ -198,8 +173,8 @@ Status Open(uint64_t address, uint32_t channel_index, uint32_t rank, Channel* ch
   }
   const uint64_t records_end = kRecordsOffset + 2 * sizeof(CallRecord) * s->num_ranks;
   if (s->slot_bytes < 128 * s->num_ranks || s->slots_offset < records_end ||
-      s->channel_offset < sizeof(SegmentHeader) ||
-      s->channel_offset + s->channel_stride * s->channels > s->total_bytes ||
+      s->channel_offset < sizeof(NodeHeader) ||
+      s->channel_offset + s->channel_stride * s->channels > s->segment.total_bytes ||
       s->slots_offset + s->slot_bytes * s->num_ranks > s->channel_stride) {
     return errors::InvalidArgument("node_shm: the segment at ", address, " has an inconsistent layout");
   }

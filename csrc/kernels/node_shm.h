@@ -1,12 +1,14 @@
-// Node-local collectives through one shared-memory segment per node (hvdx/comm/node_shm.py
-// creates it, maps it in every rank of the node, and unlinks it once all have attached).
+// Node-local collectives through one shared-memory segment per node (hvdx/node/shm_engine.py
+// creates it with hvdx/shm.py, maps it in every rank of the node, and unlinks it once all have
+// attached).
 //
 // The segment holds `channels` independent communicators (channel 0: the all-to-alls of the
 // node-local reduce-scatter, channel 1: the node-local all-gathers), each with its own
 // barrier, call records and data slots, so that the two kinds of collectives, each ordered on
 // its own, never wait for each other:
 //
-//   [0, 512)                    SegmentHeader (pids of the local ranks at 256)
+//   [0, 512)                    NodeHeader: shm::SegmentHeader (shm_segment.h), the node's
+//                               fields, the pids of the local ranks at 256
 //   channel c at channel_offset + c * channel_stride:
 //     [0, 256)                  ChannelHeader (barrier words, failure word and reason)
 //     [256, 4352)               RankState[kMaxRanks]: each rank's barrier and call counters
@@ -38,32 +40,29 @@
 #include <string>
 #include <thread>
 
+#include "kernels/shm_segment.h"
 #include "kernels/status.h"
 
 namespace hvdx {
 namespace node_shm {
 
 constexpr char kMagic[8] = {'H', 'V', 'D', 'X', 'N', 'S', 'M', '1'};
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;  // 2: shm::SegmentHeader at the start
 constexpr uint32_t kMaxRanks = 64;
 constexpr uint32_t kNameBytes = 200;
 
-struct SegmentHeader {          // 512 bytes at the segment's start
-  char magic[8];                // kMagic, written last by the creator
-  uint32_t layout_version;      // kLayoutVersion
+struct NodeHeader {             // 512 bytes at the segment's start
+  shm::SegmentHeader segment;   // magic kMagic, layout kLayoutVersion, creator, attached, ready, size
   uint32_t num_ranks;           // n, the node's ranks
   uint32_t channels;            // independent communicators
-  uint32_t attached;            // ranks that attached (atomic)
   uint64_t slot_bytes;          // bytes of one rank's data slot in one channel
   uint64_t channel_offset;      // bytes from the segment's start to channel 0
   uint64_t channel_stride;      // bytes between channels
   uint64_t slots_offset;        // bytes from a channel's start to its slot 0
-  uint64_t total_bytes;         // the segment's size
-  int32_t creator_pid;          // the process that created the segment
-  uint32_t reserved[47];
+  uint32_t reserved[46];
   int32_t pids[kMaxRanks];      // pid of each local rank, written at attach (0: not attached)
 };
-static_assert(sizeof(SegmentHeader) == 512, "SegmentHeader must be 512 bytes");
+static_assert(sizeof(NodeHeader) == 512, "NodeHeader must be 512 bytes");
 
 struct ChannelHeader {          // 256 bytes at a channel's start
   uint32_t count;               // ranks in the current barrier (atomic)
@@ -99,7 +98,7 @@ static_assert(sizeof(CallRecord) == 256, "CallRecord must be 256 bytes");
 
 // A validated view of one channel of a mapped segment, for the local rank `rank`.
 struct Channel {
-  SegmentHeader* segment = nullptr;
+  NodeHeader* segment = nullptr;
   ChannelHeader* header = nullptr;
   RankState* states = nullptr;
   CallRecord* records = nullptr;   // [2][size]
@@ -109,8 +108,8 @@ struct Channel {
   uint64_t slot_bytes = 0;
 };
 
-// Checks the segment header at `address` (magic, version, sizes, rank < num_ranks, channel <
-// channels) and fills `channel`; InvalidArgument naming the problem otherwise.
+// Checks the segment at `address` (shm::OpenHeader: magic, version, ready; then sizes, rank <
+// num_ranks, channel < channels) and fills `channel`; InvalidArgument naming the problem otherwise.
 Status Open(uint64_t address, uint32_t channel_index, uint32_t rank, Channel* channel);
 
 // What one call moves. All-to-all: `input` is `splits[0] + ... + splits[n-1]` elements, slice j

@@ -8,9 +8,7 @@
 
 #include "kernels/shared_model.h"
 
-#include <errno.h>
 #include <sched.h>
-#include <signal.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -82,19 +80,12 @@ void ParallelChunks(const CPUDevice& d, int64_t n, double bytes_per_element, Fn 
 }  // namespace
 
 Status Open(uint64_t address, View* view) {
-  if (address == 0) return errors::InvalidArgument("shared model address is null: attach the segment first");
-  Header* header = reinterpret_cast<Header*>(address);
-  if (std::memcmp(header->magic, kMagic, sizeof(kMagic)) != 0) {
-    return errors::InvalidArgument("no shared model segment at this address (bad magic): pass "
-                                   "SharedModel.address of an attached segment");
-  }
-  if (header->layout_version != kLayoutVersion) {
-    return errors::InvalidArgument("shared model segment has layout ", header->layout_version, ", this op library ",
-                                   kLayoutVersion, ": every process of a node must run the same hvdx");
-  }
+  shm::SegmentHeader* segment = nullptr;
+  HVDX_RETURN_IF_ERROR(shm::OpenHeader(address, kMagic, kLayoutVersion, "shared model segment", &segment));
+  Header* header = reinterpret_cast<Header*>(segment);
   view->header = header;
   view->block_begin = reinterpret_cast<const uint64_t*>(address + sizeof(Header));
-  const uint64_t records = (sizeof(Header) + (header->num_blocks + 1) * sizeof(uint64_t) + 63) / 64 * 64;
+  const uint64_t records = shm::AlignUp(sizeof(Header) + (header->num_blocks + 1) * sizeof(uint64_t));
   view->blocks = reinterpret_cast<BlockRecord*>(address + records);
   view->params = reinterpret_cast<float*>(address + header->data_offset);
   if (view->block_begin[0] != 0 || view->block_begin[header->num_blocks] != header->size) {
@@ -114,7 +105,7 @@ void Lock(int32_t* word) {
     }
     sched_yield();
     // A process killed while holding the lock never releases it: take it over.
-    if (spins % 1024 == 0 && owner != 0 && owner != me && kill(owner, 0) != 0 && errno == ESRCH) {
+    if (spins % 1024 == 0 && owner != 0 && owner != me && !shm::ProcessAlive(owner)) {
       __atomic_compare_exchange_n(word, &owner, 0, false, __ATOMIC_ACQ_REL, __ATOMIC_RELAXED);
     }
   }

@@ -1,10 +1,10 @@
-// The layout of a shared model segment (hvdx/asynchronous/shared.py writes it, the kernels of
-// csrc/kernels/shared_model.cc read and update it) and the functors on it.
+// The layout of a shared model segment (hvdx/asynchronous/shared.py writes it with hvdx/shm.py,
+// the kernels of csrc/kernels/shared_model.cc read and update it) and the functors on it.
 //
 // A segment is one node's copy of a flattened float32 model, updated concurrently by the
 // node's processes (gimpel2010 Algorithm 1; kungurtsev2021's ASSM and PASSM, Algorithm 1):
 //
-//   [0, 64)            Header
+//   [0, 64)            Header (shm::SegmentHeader of shm_segment.h, then the model's fields)
 //   [64, ...)          uint64 block_begin[num_blocks + 1]   (element offsets, 0 .. n)
 //   aligned to 64      BlockRecord[num_blocks]              (one cache line each)
 //   data_offset        float params[n]                      (64-byte aligned)
@@ -17,25 +17,22 @@
 
 #include <cstdint>
 
+#include "kernels/shm_segment.h"
 #include "kernels/status.h"
 
 namespace hvdx {
 namespace shared {
 
 constexpr char kMagic[8] = {'H', 'V', 'D', 'X', 'S', 'H', 'M', '1'};
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;  // 2: shm::SegmentHeader at the start
 
 struct Header {                 // 64 bytes, at the start of the segment
-  char magic[8];                // kMagic
-  uint32_t layout_version;      // kLayoutVersion
+  shm::SegmentHeader segment;   // magic kMagic, layout kLayoutVersion, creator, attached, ready, size
   uint32_t num_blocks;          // lock / partition blocks
+  int32_t whole_lock;           // 0 or the pid holding the lock on the whole vector
   uint64_t size;                // n, float32 elements
   uint64_t data_offset;         // bytes from the segment's start to params
   uint64_t updates;             // updates applied so far (atomic): the model's version
-  uint32_t attached;            // processes that attached (atomic; the creator counts)
-  uint32_t ready;               // 1 once the creator wrote the initial model
-  int32_t whole_lock;           // 0 or the pid holding the lock on the whole vector
-  uint32_t reserved[3];
 };
 static_assert(sizeof(Header) == 64, "Header must be 64 bytes");
 
@@ -63,12 +60,12 @@ struct View {
   float* params = nullptr;
 };
 
-// Checks the header at `address` (magic, version, sizes within `bytes` when bytes > 0) and
-// fills `view`; InvalidArgument naming the problem otherwise.
+// Checks the segment at `address` (shm::OpenHeader: magic, version, ready; then the block
+// table) and fills `view`; InvalidArgument naming the problem otherwise.
 Status Open(uint64_t address, View* view);
 
 // Spin lock on a pid word: acquire, release. A waiter that finds the owner's process gone
-// (kill(pid, 0) == ESRCH) takes the lock over.
+// (shm::ProcessAlive) takes the lock over.
 void Lock(int32_t* word);
 void Unlock(int32_t* word);
 

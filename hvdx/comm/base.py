@@ -18,6 +18,9 @@ import tensorflow as tf
 
 from hvdx.comm import registry
 from hvdx.layout import check_agreement
+# the node-local collectives, below the strategies; re-exported here, where they were
+from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scatter,  # noqa: F401
+                                   node_reduce_scatter_parts, node_slices, padded_length)
 from hvdx.topology import Topology, set_rank_and_size, topology
 
 __all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
@@ -40,85 +43,6 @@ def check_positive_int(value: Any, argument: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{argument} must be an int >= 1, got {value!r}")
     return int(value)
-
-
-def padded_length(d: int, parts: int) -> int:
-    """d rounded up to a multiple of `parts`."""
-    return -(-d // parts) * parts
-
-
-#: Node slices start at multiples of this many elements (64 bytes of float32), so that the
-#: slices a node's all-to-all delivers are aligned views of its output, not copies.
-SLICE_ALIGN = 16
-
-
-def node_slices(d: int, n: int) -> List[Tuple[int, int]]:
-    """(offset, length) of the n node-local slices of a d-element buffer: slice j belongs to
-    the j-th rank of the node-local set. Slices are equal multiples of SLICE_ALIGN but for
-    the last, which is shorter: no padding, no copy of the buffer. A buffer too small for
-    that (d < 32 n^2) is cut into n equal slices of its zero-padded length instead (the
-    slices past d are then partly or wholly padding)."""
-    if n == 1:
-        return [(0, d)]
-    if d >= 32 * n * n:
-        size = -(-d // (n * SLICE_ALIGN)) * SLICE_ALIGN
-        return [(j * size, min(size, d - j * size)) for j in range(n)]
-    size = padded_length(d, n) // n
-    return [(j * size, size) for j in range(n)]
-
-
-def node_reduce_scatter_parts(buffer: tf.Tensor, topo: Topology, name: str, engine: str = "horovod"
-                              ) -> List[tf.Tensor]:
-    """Tensors whose sum is the node's sum of this rank's slice of `buffer` (shi2021 eq. 4),
-    the slices of `node_slices` (a small buffer is zero-padded first). Collective over the
-    node-local set.
-
-    engine "shm": the all-to-all below through the node's shared-memory segment
-    (`hvdx.comm.node_shm`) instead of Horovod, whatever the controller.
-
-    Under Gloo: one all-to-all (rank j receives every rank's slice j, the (n-1)/n d
-    elements of eq. 7) and the n received slices are returned, for the caller to add in
-    the pass it makes anyway (HiTopK adds its residual in the same one); Horovod 0.28's
-    Gloo reducescatter is slower (docs/comm.md). Elsewhere (MPI, NCCL): the native
-    reducescatter where its even split is `node_slices`' (one tensor), else the all-to-all.
-    """
-    n = topo.local_size
-    d = int(buffer.shape[0])
-    slices = node_slices(d, n)
-    if n == 1:
-        return [buffer]
-    total = slices[-1][0] + slices[-1][1]
-    if total > d:
-        buffer = tf.pad(buffer, [[0, total - d]])
-    length = slices[topo.local_set.rank()][1]
-    if engine == "shm":
-        from hvdx.comm import node_shm
-
-        received = node_shm.node_alltoall(buffer, slices, f"{name}.a2a", topo)
-        return tf.unstack(tf.reshape(received, [n, length]))
-    if not hvd.gloo_enabled() and len({size for _, size in slices}) == 1:
-        return [hvd.reducescatter(buffer, op=hvd.Sum, process_set=topo.local_set, name=f"{name}.rs")]
-    received, _ = hvd.alltoall(buffer, splits=[size for _, size in slices], process_set=topo.local_set,
-                               name=f"{name}.a2a")
-    # n slices of this rank's length: views of `received` when the length is aligned.
-    return tf.unstack(tf.reshape(received, [n, length]))
-
-
-def node_reduce_scatter(buffer: tf.Tensor, topo: Topology, name: str, engine: str = "horovod") -> tf.Tensor:
-    """The node's sum of this rank's slice of `buffer` (see `node_reduce_scatter_parts`)."""
-    parts = node_reduce_scatter_parts(buffer, topo, name, engine)
-    return parts[0] if len(parts) == 1 else tf.add_n(parts)
-
-
-def node_allgather(tensor: tf.Tensor, topo: Topology, name: str, engine: str = "horovod") -> tf.Tensor:
-    """Every node-local rank's `tensor` (dimension 0 may differ per rank), in local rank
-    order: `hvd.allgather` over the node-local set, or through the node's shared-memory
-    segment (engine "shm", `hvdx.comm.node_shm`). Collective over the node-local set."""
-    if engine == "shm" and topo.local_size > 1:
-        from hvdx.comm import node_shm
-
-        return node_shm.node_allgather(tensor, name, topo)
-    return hvd.allgather(tensor, process_set=topo.local_set, name=name)
 
 
 @dataclass

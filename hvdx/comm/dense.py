@@ -7,9 +7,9 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.comm import wire
-from hvdx.comm.base import Aggregated, Strategy, node_allgather, node_reduce_scatter, node_slices
-from hvdx.comm.node_shm import check_engine
+from hvdx.comm.base import Aggregated, Strategy
 from hvdx.comm.registry import register
+from hvdx.node.collectives import check_engine, node_allgather, node_reduce_scatter, node_slices
 from hvdx.topology import Topology
 
 __all__ = ["Allreduce", "DEFAULT_FLAT_BELOW", "Hierarchical", "OP_NAMES"]

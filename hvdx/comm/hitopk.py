@@ -7,10 +7,10 @@ from typing import Dict, Optional
 import tensorflow as tf
 
 from hvdx import ops
-from hvdx.comm.base import Aggregated, node_reduce_scatter_parts, node_slices
-from hvdx.comm.node_shm import check_engine
+from hvdx.comm.base import Aggregated
 from hvdx.comm.registry import register
 from hvdx.comm.sparse import TopKStrategy
+from hvdx.node.collectives import check_engine, node_reduce_scatter_parts, node_slices
 from hvdx.topology import barrier
 
 __all__ = ["HiTopK"]

@@ -22,8 +22,9 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm import dgc, wire
-from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int, node_allgather
+from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int
 from hvdx.comm.memory import ResidualMemory, Update
+from hvdx.node.collectives import node_allgather
 from hvdx.topology import Topology
 
 __all__ = ["AIDS", "TopKStrategy"]
