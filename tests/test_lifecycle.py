@@ -42,11 +42,12 @@ def test_every_method_is_a_training_method():
     from hvdx.lifecycle import TrainingMethod
 
     methods = [hvdx.DASO, hvdx.adpsgd.ADPSGD, hvdx.asynchronous.AsyncMiniBatch, hvdx.asynchronous.ASSM,
-               hvdx.asynchronous.PASSM, hvdx.asynchronous.PASSMPlus]
+               hvdx.asynchronous.PASSM, hvdx.asynchronous.PASSMPlus, hvdx.localsgd.LocalSGD]
     assert all(issubclass(m, TrainingMethod) for m in methods)
     # what a driver reads: which methods count steps together, which act after every single step
     assert {m.__name__: m.same_steps_on_every_rank for m in methods} == {
-        "DASO": True, "ADPSGD": False, "AsyncMiniBatch": True, "ASSM": True, "PASSM": True, "PASSMPlus": True}
+        "DASO": True, "ADPSGD": False, "AsyncMiniBatch": True, "ASSM": True, "PASSM": True, "PASSMPlus": True,
+        "LocalSGD": True}
     assert [m.__name__ for m in methods if m.replaces_train_step] == ["AsyncMiniBatch", "ASSM", "PASSM",
                                                                         "PASSMPlus"]
     assert not hvdx.adpsgd.ADPSGD.needs_every_step and hvdx.DASO.needs_every_step
@@ -91,7 +92,7 @@ def test_a_synchronous_optimizer_is_known_by_its_marker_not_its_name(one_rank):
 
     renamed = Renamed(tf.keras.optimizers.SGD(0.1), total_epochs=2)
     scaled = tf.keras.mixed_precision.LossScaleOptimizer(renamed)
-    for method in (hvdx.asynchronous.ASSM,):
+    for method in (hvdx.asynchronous.ASSM, hvdx.localsgd.LocalSGD):
         with pytest.raises(ValueError, match="cannot run with the synchronous Renamed"):
             method.check_optimizer(renamed)
         with pytest.raises(ValueError, match="cannot run with the synchronous Renamed"):
