@@ -359,6 +359,7 @@ def test_adpsgd_reset_reconnects_and_every_rank_ends_with_the_average(ranks):
         # the counts go on across reset(): one average() before it, the final one after
         assert data["state"]["steps"] == data["steps_run"] and data["state"]["averages"] == 2, (rank, data)
         assert data["restored"] == data["state"], (rank, data)
+        assert data["budget_after_reset"] == data["budget_left"], (rank, data)  # the steps already run are spent
         assert data["closed_twice"], (rank, data)
 
 

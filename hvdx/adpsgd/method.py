@@ -108,6 +108,7 @@ class ADPSGD(TrainingMethod):
         self.topology = topology
         self.seed, self.timeout, self.finish_timeout, self.name = seed, timeout, finish_timeout, name
         self.step_budget, self.switch_interval = step_budget, switch_interval
+        self._budget_total = step_budget        # the whole run's budget (step_budget, or from global_epochs)
         self.global_epochs, self.max_seconds, self.average_every_epoch = global_epochs, max_seconds, average_every_epoch
         self.cross_node_weight = check_cross_node_weight(cross_node_weight)
         self.gossip: Optional[Gossip] = None
@@ -156,7 +157,8 @@ class ADPSGD(TrainingMethod):
           model_or_variables: a Keras model (its float weights gossip) or variables; None: the
             variables given to the constructor.
           optimizer: checked (a synchronous one is refused, ValueError).
-          steps_per_epoch: this rank's steps per epoch (needed with `global_epochs`).
+          steps_per_epoch: this rank's steps per epoch (needed with `global_epochs` at the
+            first start; a later start without it keeps the budget).
           epochs: unused.
         """
         if optimizer is not None:
@@ -169,9 +171,10 @@ class ADPSGD(TrainingMethod):
                                 else model_or_variables)
         if not self.variables:
             raise ValueError("ADPSGD needs the model's variables: ADPSGD(variables) or start(model)")
-        if self.global_epochs is not None:
-            self.step_budget = self._budget(steps_per_epoch)
-        if self._resume and self.step_budget is not None:
+        if self.global_epochs is not None and (steps_per_epoch or self._budget_total is None):
+            self._budget_total = self._budget(steps_per_epoch)
+        self.step_budget = self._budget_total
+        if self._resume and self.step_budget is not None:  # after reset() / restore(): what is left of it
             self.step_budget = self._remaining(self.step_budget)
         self._resume = False
         self._retire()
