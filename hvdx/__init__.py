@@ -10,7 +10,7 @@ and poorly connected between each other.
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
 """
-from hvdx import adpsgd, asynchronous, buckets, callbacks, comm, daso, data, ops, optimizers, pto, transport
+from hvdx import adpsgd, asynchronous, buckets, callbacks, comm, daso, data, localsgd, ops, optimizers, pto, transport
 from hvdx.aggregator import GradientAggregator
 from hvdx.daso import DASO
 from hvdx.layout import RankMismatchError
@@ -24,4 +24,4 @@ __version__ = "0.2.0"
 
 __all__ = ["DASO", "DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "PartialDistributedOptimizer",
            "RankMismatchError", "Topology", "TopologyError", "adpsgd", "asynchronous", "barrier", "buckets", "callbacks", "comm", "daso", "data", "init",
-           "load_model", "mstopk", "ops", "optimizers", "pto", "shutdown", "sparse_accumulate", "topology", "transport"]
+           "load_model", "localsgd", "mstopk", "ops", "optimizers", "pto", "shutdown", "sparse_accumulate", "topology", "transport"]

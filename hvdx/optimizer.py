@@ -99,6 +99,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
     """
 
     _HAS_AGGREGATE_GRAD = True
+    averages_gradients_every_step = True  # hvdx.wrapped.SYNCHRONOUS_MARKER: asynchronous methods refuse it
 
     def __new__(cls, optimizer=None, *args, **kwargs):
         # An instance of the wrapped optimizer's class, as Horovod's wrapper (hvdx.wrapped).

@@ -18,6 +18,8 @@
   optimizer's step reads while the wrapper traces it (`Momentum.read_by_step`).
 - What it must not wrap: `check_not_horovods(optimizer, wrapper)` refuses Horovod's own
   DistributedOptimizer (its gradients would be averaged twice, once per wrapper).
+- What an asynchronous method must not run with: `check_not_synchronous` refuses an
+  optimizer whose class declares `SYNCHRONOUS_MARKER` (hvdx's wrappers, DASO) or Horovod's.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ import tensorflow as tf
 
 from hvdx.optimizers.lars import LARS
 
-__all__ = ["Momentum", "check_not_horovods", "is_horovods", "subclass_for"]
+__all__ = ["Momentum", "SYNCHRONOUS_MARKER", "check_not_horovods", "check_not_synchronous", "is_horovods",
+           "is_synchronous", "subclass_for"]
 
 # Class attributes that make up the class itself, never copied into a subclass.
 _STRUCTURAL = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__",
@@ -56,10 +59,29 @@ def is_horovods(optimizer) -> bool:
     return False
 
 
+#: The class attribute that declares an optimizer wrapper synchronous: True where the wrapper
+#: averages the gradients over ranks in every step (hvdx.DistributedOptimizer, and so DASO,
+#: PartialDistributedOptimizer and every class `subclass_for` makes from them).
+SYNCHRONOUS_MARKER = "averages_gradients_every_step"
+
+
+def is_synchronous(optimizer) -> bool:
+    """Whether `optimizer` itself (not what it wraps) averages gradients over ranks in every
+    step: its class declares `SYNCHRONOUS_MARKER`, or it is Horovod's DistributedOptimizer
+    (`is_horovods`, or any class of a `horovod.` module), or, for another library's wrapper
+    that declares nothing, a class in its hierarchy is named `DistributedOptimizer`."""
+    cls = type(optimizer)
+    if getattr(cls, SYNCHRONOUS_MARKER, False) is True or is_horovods(optimizer):
+        return True
+    return (cls.__module__ or "").startswith("horovod.") or any(k.__name__ == "DistributedOptimizer"
+                                                                 for k in cls.__mro__)
+
+
 def check_not_synchronous(optimizer, method: str, example: str = "tf.keras.optimizers.SGD(0.1)") -> None:
     """Raises ValueError when `optimizer`, or an optimizer it wraps (`inner_optimizer`),
-    averages gradients over all ranks every step (an hvdx or Horovod DistributedOptimizer,
-    DASO): an asynchronous `method` replaces that averaging, it does not add to it.
+    averages gradients over all ranks every step (`is_synchronous`: an hvdx or Horovod
+    DistributedOptimizer, DASO or a subclass of either): an asynchronous `method` replaces
+    that averaging, it does not add to it.
 
     Args:
       optimizer: what the user passed.
@@ -68,10 +90,8 @@ def check_not_synchronous(optimizer, method: str, example: str = "tf.keras.optim
     """
     seen = optimizer
     while seen is not None:
-        module = type(seen).__module__ or ""
-        names = {k.__name__ for k in type(seen).__mro__}
-        if "DistributedOptimizer" in names or "DASO" in names or module.startswith("horovod.") \
-                or "_hvdx_wrapper" in vars(type(seen)):
+        if is_synchronous(seen):
+            module = type(seen).__module__ or ""
             raise ValueError(f"{method} cannot run with the synchronous {type(seen).__name__} ({module}): it "
                              f"would average the gradients over all ranks every step, the very wait {method} "
                              f"removes. Pass the plain Keras optimizer (e.g. {example}).")

@@ -7,14 +7,23 @@ waits for everybody.
   active ranks start exchanges, passive ones answer, sec. 3.1);
 - `hvdx.adpsgd.gossip`: Algorithm 1 on one rank's flat model, the averaging on the
   transport's threads (`hvdx.transport.peer`), the averages over all ranks;
-- `hvdx.adpsgd.keras`: `ADPSGD` (TensorFlow variables, custom loops) and `ADPSGDCallback`
-  (`Model.fit`).
+- `hvdx.adpsgd.method`: `ADPSGD` on TensorFlow variables, an `hvdx.lifecycle.TrainingMethod`
+  (custom loops, or `Model.fit` through `hvdx.callbacks.TrainingMethodCallback`);
+  `ADPSGDCallback` (`hvdx.callbacks`, reached here without importing the callbacks until
+  asked for) builds one per `fit`.
 
 Guide: docs/adpsgd.md.
 """
 from hvdx.adpsgd.gossip import Gossip
 from hvdx.adpsgd.graph import TOPOLOGIES, Graph, build_graph, register_topology
-from hvdx.adpsgd.keras import ADPSGD, ADPSGDCallback, check_optimizer
+from hvdx.adpsgd.method import ADPSGD, check_optimizer
 
 __all__ = ["ADPSGD", "ADPSGDCallback", "Gossip", "Graph", "TOPOLOGIES", "build_graph", "check_optimizer",
            "register_topology"]
+
+
+def __getattr__(name: str):
+    if name == "ADPSGDCallback":  # the Keras glue lives with the other callbacks (hvdx.adpsgd.keras re-exports it)
+        from hvdx.adpsgd.keras import ADPSGDCallback
+        return ADPSGDCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,8 +7,10 @@ node's processes without waiting for each other; nodes averaged periodically.
   Optimization Methods for Efficient Training of Deep Neural Networks with Guarantees",
   AAAI 2021, arXiv 1905.11845 (passm.py; the layer partition and restricted backpropagation:
   partition.py).
-- `SharedModelCallback` for `Model.fit` (keras.py); the segment (shared.py); staleness
-  (staleness.py); the step common to all (method.py). Guide: docs/asynchronous.md.
+- the segment (shared.py); staleness (staleness.py); the step common to all, an
+  `hvdx.lifecycle.TrainingMethod` (method.py). In `Model.fit`:
+  `hvdx.callbacks.TrainingMethodCallback(method)`, or its old name `SharedModelCallback`
+  (reached here without importing the callbacks until asked for). Guide: docs/asynchronous.md.
 
     method = hvdx.asynchronous.ASSM().start(model, optimizer)     # custom loop
     for x, y in shard:
@@ -17,7 +19,6 @@ node's processes without waiting for each other; nodes averaged periodically.
         method.apply_gradients(tape.gradient(loss, method.variables_to_train()))
     method.finish()
 """
-from hvdx.asynchronous.keras import SharedModelCallback
 from hvdx.asynchronous.method import SharedModelMethod, check_optimizer
 from hvdx.asynchronous.minibatch import AsyncMiniBatch
 from hvdx.asynchronous.partition import backprop_flops_saved, layer_units, partition
@@ -30,3 +31,10 @@ METHODS = {"asyncminibatch": AsyncMiniBatch, "assm": ASSM, "passm": PASSM, "pass
 __all__ = ["ASSM", "AsyncMiniBatch", "METHODS", "PASSM", "PASSMPlus", "SharedModel", "SharedModelCallback",
            "SharedModelError", "SharedModelMethod", "Staleness", "backprop_flops_saved", "check_optimizer",
            "layer_units", "partition", "sweep"]
+
+
+def __getattr__(name: str):
+    if name == "SharedModelCallback":  # the Keras glue lives with the other callbacks (re-exported by .keras)
+        from hvdx.asynchronous.keras import SharedModelCallback
+        return SharedModelCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

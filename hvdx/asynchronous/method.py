@@ -18,11 +18,15 @@ Across nodes there is one shared model per node; each node's first process avera
 node's model with the other nodes' every `average_every` of its steps (one Horovod allreduce
 over hvdx's cross set of local rank 0), adding (average - what it read) to its node's
 model so that the node's concurrent updates are kept.
+
+Every method is an `hvdx.lifecycle.TrainingMethod`: in `Model.fit`,
+`hvdx.callbacks.TrainingMethodCallback(method)` (or its old name `SharedModelCallback`) runs
+the method's own `train_step` in place of Keras' for the duration of `fit`.
 """
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
@@ -31,29 +35,23 @@ from hvdx import ops
 from hvdx.asynchronous.partition import Unit, layer_units, partition
 from hvdx.asynchronous.shared import SharedModel, SharedModelError
 from hvdx.asynchronous.staleness import Staleness, merge
-from hvdx.wrapped import check_not_synchronous
+from hvdx.lifecycle import TrainingMethod
+from hvdx.topology import Topology, barrier, initialized, topology as current_topology
 
 __all__ = ["SharedModelMethod", "check_optimizer"]
 
 _NAME_BYTES = 64
 
 
-def check_optimizer(optimizer: Any) -> None:
-    """ValueError if `optimizer` averages gradients synchronously (an hvdx or Horovod
-    DistributedOptimizer, DASO): the shared model replaces that averaging."""
-    check_not_synchronous(optimizer, "a shared-model method", "tf.keras.optimizers.SGD(0.05, momentum=0.9)")
-
-
 def _horovod():
-    topology_module = sys.modules["hvdx.topology"]
     hvd = sys.modules.get("horovod.tensorflow")
-    if hvd is None or not hvd.is_initialized() or not topology_module.initialized():
+    if hvd is None or not hvd.is_initialized() or not initialized():
         raise RuntimeError("the shared-model methods need hvdx.init() first (not only hvd.init()): they share one "
                            "model per node and average the nodes' models over hvdx's node-local and cross sets")
     return hvd
 
 
-class SharedModelMethod:
+class SharedModelMethod(TrainingMethod):
     """The common machinery (module docstring). Subclasses set the class attributes and may
     override `full_step` and `modes` (what a process updates, and how, in the current phase).
 
@@ -66,10 +64,21 @@ class SharedModelMethod:
 
     Use: `start(model, optimizer)` (collective over all ranks), then per step either
     `apply_gradients(grads)` after `tape.gradient(loss, method.variables_to_train())` in a
-    custom loop, or `SharedModelCallback(method)` in `Model.fit`; `finish()` (collective).
+    custom loop, or `TrainingMethodCallback(method)` (`SharedModelCallback(method)`) in
+    `Model.fit`; `finish()` (collective).
+
+    The lifecycle (`hvdx.lifecycle.TrainingMethod`): `start`; `begin_epoch` is `set_epoch`;
+    `train_step(model, data)` replaces Keras' in `fit`; `after_step` counts and averages the
+    nodes' models; `end_epoch` and `before_evaluation` `pull()` the node's model; `finish`;
+    `close`; `state()` / `restore()` (epoch, steps, averagings); `reset(topology)`; `stats`.
+    Every rank runs the same steps (the averaging counts them).
     """
 
-    label = "shared"
+    label = "a shared-model method"
+    same_steps_on_every_rank = True
+    needs_every_step = True
+    replaces_train_step = True
+    plain_optimizer_example = "tf.keras.optimizers.SGD(0.05, momentum=0.9)"
     read_mode = "none"
     update_mode = "atomic"
     read_back = False
@@ -88,6 +97,7 @@ class SharedModelMethod:
         self.steps = 0
         self.averagings = 0
         self.epoch = 0
+        self._resume = False  # the next start() goes on counting (restore, reset)
         self._functions: Dict[Any, Any] = {}
 
     # -- phases (PASSM+ overrides) ---------------------------------------------------------
@@ -103,23 +113,29 @@ class SharedModelMethod:
         self.epoch = int(epoch)
         return before != self.full_step()
 
+    def begin_epoch(self, epoch: int) -> bool:
+        """The lifecycle's name of `set_epoch`."""
+        return self.set_epoch(epoch)
+
     def modes(self) -> Tuple[str, str, bool]:
         """(read mode, update mode, read back) of the current phase."""
         return self.read_mode, self.update_mode, self.read_back
 
     # -- start / finish --------------------------------------------------------------------
-    def start(self, model_or_variables, optimizer: Any = None) -> "SharedModelMethod":
+    def start(self, model_or_variables, optimizer: Any = None, *, steps_per_epoch: Optional[int] = None,
+              epochs: Optional[int] = None) -> "SharedModelMethod":
         """Collective over all ranks: every rank starts from rank 0's model; the node's first
         rank creates the node's shared model, the others attach; the name is removed once all
-        attached (hvdx/asynchronous/shared.py). Returns self.
+        attached (hvdx/asynchronous/shared.py). The counts (steps, averagings, staleness)
+        start anew, or go on after `restore()` / `reset()`. `steps_per_epoch`, `epochs`: the
+        lifecycle's, unused. Returns self.
 
         Raises ValueError (a synchronous optimizer, no or non-float32 variables, PASSM with
         fewer layers than processes per node), RuntimeError without hvdx.init()."""
         if optimizer is not None:
-            check_optimizer(optimizer)
+            self.check_optimizer(optimizer)
         hvd = _horovod()
-        import hvdx
-        topo = hvdx.topology()
+        topo = current_topology()
         self.topology = topo
         self.variables, self.units = layer_units(model_or_variables)
         self.groups = partition(self.units, topo.local_size) if self.partitioned else [(0, len(self.units))]
@@ -164,9 +180,12 @@ class SharedModelMethod:
             offset += size
         self._pulled = tf.Variable(tf.zeros([n], tf.float32), trainable=False, name="shared_pulled")
         self._version = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="shared_version")
-        self.staleness = Staleness(self.staleness_bins)
-        self.steps = 0
-        self.averagings = 0
+        if not self._resume or self.staleness is None:
+            self.staleness = Staleness(self.staleness_bins)
+        if not self._resume:
+            self.steps = 0
+            self.averagings = 0
+        self._resume = False
         self._functions = {}
         self.pull()
         return self
@@ -178,12 +197,11 @@ class SharedModelMethod:
         if self.shared is None:
             return
         hvd = _horovod()
-        import hvdx
         topo = self.topology
-        hvdx.barrier(topo.local_set)
+        barrier(topo.local_set)
         if topo.num_nodes > 1 and topo.local_rank == 0:
             self._average(hvd, final=True)
-        hvdx.barrier(topo.local_set)
+        barrier(topo.local_set)
         self.pull()
         shared, self.shared = self.shared, None
         self._functions = {}
@@ -195,6 +213,56 @@ class SharedModelMethod:
         self._functions = {}
         if shared is not None:
             shared.close()
+
+    def reset(self, topology: Optional[Topology] = None) -> None:
+        """The membership changed (`topology`; default `hvdx.topology()` now). Without
+        collectives: unmaps the node's segment (`close()`; its name is gone since every
+        process attached, so the memory goes with the last process's unmap), keeps the
+        counts (`state()`) and the variables (the model as this rank last read it), plans
+        PASSM's groups for the new processes per node. The next start() makes a new segment
+        per node from rank 0's model (collective)."""
+        self.close()
+        topo = topology if topology is not None else current_topology()
+        self.topology = topo
+        if self.units:
+            self.groups = partition(self.units, topo.local_size) if self.partitioned else [(0, len(self.units))]
+        self._resume = True
+
+    def state(self) -> Dict[str, Any]:
+        """{"epoch", "steps", "averagings"} of this rank (JSON)."""
+        return {"epoch": self.epoch, "steps": self.steps, "averagings": self.averagings}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Takes back a `state()` (before `start()`, which then goes on counting from it)."""
+        self.epoch, self.steps, self.averagings = int(state["epoch"]), int(state["steps"]), int(state["averagings"])
+        self._resume = True
+
+    # -- Model.fit ---------------------------------------------------------------------------
+    def train_step(self, model: Any, data: Any) -> Any:
+        """Keras' step in `fit` (traced): reads the node's shared model (the freshest x; a
+        method whose update reads it back skips this), differentiates `variables_to_train()`
+        only (PASSM: restricted backpropagation), applies the model's optimizer to them and
+        adds the update to the shared model. Returns the metrics' logs."""
+        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        self.step_begin_ops()
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True)
+            loss = model.compute_loss(x, y, y_pred, sample_weight)
+        own = self.variables_to_train()
+        grads = tape.gradient(loss, own)
+        model.optimizer.apply_gradients(zip(grads, own))
+        self.push_ops(read_after=False)
+        return model.compute_metrics(x, y, y_pred, sample_weight)
+
+    def end_epoch(self, epoch: int, logs: Optional[Mapping[str, Any]]) -> None:
+        """The variables take the node's shared model (callbacks after the driver, e.g.
+        checkpoints, and the validation see it)."""
+        self.pull()
+
+    def before_evaluation(self) -> None:
+        """The variables take the node's shared model (fit's validation evaluates it)."""
+        if self.shared is not None:
+            self.pull()
 
     # -- one step ----------------------------------------------------------------------------
     def own_range(self) -> Tuple[int, int, int, int]:
@@ -315,3 +383,7 @@ class SharedModelMethod:
     @staticmethod
     def merge_staleness(summaries: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         return merge(summaries)
+
+
+#: The old name of `SharedModelMethod.check_optimizer` (`hvdx.lifecycle.TrainingMethod.check_optimizer`).
+check_optimizer = SharedModelMethod.check_optimizer

@@ -2,16 +2,22 @@
 averaging in rotating groups, blocking (16-bit wire) or overlapped with a stale-weighted
 merge (eq. 1), on a schedule of warm-up, cycling and cool-down phases.
 
-- `hvdx.daso.schedule`: when (a pure, serialisable state machine) and `plateau` (when the
-  loss has plateaued);
+- `hvdx.daso.schedule`: when (a pure, serialisable state machine; plateaus: `hvdx.plateau`);
 - `hvdx.daso.sync`: what moves (blocking, non-blocking, merge, drain) and
   `hvdx.transport.ring`: how it moves between nodes without blocking Horovod's thread;
-- `hvdx.daso.optimizer.DASO` (also `hvdx.DASO`) and `hvdx.daso.keras.DASOCallback`: the
-  Keras optimizer and the Model.fit glue.
+- `hvdx.daso.optimizer.DASO` (also `hvdx.DASO`): the Keras optimizer, an
+  `hvdx.lifecycle.TrainingMethod`; `DASOCallback` (`hvdx.callbacks`, reached here without
+  importing the callbacks until asked for) drives it in Model.fit.
 """
-from hvdx.daso.keras import DASOCallback
 from hvdx.daso.optimizer import DASO
-from hvdx.daso.plateau import PlateauDetector
 from hvdx.daso.schedule import COOLDOWN, CYCLING, WARMUP, Action, Schedule
+from hvdx.plateau import PlateauDetector
 
 __all__ = ["COOLDOWN", "CYCLING", "DASO", "DASOCallback", "WARMUP", "Action", "PlateauDetector", "Schedule"]
+
+
+def __getattr__(name: str):
+    if name == "DASOCallback":  # the Keras glue lives with the other callbacks (hvdx.daso.keras re-exports it)
+        from hvdx.daso.keras import DASOCallback
+        return DASOCallback
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,6 +5,7 @@
                     warmup_epochs=2, cooldown_epochs=2, max_global_skips=4)
     model.compile(optimizer=opt, loss=...)
     model.fit(x, y, epochs=20, callbacks=[hvdx.daso.DASOCallback()])
+    # or callbacks=[hvdx.callbacks.TrainingMethodCallback()]: DASO is an hvdx.lifecycle.TrainingMethod
 
 A custom loop calls `opt.after_step()` after each step's apply_gradients (outside the
 tf.function) and `opt.end_epoch(loss)` after each epoch:
@@ -34,7 +35,7 @@ import collections
 import json
 import logging
 import weakref
-from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Mapping, Optional
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -42,28 +43,30 @@ import tensorflow as tf
 
 from hvdx.buckets import AggregationObserver, AggregationRecord
 from hvdx.comm import wire
-from hvdx.topology import initialized as _initialized, topology as _get_topology
-from hvdx.daso.plateau import PlateauDetector
 from hvdx.daso.schedule import Action, Schedule
-from hvdx.daso.sync import FlatParameters, ParameterSync
+from hvdx.daso.sync import FlatParameters, ParameterSync, SyncStats
 from hvdx.layout import check_agreement
+from hvdx.lifecycle import TrainingMethod, find_method
 from hvdx.optimizer import DistributedOptimizer
+from hvdx.plateau import PlateauDetector
+from hvdx.topology import Topology, initialized as _initialized, topology as _get_topology
 from hvdx.wrapped import check_not_horovods
 
 if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
     from hvdx.transport.ring import GroupTransport
 
-__all__ = ["DASO"]
+__all__ = ["DASO", "find_daso"]
 
 log = logging.getLogger("hvdx.daso")
 HISTORY = 100_000  # actions kept in DASO.history
 
 
 @tf.keras.utils.register_keras_serializable(package="hvdx")
-class DASO(DistributedOptimizer):
+class DASO(DistributedOptimizer, TrainingMethod):
     """Wraps a tf.keras optimizer: node-local gradient averaging every step, global
     parameter averaging in rotating groups, blocking in the first `warmup_epochs` and the
     last `cooldown_epochs`, non-blocking every B steps in between (coquelin2021, sec. 3).
+    Also an `hvdx.lifecycle.TrainingMethod` (its hooks are listed under "The lifecycle").
 
     total_epochs: how long training runs (the cool-down phase is its last epochs).
     max_global_skips: B at the start of the cycling phase (W starts at B/4, at least 1).
@@ -80,7 +83,20 @@ class DASO(DistributedOptimizer):
     checkpoint mid-epoch (epochs end drained); the schedule's state is saved with the
     optimizer in every checkpoint format and restored from it, also onto another topology
     (the groups are planned again for its ranks per node).
+
+    The lifecycle (`hvdx.lifecycle.TrainingMethod`, driven by
+    `hvdx.callbacks.TrainingMethodCallback` / `DASOCallback`): `start()` is lazy where the
+    variables are not known yet (they are those of the first traced apply_gradients, which
+    broadcasts rank 0's parameters; the first `after_step()` then builds the transport,
+    collectively), and rebuilds collectively after `reset()`; `begin_epoch(epoch)` is
+    `start_epoch`; `after_step()`; `end_epoch(epoch, logs)` drains and feeds logs["loss"] to
+    the schedule; `finish()` drains; `close()`; `state()` / `restore()` the schedule;
+    `reset(topology)`; `stats()` (`stats` is also the `SyncStats` itself).
     """
+
+    label = "hvdx.DASO"
+    same_steps_on_every_rank = True
+    needs_every_step = True
 
     def __init__(self, optimizer, total_epochs: int, warmup_epochs: int = 1, cooldown_epochs: int = 1,
                  max_global_skips: int = 4, *, plateau_patience: int = 2, plateau_threshold: float = 0.05,
@@ -108,6 +124,7 @@ class DASO(DistributedOptimizer):
         self.schedule = self._for_topology(schedule)
         self._params: Optional[List[tf.Variable]] = None  # set once: a plain list, not tracked
         self._sync: Optional[ParameterSync] = None
+        self._sync_stats = self._no_dependency(SyncStats())  # kept across reset(): every ParameterSync adds to it
         self._close_transport: Optional[weakref.finalize] = None  # closes it, also when this optimizer is collected
         self._reference0: Optional[np.ndarray] = None
         self._flat: Optional[FlatParameters] = None
@@ -169,15 +186,20 @@ class DASO(DistributedOptimizer):
 
     # -- between steps (eager) ---------------------------------------------------------
     def _setup(self) -> None:
-        """Collective, at the first step: the ranks agree, the parameter sync and its transport."""
+        """Collective, at the first step (or at the start after reset()): the ranks agree, the
+        parameter sync and its transport. After reset() every rank first takes rank 0's
+        parameters again (they are the blocking phase's x_ref)."""
         if self._params is None:
             raise RuntimeError("after_step() comes after the step's apply_gradients (no variables yet)")
         check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),
                          "variables": f"{len(self._params)} of {sum(int(np.prod(v.shape)) for v in self._params)} "
                                       f"elements"},
                         "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
+        if self._reference0 is None:  # after reset(): the ranks' parameters may differ
+            self._start_identical()
         self._sync = ParameterSync(self._flat, self._topo, self._open_transport(),
                                    wire_dtype=self._daso_config["blocking_wire_dtype"])
+        self._sync.stats = self._sync_stats
         self._sync.set_reference(self._reference0)
         self._reference0 = None
 
@@ -203,8 +225,9 @@ class DASO(DistributedOptimizer):
         """Closes the transport between the nodes (its sockets and threads); idempotent, no
         collective, never hangs. Model.fit's end does it (DASOCallback); a step after it opens
         a new one (collective, like the first step). An exchange still in flight then fails its
-        merge (TransportError): drain() first, as every epoch's end does. An optimizer that is
-        garbage-collected closes its transport too."""
+        merge (TransportError): drain() first, as every epoch's end does (or `finish()`), or
+        reset(), which forgets it. An optimizer that is garbage-collected closes its transport
+        too."""
         if self._close_transport is not None:
             self._close_transport()
 
@@ -274,9 +297,20 @@ class DASO(DistributedOptimizer):
         self._write_state()
         return action
 
-    def end_epoch(self, loss: float) -> List[str]:
+    def end_epoch(self, epoch_or_loss, logs: Any = ...) -> List[str]:
         """Collective, after each epoch: drain, then the schedule takes the epoch's training
-        loss averaged over all ranks (plateaus, phases). Returns what changed."""
+        loss averaged over all ranks (plateaus, phases). Returns what changed.
+
+        Two forms: `end_epoch(loss)` (custom loops: the epoch's training loss) and the
+        lifecycle's `end_epoch(epoch, logs)` (the loss is logs["loss"]; ValueError without
+        it: compile the model with a loss)."""
+        if logs is ...:
+            loss = epoch_or_loss
+        else:
+            loss = (logs or {}).get("loss")
+            if loss is None:
+                raise ValueError("hvdx.DASO needs the epoch's training loss in Keras' logs (compile the model "
+                                 "with a loss)")
         self.drain()
         loss = float(np.asarray(loss))
         mean = hvd.allreduce(tf.constant([loss], tf.float64), op=hvd.Average, name="hvdx.daso.loss").numpy()[0]
@@ -296,9 +330,79 @@ class DASO(DistributedOptimizer):
         self._write_state()
 
     @property
-    def stats(self):
-        """Seconds spent per kind of synchronisation on this rank (hvdx.daso.sync.SyncStats)."""
-        return self._sync.stats if self._sync is not None else None
+    def stats(self) -> SyncStats:
+        """Seconds spent per kind of synchronisation on this rank (hvdx.daso.sync.SyncStats,
+        kept across reset()); calling it, `opt.stats()`, is the lifecycle's summary."""
+        return self._sync_stats
+
+    # -- the lifecycle (hvdx.lifecycle.TrainingMethod) ---------------------------------
+    def start(self, model_or_variables: Any = None, optimizer: Any = None, *, steps_per_epoch: Optional[int] = None,
+              epochs: Optional[int] = None) -> "DASO":
+        """Collective where this DASO's variables are known and its transport is not built
+        (after reset()): every rank takes rank 0's parameters, the transport opens. Otherwise
+        nothing: DASO's variables are those of its first traced apply_gradients (which
+        broadcasts rank 0's parameters), and the first after_step() builds the transport.
+        The arguments are the lifecycle's (DASO is its own optimizer). Returns self."""
+        if self._params is not None and self._sync is None:
+            self._setup()
+        return self
+
+    def begin_epoch(self, epoch: int) -> bool:
+        """`start_epoch(epoch)`; never asks for a new trace."""
+        self.start_epoch(epoch)
+        return False
+
+    def finish(self) -> None:
+        """Collective: `drain()` where an exchange may be pending (every rank then holds the
+        same parameters); nothing once drained or closed. Idempotent."""
+        if self._sync is not None and not self._sync.transport.closed:
+            self.drain()
+
+    def state(self) -> Dict[str, Any]:
+        """{"schedule": the schedule's state} (phase, B, W, counters, plateau; JSON)."""
+        return {"schedule": self.schedule.state()}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Takes a `state()` back, its groups planned for this job's ranks per node.
+
+        Raises:
+          ValueError: the state has an exchange in flight (take it after drain(); epochs
+            end drained).
+        """
+        schedule = Schedule.from_state(state["schedule"])
+        if schedule.in_flight:
+            raise ValueError("this DASO state was taken with a global exchange in flight: take state() after "
+                             "opt.drain() on every rank (Model.fit's epochs end drained)")
+        self.schedule = self._for_topology(schedule)
+        self._write_state()
+        self._identical = False
+
+    def reset(self, topology: Optional[Topology] = None) -> None:
+        """The membership changed (default: `hvdx.topology()` now). Without collectives: closes
+        the transport, forgets the exchange in flight (the schedule goes on from its position,
+        B, W and plateau), plans the groups for the new ranks per node. The next start() (or
+        after_step()) takes rank 0's parameters and opens a new transport, collectively.
+
+        Raises:
+          ValueError: the ranks of this rank's node changed: the node-local gradient average
+            runs over the process set DASO was built with; build a new DASO for the new
+            membership and restore(state()) into it.
+        """
+        topology = topology if topology is not None else _get_topology()
+        if tuple(topology.local_ranks) != tuple(self._topo.local_ranks):
+            raise ValueError(f"hvdx.DASO averages gradients inside the node over the ranks it was built with "
+                             f"({list(self._topo.local_ranks)}); this rank's node now has "
+                             f"{list(topology.local_ranks)}: build a new hvdx.DASO for the new membership and "
+                             f"restore(state()) into it")
+        self.close()
+        self._close_transport = None
+        self._sync = None
+        self._reference0 = None
+        self._identical = False
+        self._topo = topology
+        self.schedule = self._for_topology(Schedule.from_state(
+            {**self.schedule.state(), "pending_group": None, "pending_step": None}))
+        self._write_state()
 
     # -- saving ------------------------------------------------------------------------
     def save_own_variables(self, store):
@@ -323,6 +427,11 @@ class DASO(DistributedOptimizer):
         config = dict(config)
         optimizer = tf.keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(optimizer, **config)
+
+
+def find_daso(optimizer) -> Optional[DASO]:
+    """The DASO optimizer inside `optimizer` (a LossScaleOptimizer may wrap it)."""
+    return find_method(optimizer, DASO)
 
 
 def _check_wrapped(optimizer) -> None:

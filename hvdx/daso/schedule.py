@@ -23,7 +23,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
-from hvdx.daso.plateau import PlateauDetector
+from hvdx.plateau import PlateauDetector
 
 __all__ = ["Action", "Schedule", "WARMUP", "CYCLING", "COOLDOWN"]
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import collections
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Deque, Optional, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Deque, Dict, Optional, Sequence
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -49,7 +49,7 @@ from hvdx.topology import Topology
 if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
     from hvdx.transport.ring import GroupTransport, Request
 
-__all__ = ["FlatParameters", "ParameterSync"]
+__all__ = ["FlatParameters", "ParameterSync", "SyncStats"]
 
 
 class FlatParameters:
@@ -105,6 +105,12 @@ class SyncStats:
     merge_wait: Deque[float] = field(default_factory=_recent)
     full: Deque[float] = field(default_factory=_recent)
     exchange: Deque[float] = field(default_factory=_recent)  # a non-blocking request's own duration
+
+    def __call__(self) -> Dict[str, Dict[str, float]]:
+        """The summary (DASO's lifecycle `stats()`): per kind, how many were recorded (of the
+        last 10,000) and their seconds in total."""
+        return {kind: {"count": len(values), "seconds": float(sum(values))}
+                for kind, values in ((f.name, getattr(self, f.name)) for f in fields(self))}
 
 
 class ParameterSync:

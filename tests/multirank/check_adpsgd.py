@@ -228,6 +228,44 @@ def check_errors(topo):
     return out
 
 
+# -- reset(): the membership "changed" (the same ranks) while the gossip runs -----------------------
+def check_reset(topo, steps=20):
+    """Gossip with random updates, one average(), reset() on every rank (no collective: the
+    gossip and its transports end), start() again (collective: new neighbours' connections,
+    every rank from the average), more steps, finish(): every rank holds the same model and the
+    counts went on: the restarted gossip's step budget is what the ranks had not yet run
+    (hvdx.lifecycle)."""
+    model = make_model(width=16)
+    adp = ADPSGD(topology="ring", timeout=60, step_budget=10_000).start(model)  # the model's float weights
+    rng = np.random.default_rng(300 + topo.rank)
+
+    def run(n):
+        for _ in range(n):
+            for v in model.trainable_variables:
+                v.assign_add((rng.normal(size=v.shape) * 1e-3).astype(np.float32))
+            adp.after_step()
+            time.sleep(0.001)
+    run(steps)
+    adp.average()
+    run(steps // 2)
+    adp.reset(hvdx.topology())
+    adp.start(model)
+    budget_after_reset = adp.step_budget
+    spread_after_start = spread(model.get_weights(), "reset.start")
+    run(steps)
+    adp.finish()
+    adp.close()
+    adp.close()
+    state = adp.state()
+    restored = ADPSGD(topology="ring")
+    restored.restore(state)
+    return {"final_spread": spread(model.get_weights(), "reset.final"), "spread_after_start": spread_after_start,
+            "state": state, "steps_run": 2 * steps + steps // 2, "restored": restored.state(),
+            "budget_after_reset": budget_after_reset, "budget_left": 10_000 - topo.size * (steps + steps // 2),
+            "closed_twice": adp.gossip._closed}
+
+
 CHECKS = {"consensus": check_consensus, "exchanges": check_exchanges, "slow_rank": check_slow_rank,
           "global_budget": check_global_budget,
-          "convergence": check_convergence, "checkpoint": check_checkpoint, "errors": check_errors}
+          "convergence": check_convergence, "checkpoint": check_checkpoint, "errors": check_errors,
+          "reset": check_reset}

@@ -165,5 +165,39 @@ def check_staleness(topo, rounds=10):
             "rounds": rounds}
 
 
+# -- reset(): the membership "changed" (the same ranks) in the middle of training ----------------------
+def check_reset(topo, steps=6, batch=16):
+    """ASSM in a custom loop (the nodes average every 4 steps), reset() on every rank (no
+    collective: the segment is unmapped), start() again (collective: a new segment per node
+    from rank 0's model), more steps, finish(): every rank holds the same model and the counts
+    (steps, staleness) went on across the reset (hvdx.lifecycle)."""
+    model = make_model(width=16)
+    opt = tf.keras.optimizers.SGD(0.05)
+    method = ASSM(average_every=4).start(model, opt)
+    old = method.shared.name
+    x, _, y, _ = digits.split()
+    rng = np.random.default_rng(topo.rank)
+
+    def train(n):
+        for _ in range(n):
+            pick = rng.choice(len(x), batch, replace=False)
+            with tf.GradientTape() as tape:
+                loss = LOSS(y[pick], model(x[pick], training=True))
+            method.apply_gradients(tape.gradient(loss, method.variables_to_train()))
+    train(steps)
+    method.reset(hvdx.topology())
+    method.start(model, opt)
+    new = method.shared.name != old
+    spread_after_start = spread(model.get_weights(), "reset.start")
+    train(steps)
+    method.finish()
+    method.close()
+    hvdx.barrier()
+    return {"final_spread": spread(model.get_weights(), "reset.final"), "spread_after_start": spread_after_start,
+            "new_segment": new, "steps": method.steps, "expected_steps": 2 * steps,
+            "staleness_updates": method.stats()["staleness"]["updates"],
+            "segments_left": sorted(p for p in os.listdir("/dev/shm") if p.startswith(f"hvdx-async-{os.getpid()}-"))}
+
+
 CHECKS = {"no_lost_update": check_no_lost_update, "staleness": check_staleness, "partition": check_partition,
-          "checkpoint": check_checkpoint, "convergence": check_convergence}
+          "checkpoint": check_checkpoint, "convergence": check_convergence, "reset": check_reset}

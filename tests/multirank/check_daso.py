@@ -396,8 +396,52 @@ def check_restore_other_topology(topo, steps=4):
             "from_config_groups": from_config.schedule.num_groups, "in_flight_refused": refused}
 
 
+# -- 8. reset(): the membership "changed" (the same ranks) in the middle of a cycle --------------
+def check_reset(topo, before=4, after=5, cooldown=2):
+    """Cycling (B = 2, W = 1): at step 4 an exchange is in flight; reset() on every rank drops it
+    and the transport without a collective, start() takes rank 0's parameters and opens a new
+    transport; training goes on through merges and the cool-down's blocking averages and
+    finish() leaves every rank with the same parameters (hvdx.lifecycle)."""
+    data = batches(topo, before + after + cooldown, seed=13)
+    model = make_model(seed=20 + topo.rank)  # other parameters on every rank: the first trace takes rank 0's
+    opt = DASO(tf.keras.optimizers.SGD(0.05, momentum=0.9), total_epochs=2, warmup_epochs=0, cooldown_epochs=1,
+               max_global_skips=2)
+    step = daso_step(model, opt)
+    for x, y in data[:before]:
+        step(x, y)
+        opt.after_step()
+    in_flight, old = opt.schedule.in_flight, opt._sync.transport
+    opt.reset(hvdx.topology())  # no collective: each rank on its own
+    pending = opt.schedule.pending_group
+    old_closed = old.closed
+    opt.start(model)            # collective
+    new = opt._sync.transport is not old and not opt._sync.transport.closed
+    spread_after_start = spread([v.numpy() for v in model.trainable_variables], "reset.start")
+    mark = len(opt.history)
+    for x, y in data[before:before + after]:
+        step(x, y)
+        opt.after_step()
+    opt.end_epoch(1.0)
+    for x, y in data[before + after:]:
+        step(x, y)
+        opt.after_step()
+    opt.end_epoch(0.9)
+    opt.finish()
+    opt.close()
+    opt.close()
+    later = list(opt.history)[mark:]
+    return {"in_flight_at_reset": bool(in_flight), "pending_after_reset": pending, "old_transport_closed": old_closed,
+            "new_transport": new, "groups": opt.schedule.num_groups, "steps": opt.schedule.step,
+            "expected_steps": before + after + cooldown,
+            "merges_after_reset": sum(a.merge_group is not None for a in later),
+            "blocking_after_reset": sum(a.blocking_group is not None for a in later),
+            "spread_after_start": spread_after_start,
+            "final_spread": spread([v.numpy() for v in model.trainable_variables], "reset.final"),
+            "closed_twice": opt._sync.transport.closed}
+
+
 CHECKS = {"blocking": check_blocking_equals_horovod, "merge": check_merge_formula,
           "checkpoint": check_checkpoint_mid_cycle, "convergence": check_convergence,
           "mixed": check_mixed_precision_and_keras_format, "errors": check_errors,
-          "restore_other_topology": check_restore_other_topology}
+          "restore_other_topology": check_restore_other_topology, "reset": check_reset}
 

@@ -1,41 +1,20 @@
-"""Keras callbacks for hvdx training.
+"""The aggregation strategy during `Model.fit`.
 
-`BroadcastGlobalVariablesCallback` is Horovod's (same arguments, same behaviour: the
-model's and the optimizer's variables are broadcast from `root_rank` after the first batch)
-plus a check, before the first batch, that every rank will run the same number of steps
-and epochs: otherwise the rank with more steps waits for ever in a collective the others
-never issue. `SwitchCommunication` switches the aggregation strategy during training (the
+`SwitchCommunication` switches the hvdx.DistributedOptimizer's strategy at an epoch (the
 DAWNBench recipe trains its first epochs with MSTopK and then switches to 2DTAR, shi2021
 sec. 5.6); `CommunicationPolicy` chains such switches, at configured epochs or when the
-training loss plateaus. Horovod's other callbacks work unchanged with hvdx's optimizer.
+training loss plateaus (`hvdx.plateau`).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Sequence, Tuple, Union
 
-import horovod.tensorflow.keras.callbacks as hvd_callbacks
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.layout import check_agreement
+from hvdx.plateau import PlateauDetector
 
-__all__ = ["BroadcastGlobalVariablesCallback", "CommunicationPolicy", "SwitchCommunication", "check_same_steps"]
-
-
-def check_same_steps(params: dict, name: str = "hvdx.steps") -> None:
-    """Collective: RankMismatchError on every rank unless all run as many steps per epoch
-    and epochs (Keras' callback params)."""
-    description = {"steps per epoch": str(params.get("steps")), "epochs": str(params.get("epochs"))}
-    check_agreement(description, "how long they train (give every rank an equally long shard, or the same "
-                                 "steps_per_epoch)", name)
-
-
-class BroadcastGlobalVariablesCallback(hvd_callbacks.BroadcastGlobalVariablesCallback):
-    """Horovod's broadcast of the initial state from `root_rank`, after checking that every
-    rank runs the same number of steps (fails on every rank, naming them, if not)."""
-
-    def on_train_begin(self, logs=None) -> None:
-        check_same_steps(self.params or {})
+__all__ = ["CommunicationPolicy", "Phase", "SwitchCommunication", "switch"]
 
 
 class SwitchCommunication(tf.keras.callbacks.Callback):
@@ -79,7 +58,7 @@ class CommunicationPolicy(tf.keras.callbacks.Callback):
         CommunicationPolicy([("allreduce", 1), ("hitopk", "plateau"), ("hierarchical", None)])
 
     Each switch is `SwitchCommunication`'s (the strategies keep their residuals). The
-    plateau is `hvdx.daso.plateau.PlateauDetector`'s rule (`patience` + 1 epochs whose loss
+    plateau is `hvdx.plateau.PlateauDetector`'s rule (`patience` + 1 epochs whose loss
     is not `threshold` below the best) on the epoch's training loss averaged over every rank
     (one small allreduce per epoch), so every rank switches at the same epoch.
     `history` lists (epoch, strategy name) of each phase started.
@@ -92,8 +71,6 @@ class CommunicationPolicy(tf.keras.callbacks.Callback):
     def __init__(self, phases: Sequence[Phase], patience: int = 2, threshold: float = 0.05,
                  monitor: str = "loss") -> None:
         super().__init__()
-        from hvdx.daso.plateau import PlateauDetector
-
         phases = [tuple(phase) for phase in phases]
         if not phases:
             raise ValueError("CommunicationPolicy needs at least one (communication, end) phase")

@@ -1,0 +1,19 @@
+"""Keras callbacks for hvdx training, one module per concern:
+
+- `broadcast.py`: `BroadcastGlobalVariablesCallback` (Horovod's, plus a check before the
+  first batch that every rank runs as many steps and epochs: `check_same_steps`);
+- `communication.py`: `SwitchCommunication` / `switch` (the aggregation strategy at an
+  epoch) and `CommunicationPolicy` (dense -> HiTopK -> 2DTAR at epochs or on a plateau);
+- `method.py`: `TrainingMethodCallback`, the one driver of every `hvdx.lifecycle.TrainingMethod`
+  (DASO, AD-PSGD, the shared-memory family, LocalSGD), and its old names `DASOCallback`,
+  `ADPSGDCallback`, `SharedModelCallback`.
+
+Horovod's other callbacks work unchanged with hvdx's optimizer (`hvdx.keras.callbacks` holds
+them all).
+"""
+from hvdx.callbacks.broadcast import BroadcastGlobalVariablesCallback, check_same_steps
+from hvdx.callbacks.communication import CommunicationPolicy, Phase, SwitchCommunication, switch
+from hvdx.callbacks.method import ADPSGDCallback, DASOCallback, SharedModelCallback, TrainingMethodCallback
+
+__all__ = ["ADPSGDCallback", "BroadcastGlobalVariablesCallback", "CommunicationPolicy", "DASOCallback", "Phase",
+           "SharedModelCallback", "SwitchCommunication", "TrainingMethodCallback", "check_same_steps", "switch"]

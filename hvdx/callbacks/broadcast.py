@@ -1,0 +1,27 @@
+"""The start of synchronous training in `Model.fit`: Horovod's broadcast of the initial state,
+after a check that every rank runs as many steps and epochs (otherwise the rank with more
+steps waits for ever in a collective the others never issue).
+"""
+from __future__ import annotations
+
+import horovod.tensorflow.keras.callbacks as hvd_callbacks
+
+from hvdx.layout import check_agreement
+
+__all__ = ["BroadcastGlobalVariablesCallback", "check_same_steps"]
+
+
+def check_same_steps(params: dict, name: str = "hvdx.steps") -> None:
+    """Collective: RankMismatchError on every rank unless all run as many steps per epoch
+    and epochs (Keras' callback params)."""
+    description = {"steps per epoch": str(params.get("steps")), "epochs": str(params.get("epochs"))}
+    check_agreement(description, "how long they train (give every rank an equally long shard, or the same "
+                                 "steps_per_epoch)", name)
+
+
+class BroadcastGlobalVariablesCallback(hvd_callbacks.BroadcastGlobalVariablesCallback):
+    """Horovod's broadcast of the initial state from `root_rank`, after checking that every
+    rank runs the same number of steps (fails on every rank, naming them, if not)."""
+
+    def on_train_begin(self, logs=None) -> None:
+        check_same_steps(self.params or {})

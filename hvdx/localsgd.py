@@ -1,0 +1,221 @@
+"""Local SGD with an outer optimizer: each rank takes `sync_every` steps with its own plain
+Keras optimizer, then the ranks' models are averaged and an outer optimizer moves a shared
+anchor by the pseudo-gradient (Douillard et al., "DiLoCo: Distributed Low-Communication
+Training of Language Models", 2023, arXiv 2311.08105, Algorithm 1; with an outer SGD of
+learning rate 1 and no momentum it is plain periodic model averaging, Lin, Stich, Patel,
+Jaggi, "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020, arXiv 1808.07217, Algorithm 1).
+
+One synchronisation, on every rank (DiLoCo Algorithm 1, lines 8-12):
+
+    delta = x_anchor - mean over ranks of x_local      (the pseudo-gradient: one fused allreduce)
+    x_anchor <- outer_optimizer.apply(delta, x_anchor)  (default SGD(0.7, momentum=0.9, nesterov=True))
+    x_local <- x_anchor                                 (every rank the same model again)
+
+The inner optimizer's state (momentum, Adam's moments) stays each rank's own; the outer one's
+is the same on every rank (it sees the same averages). A method in one module: it is an
+`hvdx.lifecycle.TrainingMethod`, so the one Keras callback drives it,
+
+    model.compile(tf.keras.optimizers.SGD(0.05, momentum=0.9), loss)      # the plain optimizer
+    model.fit(x_shard, y_shard, epochs=10,
+              callbacks=[hvdx.callbacks.TrainingMethodCallback(hvdx.localsgd.LocalSGD(sync_every=8))])
+
+and a custom loop calls the hooks itself:
+
+    method = hvdx.localsgd.LocalSGD(sync_every=8).start(model, opt)    # collective: rank 0's model
+    for epoch in range(epochs):
+        for x, y in shard:                                # every rank as many steps
+            ...; opt.apply_gradients(...)                 # this rank's own step
+            method.after_step()                           # every sync_every steps: the outer step
+        method.end_epoch(epoch, None)                     # the epoch ends synchronised
+    method.finish()                                       # collective: one model on every rank
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import tensorflow as tf
+
+from hvdx.lifecycle import TrainingMethod
+
+__all__ = ["LocalSGD"]
+
+SYNC_NAME = "hvdx.localsgd.sync"  # the one allreduce's name, the same on every rank and every sync
+
+
+def default_outer_optimizer() -> tf.keras.optimizers.Optimizer:
+    """DiLoCo's outer optimizer (sec. 3): Nesterov momentum 0.9, learning rate 0.7."""
+    return tf.keras.optimizers.SGD(learning_rate=0.7, momentum=0.9, nesterov=True)
+
+
+class LocalSGD(TrainingMethod):
+    """Local SGD with an outer optimizer (module docstring).
+
+    Args:
+      sync_every: local steps between two synchronisations (DiLoCo's H; Lin et al.'s H).
+      outer_optimizer: a plain Keras optimizer applied to the pseudo-gradients (default
+        `default_outer_optimizer()`); `tf.keras.optimizers.SGD(1.0)` makes each
+        synchronisation a plain average of the ranks' models.
+      sync_every_epoch: also synchronise at each epoch's end when local steps are pending
+        (True: validation and checkpoints see one model on every rank; the window of that
+        outer step is shorter). False: only every `sync_every` steps, counted across epochs.
+
+    The lifecycle: `start(model_or_variables, optimizer)` (collective: rank 0's trainable
+    variables everywhere, the anchor set to them); `after_step()` (collective every
+    `sync_every` steps: every rank runs as many steps); `end_epoch()`; `finish()` (the pending
+    steps synchronised: one model on every rank; idempotent); `close()`; `state()` /
+    `restore()`: {"steps", "outer_steps", "sync_every", "outer_optimizer" (its Keras
+    config)}. The outer optimizer's momentum is a variable per anchor variable, not in
+    `state()`: a run that restores only `state()` starts it from zero; keep it with
+    `tf.train.Checkpoint(outer=method.outer_optimizer)`. `reset(topology)`: no transport to
+    drop; the steps since the last synchronisation are abandoned at the next `start()`,
+    which takes rank 0's model again.
+
+    Raises ValueError: `sync_every` not a positive int, an optimizer (inner or outer) that
+    averages gradients itself (hvdx's or Horovod's DistributedOptimizer, DASO), no float
+    trainable variables, or `start()` with other variables than an earlier one.
+    RuntimeError: Horovod not initialized, `after_step()` before `start()`.
+    """
+
+    label = "LocalSGD"
+    same_steps_on_every_rank = True
+    needs_every_step = True
+
+    def __init__(self, sync_every: int = 8, outer_optimizer: Optional[tf.keras.optimizers.Optimizer] = None, *,
+                 sync_every_epoch: bool = True) -> None:
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be a positive number of local steps, got {sync_every!r}")
+        outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
+        if not isinstance(outer, (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)):
+            raise ValueError(f"outer_optimizer must be a Keras optimizer (e.g. "
+                             f"tf.keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)), got {type(outer).__name__}")
+        self.check_optimizer(outer)
+        self.sync_every, self.sync_every_epoch = sync_every, bool(sync_every_epoch)
+        self.outer_optimizer = outer
+        self.variables: List[tf.Variable] = []
+        self.anchor: List[tf.Variable] = []
+        self.steps = 0           # local steps of this run (every rank the same)
+        self.outer_steps = 0     # synchronisations
+        self.pending = 0         # local steps since the last synchronisation
+        self._started = False
+        self._sync_fn = None
+
+    # -- the lifecycle ----------------------------------------------------------------------
+    def start(self, model_or_variables: Any, optimizer: Any = None, *, steps_per_epoch: Optional[int] = None,
+              epochs: Optional[int] = None) -> "LocalSGD":
+        """Collective over all ranks: every rank's trainable float variables take rank 0's
+        values (one broadcast per dtype, fixed names), which become the anchor. Returns self."""
+        if optimizer is not None:
+            self.check_optimizer(optimizer)
+        hvd = _horovod()
+        variables = _trainable(model_or_variables)
+        if self.variables and [id(v) for v in variables] != [id(v) for v in self.variables]:
+            raise ValueError("LocalSGD averages the variables of its first start(); this one passed other variables "
+                             "(use one LocalSGD per model)")
+        if not self.anchor:
+            self.variables = variables
+            with tf.init_scope():
+                self.anchor = [tf.Variable(v.read_value(), trainable=False, name="localsgd_anchor")
+                               for v in variables]
+        for dtype in sorted({v.dtype.name for v in self.variables}):  # one broadcast per dtype
+            group = [v for v in self.variables if v.dtype.name == dtype]
+            flat = tf.concat([tf.reshape(v, [-1]) for v in group], 0)
+            flat = hvd.broadcast(flat, root_rank=0, name=f"hvdx.localsgd.start.{dtype}")
+            for v, piece in zip(group, tf.split(flat, [int(tf.size(v)) for v in group])):
+                v.assign(tf.reshape(piece, v.shape))
+        for a, v in zip(self.anchor, self.variables):
+            a.assign(v)
+        self.pending = 0
+        self._started = True
+        return self
+
+    def after_step(self) -> None:
+        """Counts this rank's local step; every `sync_every` of them, `synchronize()`
+        (collective)."""
+        if not self._started:
+            raise RuntimeError("LocalSGD.after_step() needs start(model, optimizer) first (collective over all "
+                               "ranks; again after reset())")
+        self.steps += 1
+        self.pending += 1
+        if self.pending >= self.sync_every:
+            self.synchronize()
+
+    def synchronize(self) -> None:
+        """Collective: the pseudo-gradient anchor - mean(x_local) (one fused allreduce), the
+        outer optimizer's step on the anchor, every rank's variables := the anchor."""
+        if self._sync_fn is None:
+            self._sync_fn = tf.function(self._sync_graph, autograph=False)
+        self._sync_fn()
+        self.pending = 0
+        self.outer_steps += 1
+
+    def _sync_graph(self) -> None:
+        hvd = sys.modules["horovod.tensorflow"]
+        means = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in self.variables], op=hvd.Average,
+                                      name=SYNC_NAME)
+        deltas = [a - m for a, m in zip(self.anchor, means)]
+        self.outer_optimizer.apply_gradients(zip(deltas, self.anchor))
+        for v, a in zip(self.variables, self.anchor):  # after the outer step: ordered on the anchor's resource
+            v.assign(a.read_value())
+
+    def end_epoch(self, epoch: int, logs: Optional[Mapping[str, Any]]) -> None:
+        """With `sync_every_epoch` and local steps pending: `synchronize()` (collective)."""
+        if self.sync_every_epoch and self._started and self.pending:
+            self.synchronize()
+
+    def finish(self) -> None:
+        """Collective: the pending local steps synchronised, so every rank holds the anchor
+        (the same model); nothing when none is pending. Idempotent."""
+        if self._started and self.pending:
+            self.synchronize()
+
+    def close(self) -> None:
+        """Nothing to release (the allreduce is Horovod's); the method needs start() again."""
+        self._started = False
+
+    def reset(self, topology: Any = None) -> None:
+        """No transport to drop (Horovod's collectives follow the new membership); the counts
+        stay. The next start() takes rank 0's model again (collective), abandoning the local
+        steps since the last synchronisation."""
+        self._started = False
+        self.pending = 0
+
+    def state(self) -> Dict[str, Any]:
+        """{"steps", "outer_steps", "sync_every", "outer_optimizer": its Keras config} (JSON)."""
+        return {"steps": self.steps, "outer_steps": self.outer_steps, "sync_every": self.sync_every,
+                "outer_optimizer": tf.keras.optimizers.serialize(self.outer_optimizer)}
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Takes back a `state()`: the counts, `sync_every` and the outer optimizer (rebuilt from
+        its config where it differs; its momentum starts from zero)."""
+        self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
+        self.sync_every = int(state["sync_every"])
+        config = state.get("outer_optimizer")
+        if config is not None and config != tf.keras.optimizers.serialize(self.outer_optimizer):
+            self.outer_optimizer = tf.keras.optimizers.deserialize(dict(config))
+            self._sync_fn = None
+
+    def stats(self) -> Dict[str, Any]:
+        """{"method", "steps", "outer_steps", "pending", "sync_every"} of this rank."""
+        return {"method": self.label, "steps": self.steps, "outer_steps": self.outer_steps, "pending": self.pending,
+                "sync_every": self.sync_every}
+
+
+def _horovod():
+    hvd = sys.modules.get("horovod.tensorflow")
+    if hvd is None or not hvd.is_initialized():
+        raise RuntimeError("LocalSGD needs Horovod initialized: call hvdx.init() first")
+    return hvd
+
+
+def _trainable(model_or_variables: Any) -> List[tf.Variable]:
+    """The trainable float variables of a Keras model, or the given variables (checked)."""
+    trainable = getattr(model_or_variables, "trainable_variables", None)
+    variables: Sequence[Any] = list(trainable) if trainable is not None else list(model_or_variables)
+    if not variables:
+        raise ValueError("LocalSGD needs the model's trainable variables, got none (build the model first)")
+    for v in variables:
+        if not isinstance(v, tf.Variable) or not v.dtype.is_floating:
+            raise ValueError(f"LocalSGD averages float tf.Variables; got {getattr(v, 'name', type(v).__name__)} "
+                             f"({getattr(getattr(v, 'dtype', None), 'name', type(v).__name__)})")
+    return list(variables)
