@@ -31,7 +31,8 @@ import tensorflow as tf
 import hvdx
 from hvdx import checkpoints, phases as ph, throughput
 from hvdx.data import augment, batches, demo
-from hvdx.history import EpochLog, first_reaching, plot_curves
+from hvdx.callbacks import CheckpointCallback, EpochLog
+from hvdx.history import first_reaching, plot_curves
 from hvdx.optimizers import LARS
 
 
@@ -311,7 +312,7 @@ def train(config: Config) -> dict:
     callbacks = [hvdx.callbacks.SwitchCommunication(config.switch_epoch, "hierarchical"),
                  hvd_callbacks.MetricAverageCallback(),  # validation metrics: the mean over ranks
                  EpochLog(config.phases, topo.size, history, history[-1]["elapsed"] if history else 0.0),
-                 checkpoints.CheckpointCallback(saved, checkpoint, topo.rank, state_path, lambda e, name: dict(
+                 CheckpointCallback(saved, checkpoint, topo.rank, state_path, lambda e, name: dict(
                      epoch=e + 1, phase=history[-1]["phase"], resolution=history[-1]["resolution"],
                      communication=history[-1]["communication"], checkpoint=name, history=history))]
     while epoch < stop:

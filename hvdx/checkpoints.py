@@ -8,7 +8,7 @@ docs/comm.md). The order after an epoch makes a stop at any moment resumable: ev
 writes epoch N, then rank 0 writes the state naming N, then every rank removes the old ones.
 
     checkpoints = EpochCheckpoints(os.path.join(out, "checkpoints", f"rank{rank}"), keep=3)
-    model.fit(..., callbacks=[CheckpointCallback(checkpoints, tf.train.Checkpoint(model=model,
+    model.fit(..., callbacks=[hvdx.callbacks.CheckpointCallback(checkpoints, tf.train.Checkpoint(model=model,
               optimizer=model.optimizer), rank, os.path.join(out, "state.json"), state)])
 """
 from __future__ import annotations
@@ -17,13 +17,12 @@ import glob
 import json
 import os
 import re
-from typing import Any, Callable, List, Optional
+from typing import Any, List, Optional
 
 import tensorflow as tf
 
-from hvdx.topology import barrier
 
-__all__ = ["CheckpointCallback", "EpochCheckpoints", "read_state", "write_json"]
+__all__ = ["EpochCheckpoints", "read_state", "write_json"]
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -96,23 +95,3 @@ class EpochCheckpoints:
             for data in glob.glob(glob.escape(prefix) + ".data-*"):
                 os.remove(data)
         return removed
-
-
-class CheckpointCallback(tf.keras.callbacks.Callback):
-    """After every epoch: every rank writes `checkpoint` (`checkpoints.write`); once all have,
-    rank 0 writes `state(epoch, checkpoint name)` to `state_path` (`write_json`); once it
-    has, every rank prunes its old checkpoints. Collective: two barriers per epoch."""
-
-    def __init__(self, checkpoints: EpochCheckpoints, checkpoint: tf.train.Checkpoint, rank: int, state_path: str,
-                 state: Callable[[int, str], dict]) -> None:
-        super().__init__()
-        self.checkpoints, self.checkpoint, self.rank = checkpoints, checkpoint, rank
-        self.state_path, self.state = state_path, state
-
-    def on_epoch_end(self, epoch: int, logs=None) -> None:
-        path = self.checkpoints.write(self.checkpoint, epoch + 1)
-        barrier()
-        if self.rank == 0:
-            write_json(self.state_path, self.state(epoch, os.path.basename(path)))
-        barrier()
-        self.checkpoints.prune(epoch + 1)

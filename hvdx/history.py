@@ -3,7 +3,7 @@ with (phase, resolution, batch, strategy, learning rate), how fast (`hvdx.throug
 metrics; when a target metric was first met; the curves as a PNG.
 
     history = []
-    model.fit(..., callbacks=[hvd_callbacks.MetricAverageCallback(), EpochLog(phases, ranks, history)])
+    model.fit(..., callbacks=[hvd_callbacks.MetricAverageCallback(), hvdx.callbacks.EpochLog(phases, ranks, history)])
     reached = first_reaching(history, "val_top1", 0.9)
     plot_curves(history, phases, "curves.png", marks={13: "HiTopK -> 2DTAR"})
 """
@@ -11,39 +11,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from hvdx.phases import Phase, phase_at, phase_start
-from hvdx.throughput import EpochTimer
+from hvdx.phases import Phase, phase_start
 
-__all__ = ["EpochLog", "first_reaching", "plot_curves"]
-
-
-class EpochLog(EpochTimer):
-    """After every epoch, appends to `history` a dict: "epoch", "phase" (index into
-    `phases`), "resolution", "batch_size", "communication" (the class name of the
-    hvdx.DistributedOptimizer's strategy), "steps", "seconds" (the training steps),
-    "epoch_seconds" (with validation), "elapsed" (the run's epochs so far, from `elapsed`:
-    the time of the epochs before a resume), "step_s" and "samples_per_s" (over `ranks`
-    ranks; `EpochTime`), "lr" (the wrapped optimizer's), and the epoch's logs as floats (put
-    Horovod's MetricAverageCallback before it for metrics averaged over ranks)."""
-
-    def __init__(self, phases: Sequence[Phase], ranks: int, history: List[dict], elapsed: float = 0.0) -> None:
-        super().__init__()
-        self.phases, self.ranks, self.history, self.elapsed = list(phases), ranks, history, elapsed
-
-    def on_epoch_end(self, epoch: int, logs=None) -> None:
-        super().on_epoch_end(epoch, logs)
-        time = self.last
-        self.elapsed += time.epoch_seconds
-        index, phase = phase_at(self.phases, epoch)
-        optimizer = self.model.optimizer
-        while not hasattr(optimizer, "communication") and hasattr(optimizer, "inner_optimizer"):
-            optimizer = optimizer.inner_optimizer  # under a LossScaleOptimizer
-        self.history.append(dict(
-            epoch=epoch, phase=index, resolution=phase.resolution, batch_size=phase.batch_size,
-            communication=type(optimizer.communication).__name__, steps=time.steps, seconds=time.seconds,
-            epoch_seconds=time.epoch_seconds, elapsed=self.elapsed, step_s=time.step_s,
-            samples_per_s=time.samples_per_s(phase.batch_size, self.ranks),
-            lr=float(optimizer.inner_optimizer.learning_rate), **{k: float(v) for k, v in (logs or {}).items()}))
+__all__ = ["first_reaching", "plot_curves"]
 
 
 def first_reaching(history: Sequence[dict], metric: str, goal: float) -> Optional[dict]:

@@ -7,7 +7,7 @@ is SE = samples/s on P ranks / (P x one rank's samples/s) at the same resolution
 one rank's comes from `single_rank_throughput` (every rank training alone, at once) or from
 a 1-rank run's summary (`load_baseline`).
 
-    timer = EpochTimer()                       # a Keras callback: timer.last after each epoch
+    timer = hvdx.callbacks.EpochTimer()        # a Keras callback: timer.last after each epoch
     rows = phase_throughput(history, phases)   # history: one dict per epoch (see phase_throughput)
     scaling_efficiency(rows, ranks, single_rank_throughput(model, phases, 20, rank, classes), "20 steps")
     print(table(rows, ranks, nodes))
@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from hvdx.phases import Phase
 
-__all__ = ["EpochTime", "EpochTimer", "comm_shares", "comm_time", "load_baseline", "phase_throughput",
+__all__ = ["EpochTime", "comm_shares", "comm_time", "load_baseline", "phase_throughput",
            "scaling_efficiency", "single_rank_throughput", "table"]
 
 
@@ -56,37 +56,6 @@ class EpochTime:
         """Samples/s over all ranks of the timed steps, `batch_size` samples per rank and step."""
         steps, seconds = self.timed()
         return steps * batch_size * ranks / seconds
-
-
-class EpochTimer(tf.keras.callbacks.Callback):
-    """Times each epoch of `Model.fit`: `last` is the EpochTime of the epoch that just ended
-    (set at the start of `on_epoch_end`; a subclass reads it after `super().on_epoch_end`).
-    Its per-batch work is one clock read at the first batch of an epoch."""
-
-    _supports_tf_logs = True  # its batch hook reads no logs: Keras need not convert them each step
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.last: Optional[EpochTime] = None
-        self._started = 0.0
-        self._trained: Optional[float] = None
-        self._first: Optional[float] = None
-
-    def on_epoch_begin(self, epoch: int, logs=None) -> None:
-        self._started, self._trained, self._first = time.perf_counter(), None, None
-
-    def on_train_batch_end(self, batch: int, logs=None) -> None:
-        if self._first is None:
-            self._first = time.perf_counter() - self._started
-
-    def on_test_begin(self, logs=None) -> None:
-        if self._trained is None:  # fit validates inside the epoch: its training steps end here
-            self._trained = time.perf_counter() - self._started
-
-    def on_epoch_end(self, epoch: int, logs=None) -> None:
-        epoch_seconds = time.perf_counter() - self._started
-        self.last = EpochTime(self.params["steps"], epoch_seconds if self._trained is None else self._trained,
-                              epoch_seconds, self._first)
 
 
 def phase_throughput(history: Sequence[dict], phases: Sequence[Phase]) -> List[dict]:

@@ -6,14 +6,21 @@
   epoch) and `CommunicationPolicy` (dense -> HiTopK -> 2DTAR at epochs or on a plateau);
 - `method.py`: `TrainingMethodCallback`, the one driver of every `hvdx.lifecycle.TrainingMethod`
   (DASO, AD-PSGD, the shared-memory family, LocalSGD), and its old names `DASOCallback`,
-  `ADPSGDCallback`, `SharedModelCallback`.
+  `ADPSGDCallback`, `SharedModelCallback`;
+- `phased.py`: `EpochTimer` (each epoch's training time) and `EpochLog` (each epoch's phase,
+  strategy, rate, throughput and metrics) of a phased run (`hvdx.phases`);
+- `checkpoints.py`: `CheckpointCallback` (every rank's checkpoint after each epoch, the run's
+  state, the old ones pruned: `hvdx.checkpoints`).
 
 Horovod's other callbacks work unchanged with hvdx's optimizer (`hvdx.keras.callbacks` holds
 them all).
 """
 from hvdx.callbacks.broadcast import BroadcastGlobalVariablesCallback, check_same_steps
+from hvdx.callbacks.checkpoints import CheckpointCallback
 from hvdx.callbacks.communication import CommunicationPolicy, Phase, SwitchCommunication, switch
 from hvdx.callbacks.method import ADPSGDCallback, DASOCallback, SharedModelCallback, TrainingMethodCallback
+from hvdx.callbacks.phased import EpochLog, EpochTimer
 
-__all__ = ["ADPSGDCallback", "BroadcastGlobalVariablesCallback", "CommunicationPolicy", "DASOCallback", "Phase",
-           "SharedModelCallback", "SwitchCommunication", "TrainingMethodCallback", "check_same_steps", "switch"]
+__all__ = ["ADPSGDCallback", "BroadcastGlobalVariablesCallback", "CheckpointCallback", "CommunicationPolicy",
+           "DASOCallback", "EpochLog", "EpochTimer", "Phase", "SharedModelCallback", "SwitchCommunication",
+           "TrainingMethodCallback", "check_same_steps", "switch"]

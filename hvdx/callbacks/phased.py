@@ -1,0 +1,74 @@
+"""The epochs of a phased training run (`hvdx.phases`) in `Model.fit`: how long each took
+(`EpochTimer`, `hvdx.throughput.EpochTime`) and what it trained with (`EpochLog`, the records
+`hvdx.history` and `hvdx.throughput` read)."""
+from __future__ import annotations
+
+import time
+from typing import List, Optional, Sequence
+
+import tensorflow as tf
+
+from hvdx.phases import Phase, phase_at
+from hvdx.throughput import EpochTime
+
+__all__ = ["EpochLog", "EpochTimer"]
+
+
+class EpochTimer(tf.keras.callbacks.Callback):
+    """Times each epoch of `Model.fit`: `last` is the EpochTime of the epoch that just ended
+    (set at the start of `on_epoch_end`; a subclass reads it after `super().on_epoch_end`).
+    Its per-batch work is one clock read at the first batch of an epoch."""
+
+    _supports_tf_logs = True  # its batch hook reads no logs: Keras need not convert them each step
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.last: Optional[EpochTime] = None
+        self._started = 0.0
+        self._trained: Optional[float] = None
+        self._first: Optional[float] = None
+
+    def on_epoch_begin(self, epoch: int, logs=None) -> None:
+        self._started, self._trained, self._first = time.perf_counter(), None, None
+
+    def on_train_batch_end(self, batch: int, logs=None) -> None:
+        if self._first is None:
+            self._first = time.perf_counter() - self._started
+
+    def on_test_begin(self, logs=None) -> None:
+        if self._trained is None:  # fit validates inside the epoch: its training steps end here
+            self._trained = time.perf_counter() - self._started
+
+    def on_epoch_end(self, epoch: int, logs=None) -> None:
+        epoch_seconds = time.perf_counter() - self._started
+        self.last = EpochTime(self.params["steps"], epoch_seconds if self._trained is None else self._trained,
+                              epoch_seconds, self._first)
+
+
+class EpochLog(EpochTimer):
+    """After every epoch, appends to `history` a dict: "epoch", "phase" (index into
+    `phases`), "resolution", "batch_size", "communication" (the class name of the
+    hvdx.DistributedOptimizer's strategy), "steps", "seconds" (the training steps),
+    "epoch_seconds" (with validation), "elapsed" (the run's epochs so far, from `elapsed`:
+    the time of the epochs before a resume), "step_s" and "samples_per_s" (over `ranks`
+    ranks; `EpochTime`), "lr" (the wrapped optimizer's), and the epoch's logs as floats (put
+    Horovod's MetricAverageCallback before it for metrics averaged over ranks)."""
+
+    def __init__(self, phases: Sequence[Phase], ranks: int, history: List[dict], elapsed: float = 0.0) -> None:
+        super().__init__()
+        self.phases, self.ranks, self.history, self.elapsed = list(phases), ranks, history, elapsed
+
+    def on_epoch_end(self, epoch: int, logs=None) -> None:
+        super().on_epoch_end(epoch, logs)
+        time = self.last
+        self.elapsed += time.epoch_seconds
+        index, phase = phase_at(self.phases, epoch)
+        optimizer = self.model.optimizer
+        while not hasattr(optimizer, "communication") and hasattr(optimizer, "inner_optimizer"):
+            optimizer = optimizer.inner_optimizer  # under a LossScaleOptimizer
+        self.history.append(dict(
+            epoch=epoch, phase=index, resolution=phase.resolution, batch_size=phase.batch_size,
+            communication=type(optimizer.communication).__name__, steps=time.steps, seconds=time.seconds,
+            epoch_seconds=time.epoch_seconds, elapsed=self.elapsed, step_s=time.step_s,
+            samples_per_s=time.samples_per_s(phase.batch_size, self.ranks),
+            lr=float(optimizer.inner_optimizer.learning_rate), **{k: float(v) for k, v in (logs or {}).items()}))
