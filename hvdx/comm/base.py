@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -19,6 +19,9 @@ import tensorflow as tf
 from hvdx.comm import registry
 from hvdx.layout import check_agreement
 from hvdx.topology import Topology, set_rank_and_size, topology
+
+if TYPE_CHECKING:
+    from hvdx.comm.traits import OptimizerTraits
 
 __all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
            "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
@@ -222,6 +225,21 @@ class Strategy:
             raise ValueError(f"communication={cls.key!r}{kind} does not take {', '.join(extra)} (taken: {taken}). "
                              "Drop them, or choose a strategy that takes them.")
         return cls(**{k: v for k, v in options.items() if k in cls.options})
+
+    @classmethod
+    def defaults_for(cls, traits: "OptimizerTraits", options: Mapping[str, Any]) -> Dict[str, Any]:
+        """The aids this strategy applies by default for an optimizer of `traits`
+        (`hvdx.comm.traits`), given the `options` the user gave (its options, and the aids of
+        hvdx's optimizer wrapper, `hvdx.comm.choice.WRAPPER_AIDS`, that were given).
+
+        Returns:
+          The options to use where the user gave none (keys of `cls.options`), and wrapper
+          aids to turn on (e.g. local_trust_ratio); a key of `options` is never among them.
+          The base strategy (the dense ones): {}. `hvdx.comm.choice.StrategyChoice` asks it
+          when a strategy is chosen by name (a strategy instance is used as it is); the tape
+          wraps no optimizer and asks with `OptimizerTraits()`.
+        """
+        return {}
 
     def get_config(self) -> Dict[str, Any]:
         """This strategy's own options (not Horovod's, `HOROVOD_OPTIONS`) as JSON values;
