@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.comm import registry
+from hvdx.comm.traits import OptimizerTraits
 from hvdx.layout import check_agreement
 from hvdx.topology import Topology, set_rank_and_size, topology
-
-if TYPE_CHECKING:
-    from hvdx.comm.traits import OptimizerTraits
 
 __all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
            "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
@@ -227,7 +225,7 @@ class Strategy:
         return cls(**{k: v for k, v in options.items() if k in cls.options})
 
     @classmethod
-    def defaults_for(cls, traits: "OptimizerTraits", options: Mapping[str, Any]) -> Dict[str, Any]:
+    def defaults_for(cls, traits: OptimizerTraits, options: Mapping[str, Any]) -> Dict[str, Any]:
         """The aids this strategy applies by default for an optimizer of `traits`
         (`hvdx.comm.traits`), given the `options` the user gave (its options, and the aids of
         hvdx's optimizer wrapper, `hvdx.comm.choice.WRAPPER_AIDS`, that were given).
