@@ -29,8 +29,7 @@ their norms from the reduce-scattered slices it maps back to variables).
 from __future__ import annotations
 
 import logging
-import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -38,11 +37,14 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.buckets import MAX_BUCKET_ELEMENTS, AggregationRecord, BucketRecord, plan
 from hvdx.comm.base import DEFAULT_BUCKET_BYTES
+from hvdx.comm.choice import StrategyChoice, environment_default
 from hvdx.comm.dense import OP_NAMES
 from hvdx.comm.memory import commit
+from hvdx.comm.traits import OptimizerTraits
 from hvdx.layout import check_agreement
 
-__all__ = ["AUTO_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "default_communication"]
+__all__ = ["AUTO_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "choose",
+           "default_communication"]
 
 _log = logging.getLogger("hvdx")
 
@@ -50,16 +52,8 @@ _log = logging.getLogger("hvdx")
 #: DEFAULT_BUCKET_BYTES, except 2DTAR's 4 MiB).
 AUTO_BUCKET_BYTES = "auto"
 
-
-def default_communication() -> Tuple[str, Optional[float]]:
-    """The strategy (and density) used when none is given: dense averaging, exactly what
-    Horovod does, unless $HVDX_COMMUNICATION (and $HVDX_DENSITY, for a strategy that takes
-    a density) say otherwise, which lets an unmodified Horovod script run sparse."""
-    key = comm.resolve_name(os.environ.get("HVDX_COMMUNICATION", "allreduce"))
-    density = os.environ.get("HVDX_DENSITY")
-    if not density or "density" not in comm.strategy_class(key).options:
-        return key, None
-    return key, float(density)
+#: The strategy (and density) used when none is given (`hvdx.comm.choice.environment_default`).
+default_communication = environment_default
 
 
 class _Book:
@@ -69,7 +63,7 @@ class _Book:
         self.var_sets: Dict[Any, str] = {}
         self.verified: set = set()
         self.checks = 0
-        self.options: Dict[str, Any] = {}
+        self.choice: Optional[StrategyChoice] = None
         self.local_refs: set = set()
         self.strategies: List[comm.Strategy] = []
         self.groups: Any = None
@@ -77,20 +71,26 @@ class _Book:
         self.last_aggregation: Optional[AggregationRecord] = None
 
 
-def aggregator_options(communication: Union[str, comm.Strategy, None], *, density: Optional[float] = None,
-                       num_samplings: Optional[int] = None, wire_dtype=None, compression=None, op=hvd.Average,
-                       gradient_predivide_factor: float = 1.0,
-                       process_set: hvd.ProcessSet = hvd.global_process_set,
-                       aids: Optional[Dict[str, Any]] = None) -> Tuple[comm.Strategy, Dict[str, Any]]:
-    """Validates the user's options once, at construction. `aids`: DGC's convergence aids
-    (`hvdx.comm.dgc`) by option name, None values meaning not given.
+def choose(communication: Union[str, comm.Strategy, None], options: Optional[Mapping[str, Any]] = None, *,
+           compression=None, op=hvd.Average, gradient_predivide_factor: float = 1.0,
+           process_set: hvd.ProcessSet = hvd.global_process_set, traits: Optional[OptimizerTraits] = None,
+           wrapper_aids: Optional[Mapping[str, Any]] = None) -> StrategyChoice:
+    """The strategy choice of an optimizer wrapper or tape, validated once, at construction:
+    Horovod's keywords (op, gradient_predivide_factor, compression, process_set) translated
+    into the strategy options they mean, and everything handed to
+    `hvdx.comm.choice.StrategyChoice.resolve`.
 
-    Returns:
-      (the strategy, the options that build another strategy when it is switched: each
-      takes those of them it declares in `Strategy.options`).
+    Args:
+      communication: a strategy name, instance, or None (the environment's).
+      options: the strategy options by name (None values: not given).
+      compression: Horovod's compressor (hvd.Compression.fp16: wire_dtype=float16).
+      op, gradient_predivide_factor, process_set: Horovod's.
+      traits: the wrapped optimizer's (its defaults, `Strategy.defaults_for`); None: none.
+      wrapper_aids: hvdx.DistributedOptimizer's own aids (`hvdx.comm.choice.WRAPPER_AIDS`).
     Raises:
-      ValueError: an option that does not apply to the strategy, a bad value, or options
-        given beside a strategy instance.
+      ValueError: a bad value, an option that does not apply to the strategy (at `build`),
+        contradicting options, or options given beside a strategy instance.
+      TypeError: an option no registered strategy takes.
     """
     if op not in OP_NAMES:
         raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
@@ -99,18 +99,15 @@ def aggregator_options(communication: Union[str, comm.Strategy, None], *, densit
         raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
     if gradient_predivide_factor != 1.0 and op is not hvd.Average:
         raise ValueError("gradient_predivide_factor != 1.0 only goes with op=hvd.Average (as in Horovod)")
-    # hvdx's options: every one given must be taken by the strategy.
-    given: Dict[str, Any] = {k: v for k, v in (("density", density), ("num_samplings", num_samplings),
-                                               ("wire_dtype", wire_dtype)) if v is not None}
-    given.update({k: v for k, v in (aids or {}).items() if v is not None})
+    given: Dict[str, Any] = {k: v for k, v in (options or {}).items() if v is not None}
     if compression is hvd.Compression.fp16:  # Horovod's fp16 compression: a float16 wire everywhere
+        wire_dtype = given.get("wire_dtype")
         if wire_dtype is not None and tf.as_dtype(wire_dtype) != tf.float16:
             raise ValueError(f"compression=hvd.Compression.fp16 and wire_dtype={tf.as_dtype(wire_dtype).name} "
                              "contradict")
         given["wire_dtype"] = tf.float16
     elif compression is not None and compression is not hvd.Compression.none:
         given["compression"] = compression
-    # Horovod's options: passed where the strategy takes them.
     horovod: Dict[str, Any] = {}
     if op is not hvd.Average:
         horovod["op"] = op
@@ -118,51 +115,56 @@ def aggregator_options(communication: Union[str, comm.Strategy, None], *, densit
         horovod["process_set"] = process_set
     if gradient_predivide_factor != 1.0:  # Horovod's split of the average, for equal rounding
         horovod.update(prescale_factor=1.0 / gradient_predivide_factor, postscale_factor=gradient_predivide_factor)
-    if isinstance(communication, comm.Strategy):
-        if given:
-            raise ValueError(f"options {sorted(given)} given with the strategy instance {communication!r}: "
-                             "configure the instance itself, e.g. hvdx.comm.HiTopK(density=0.01)")
-        if horovod and "op" not in communication.options:
-            raise ValueError("op, gradient_predivide_factor and process_set apply to strategies that take them "
-                             f"({comm.registry.takers('op')}); {communication!r} averages over every rank of "
-                             "hvdx.init()'s topology")
-        return communication, {}
-    if communication is None:
-        key, env_density = default_communication()
-        if density is None and env_density is not None:
-            given["density"] = env_density
-    else:
-        key = comm.resolve_name(communication)
-    takes = comm.strategy_class(key).options
-    if op is hvd.Adasum and "op" not in takes:
-        raise ValueError(f"op=hvd.Adasum combines gradients pairwise and needs a strategy that takes op "
-                         f"({comm.registry.takers('op')}), not communication={key!r}")
-    if "process_set" in horovod and "process_set" not in takes:
-        raise ValueError(f"process_set= runs on a subset of ranks and needs a strategy that takes it "
-                         f"({comm.registry.takers('process_set')}); {key!r} aggregates over every rank of "
-                         "hvdx.init()'s topology")
-    strategy = comm.get(key, **given, **{k: v for k, v in horovod.items() if k in takes})
-    return strategy, {**given, **horovod}
+    return StrategyChoice.resolve(communication, given, horovod=horovod, aids=wrapper_aids, traits=traits)
+
+
+def aggregator_options(communication: Union[str, comm.Strategy, None], *, density: Optional[float] = None,
+                       num_samplings: Optional[int] = None, wire_dtype=None, compression=None, op=hvd.Average,
+                       gradient_predivide_factor: float = 1.0,
+                       process_set: hvd.ProcessSet = hvd.global_process_set,
+                       aids: Optional[Dict[str, Any]] = None) -> Tuple[comm.Strategy, Dict[str, Any]]:
+    """The strategy `choose` builds, and the options a switch keeps (the given and Horovod's),
+    for callers of the former interface; `aids`: more strategy options by name."""
+    choice = choose(communication, dict(aids or {}, density=density, num_samplings=num_samplings,
+                                        wire_dtype=wire_dtype), compression=compression, op=op,
+                    gradient_predivide_factor=gradient_predivide_factor, process_set=process_set)
+    return choice.build(), {**choice.options, **choice.horovod}
 
 
 class GradientAggregator(tf.Module):
     """Fuses gradients into buckets, aggregates each with a strategy, splits them back.
 
-    Construct it through DistributedOptimizer or DistributedGradientTape, which validate
-    the options (`aggregator_options`). The strategy can be replaced between steps
-    (`aggregator.strategy = "hierarchical"`); every strategy used keeps its residuals, so
-    switching back resumes them.
+    DistributedOptimizer and DistributedGradientTape construct one with their options; the
+    strategy choice is resolved and validated once, here (`choose`, `choice`). The strategy
+    can be replaced between steps (`aggregator.strategy = "hierarchical"`, `switch`); every
+    strategy used keeps its residuals, so switching back resumes them.
+
+    Args:
+      communication: a strategy name, instance, or None ($HVDX_COMMUNICATION, else "allreduce").
+      bucket_bytes: the bucket size: an int, None (one bucket per dtype) or "auto" (the
+        strategy's own, `Strategy.bucket_bytes`).
+      op, gradient_predivide_factor, compression, sparse_as_dense, process_set, groups,
+        num_groups, scale_local_gradients, device_dense, device_sparse: Horovod's.
+      loss_scale: a LossScaleOptimizer, variable or callable: the gradients are of a
+        scaled loss (residuals are rescaled when it changes).
+      traits: the wrapped optimizer's (`hvdx.comm.traits`), for the strategy's defaults
+        (`Strategy.defaults_for`); None: no optimizer (the tape).
+      wrapper_aids: hvdx.DistributedOptimizer's own aids, as given (`hvdx.comm.choice.WRAPPER_AIDS`).
+      strategy_options: the strategy's options by name (density=, num_samplings=,
+        wire_dtype=, DGC's aids, a registered strategy's own; None: not given).
+    Raises:
+      ValueError, TypeError: as `choose` and `StrategyChoice.build`; a bad bucket_bytes or groups.
     """
 
-    def __init__(self, communication: Union[str, comm.Strategy, None] = None, *, density: Optional[float] = None,
-                 num_samplings: Optional[int] = None, wire_dtype=None,
+    def __init__(self, communication: Union[str, comm.Strategy, None] = None, *,
                  bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES, op=hvd.Average,
                  gradient_predivide_factor: float = 1.0, compression=None,
                  sparse_as_dense: bool = False, process_set: hvd.ProcessSet = hvd.global_process_set,
                  groups: Union[None, int, Sequence[Sequence[tf.Variable]]] = None, num_groups: int = 0,
                  scale_local_gradients: bool = True, device_dense: str = "", device_sparse: str = "",
                  loss_scale: Union[None, Callable[[], tf.Tensor], Any] = None,
-                 aids: Optional[Dict[str, Any]] = None, name: str = "hvdx_aggregator") -> None:
+                 traits: Optional[OptimizerTraits] = None, wrapper_aids: Optional[Mapping[str, Any]] = None,
+                 name: str = "hvdx_aggregator", **strategy_options: Any) -> None:
         super().__init__(name=name)
         if bucket_bytes is not None and bucket_bytes != AUTO_BUCKET_BYTES and (
                 isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
@@ -176,12 +178,12 @@ class GradientAggregator(tf.Module):
             raise ValueError("groups must be an int (that many buckets) or a list of lists of variables")
         if isinstance(groups, int) and groups < 0:
             raise ValueError(f"groups must be >= 0, got {groups}")
-        strategy, options = aggregator_options(
-            communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
-            compression=compression, op=op, gradient_predivide_factor=gradient_predivide_factor,
-            process_set=process_set, aids=aids)
+        choice = choose(communication, strategy_options, compression=compression, op=op,
+                        gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
+                        traits=traits, wrapper_aids=wrapper_aids)
+        strategy = choice.build()
         self._book = _Book()
-        self._book.options = options
+        self._book.choice = choice
         self._sum = op is hvd.Sum
         self.sparse_as_dense = bool(sparse_as_dense)
         self.process_set = process_set
@@ -194,7 +196,7 @@ class GradientAggregator(tf.Module):
         self.bucket_bytes = bucket_bytes
         self.max_bucket_elements = MAX_BUCKET_ELEMENTS
         self._memories: List[comm.ResidualMemory] = []  # tracked: checkpoints carry the residuals
-        self.strategy = strategy
+        self._use(strategy)
 
     # -- configuration -----------------------------------------------------------------
     @property
@@ -205,14 +207,29 @@ class GradientAggregator(tf.Module):
     def strategy(self, communication: Union[str, comm.Strategy]) -> None:
         self.switch(communication)
 
-    def switch(self, communication: Union[str, comm.Strategy], defaults: Optional[Dict[str, Any]] = None) -> None:
+    @property
+    def choice(self) -> StrategyChoice:
+        """The strategy choice (`hvdx.comm.choice.StrategyChoice`): the current strategy's name or
+        instance, the options given, the wrapped optimizer's traits."""
+        return self._book.choice
+
+    def switch(self, communication: Union[str, comm.Strategy], traits: Optional[OptimizerTraits] = None) -> None:
         """Uses `communication` from the next trace on: an instance as it is, a name built from
-        the options given at construction that apply to it, then `defaults` (options this
-        name gets when the user gave none, e.g. the optimizer's convergence aids); an earlier
-        instance equal to it is reused (its residuals with it)."""
-        options = {} if isinstance(communication, comm.Strategy) else \
-            dict(defaults or {}, **self._book.options, strict=False)
-        strategy = comm.get(communication, **options)
+        the options given at construction that apply to it over the defaults it decides for
+        the wrapped optimizer (`StrategyChoice.switch`; `traits`: the optimizer's now, None:
+        those given at construction); an earlier instance equal to it is reused (its
+        residuals with it).
+
+        Raises:
+          ValueError: an unknown name, or a bad value for the new strategy.
+        """
+        choice = self._book.choice.switch(communication, traits)
+        strategy = choice.build(strict=False)
+        self._book.choice = choice
+        self._use(strategy)
+
+    def _use(self, strategy: comm.Strategy) -> None:
+        """Makes `strategy` the current one, or an earlier instance equal to it."""
         for known in self._book.strategies:  # reuse an earlier instance of the same kind
             if type(known) is type(strategy) and repr(known) == repr(strategy):
                 strategy = known

@@ -4,7 +4,10 @@
     opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk",
                                     density=0.01)                                    # sparse
 
-The arguments are Horovod's, in Horovod's order, followed by hvdx's keyword-only ones.
+The arguments are Horovod's, in Horovod's order, followed by hvdx's keyword-only ones;
+the strategy's options (density=, ...) travel as one mapping, validated and resolved once
+with the strategy choice (`hvdx.comm.choice`), and the strategy decides its default aids
+for the wrapped optimizer's traits (`hvdx.comm.traits`, `Strategy.defaults_for`).
 Aggregation runs at Keras' gradient-aggregation hook (`aggregate_gradients`), which a
 LossScaleOptimizer (mixed precision) calls before its finiteness check: every rank decides
 on the same averaged gradients, so no rank skips a step the others take.
@@ -13,8 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import inspect
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, List, Optional, Sequence, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -23,8 +25,10 @@ from hvdx import comm
 from hvdx.accumulation import LocalAccumulator, aggregate_passes
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.buckets import AggregationObserver
+from hvdx.comm import sparse
 from hvdx.comm.base import HOROVOD_OPTIONS
 from hvdx.comm.dense import OP_NAMES
+from hvdx.comm.traits import OptimizerTraits, plain_number, traits_of
 from hvdx.wrapped import Momentum, check_not_horovods, subclass_for
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -66,31 +70,34 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     hvdx's (keyword only):
       communication: "allreduce" (default: exactly Horovod's averaging), "hierarchical"
-        (2DTAR), "hitopk" (HiTopKComm) or "sparse_allgather" (NaiveAG), or an
-        hvdx.comm.Strategy. $HVDX_COMMUNICATION / $HVDX_DENSITY change the default.
-      density, num_samplings: MSTopK's options for the sparse strategies (density 0.01 by
-        default there; rejected with a dense strategy).
-      wire_dtype: the type values travel in (float32, float16, bfloat16).
+        (2DTAR), "hitopk" (HiTopKComm) or "sparse_allgather" (NaiveAG), another registered
+        name, or an hvdx.comm.Strategy. $HVDX_COMMUNICATION / $HVDX_DENSITY change the default.
       bucket_bytes: gradients are fused into buckets, filled from the last layer to the
         first, each closed once it holds this many bytes; a bucket's collectives start
         while backpropagation goes on. "auto" (default): the strategy's own size
         (`Strategy.bucket_bytes`: 32 MiB; 4 MiB for "hierarchical"). None: one buffer per
         dtype.
-      Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`;
-      rejected with a dense one): momentum_correction (the wrapped SGD's momentum is
-      accumulated by the strategy before selection, with momentum factor masking, and the
-      wrapped optimizer applies the aggregate without momentum; None, the default: on for
-      a sparse strategy named at density <= 0.1 with Keras' SGD with momentum), clip_norm (local gradient
-      clipping to clip_norm / sqrt(ranks)), warmup_steps / warmup_density (the density falls
-      exponentially from warmup_density, 0.25, to density over the first warmup_steps
-      steps; None, the default: 100 for an Adam-family optimizer with a sparse strategy
-      named, else off), residual_decay (error feedback keeps residual_decay x the residual).
+      momentum_correction: Deep Gradient Compression's momentum correction (`hvdx.comm.dgc`):
+        the wrapped optimizer's momentum is accumulated by the strategy before selection,
+        with momentum factor masking, and the wrapped optimizer applies the aggregate
+        without momentum. None (default): the strategy's default (`Strategy.defaults_for`).
       local_trust_ratio: hvdx's LARS only: eq. 11's trust ratio is applied to each rank's
         gradient before the sparse strategy accumulates it, and the step applies the
-        aggregate with ratio 1 (hvdx.optimizers.lars). None, the default: on for LARS
-        (classic momentum, not Nesterov) under a sparse strategy named at density <= 0.1, with
-        momentum correction at density <= 0.01 (measured); LAMB gets the Adam family's
-        density warm-up.
+        aggregate with ratio 1 (hvdx.optimizers.lars). None (default): the strategy's default.
+      strategy_options: the strategy's options, one mapping validated by the registry
+        (`hvdx.comm.choice`; an option the strategy does not take is rejected, naming the
+        strategies that take it): density, num_samplings (MSTopK's, for the sparse
+        strategies: density 0.01 by default there), wire_dtype (float32, float16,
+        bfloat16), DGC's aids for the sparse strategies (clip_norm, warmup_steps,
+        warmup_density, residual_decay, momentum_masking; docs/comm.md), and a registered
+        strategy's own options (node_engine=, flat_below=, ...). Where the user gives none,
+        the strategy decides the aids for the wrapped optimizer's traits
+        (`hvdx.comm.traits.traits_of`, `Strategy.defaults_for`); for the sparse strategies
+        (`hvdx.comm.sparse.TopKStrategy.defaults_for`): momentum correction for Keras' SGD
+        with a momentum (not Nesterov) at density <= 0.1, a 100-step density warm-up for the
+        Adam family and LAMB at density < 0.25, LARS' local trust ratio (classic momentum) at
+        density <= 0.1 with momentum correction up to 0.01 (measured, docs/comm.md). A
+        strategy instance gets no defaults.
 
     The wrapped optimizer keeps its type and configuration (`.inner_optimizer`); its
     hyper-parameters are reachable on the wrapper (`opt.momentum`), as Horovod's callbacks
@@ -114,12 +121,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  gradient_predivide_factor: float = 1.0, op=hvd.Average, backward_passes_per_step: int = 1,
                  average_aggregated_gradients: bool = False, num_groups: int = 0, groups=None,
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
-                 communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
-                 num_samplings: Optional[int] = None, wire_dtype=None,
+                 communication: Union[str, comm.Strategy, None] = None,
                  bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
-                 clip_norm: Optional[float] = None, warmup_steps: Optional[int] = None,
-                 warmup_density: Optional[float] = None, residual_decay: Optional[float] = None,
-                 local_trust_ratio: Optional[bool] = None) -> None:
+                 local_trust_ratio: Optional[bool] = None, **strategy_options: Any) -> None:
         if isinstance(name, comm.Strategy) or comm.is_name(name):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
                              f"as communication={name!r}")
@@ -132,23 +136,27 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
         check_not_horovods(optimizer, "hvdx.DistributedOptimizer")
+        if strategy_options.get("momentum") is not None:  # the strategy's momentum is the wrapped optimizer's
+            raise ValueError("hvdx.DistributedOptimizer takes momentum_correction=True, not momentum=: the strategy "
+                             "then accumulates the wrapped optimizer's own momentum (DGC's momentum correction; a "
+                             "strategy instance, e.g. hvdx.comm.HiTopK(momentum=0.9), takes it directly)")
         self._ready = False
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
-        self._aid_args = dict(momentum_correction=momentum_correction, warmup_steps=warmup_steps, density=density,
-                              local_trust_ratio=local_trust_ratio)
-        aids = dict(clip_norm=clip_norm, warmup_density=warmup_density, residual_decay=residual_decay,
-                    **self._default_aids(communication))
+        traits = traits_of(optimizer)
+        _check_local_trust_ratio(local_trust_ratio, optimizer, traits)
+        momentum = _corrected_momentum(optimizer, momentum_correction)
         self._aggregator = GradientAggregator(
-            communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
-            bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
+            communication, bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
             compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
             groups=groups, num_groups=num_groups,
             scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
-            aids=aids)
+            traits=traits, wrapper_aids=dict(momentum_correction=momentum_correction,
+                                             local_trust_ratio=local_trust_ratio),
+            **strategy_options, **({} if momentum is None else {"momentum": momentum}))
         self._check_momentum_correction()
-        self._local_trust = self._resolve_local_trust(communication, strict=True)
+        self._local_trust = self._resolve_local_trust(strict=True)
         self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                             if backward_passes_per_step != 1 else None)
         self._horovod_config = dict(
@@ -177,15 +185,14 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
 
     def set_communication(self, communication: Union[str, comm.Strategy]) -> None:
         """Switches the strategy; takes effect when the step function is traced again
-        (hvdx.callbacks.SwitchCommunication does that for Model.fit). A name gets the
-        convergence aids it would have had at construction (momentum correction, the Adam
-        density warm-up) unless the constructor's arguments said otherwise."""
-        defaults = None
-        if isinstance(communication, str):
-            defaults = {k: v for k, v in self._default_aids(communication).items() if v is not None}
-        self._aggregator.switch(communication, defaults)
+        (hvdx.callbacks.SwitchCommunication does that for Model.fit). The options given at
+        construction that apply to it are kept, and a name gets the aids it decides for the
+        wrapped optimizer (momentum correction, the Adam density warm-up, LARS' local trust
+        ratio), as if it had been the first, unless the constructor's arguments said
+        otherwise (`hvdx.comm.choice.StrategyChoice.switch`)."""
+        self._aggregator.switch(communication, traits_of(self._optimizer))
         self._check_momentum_correction()
-        self._local_trust = self._resolve_local_trust(communication, strict=False)
+        self._local_trust = self._resolve_local_trust(strict=False)
 
     @property
     def local_trust_ratio(self) -> bool:
@@ -193,11 +200,11 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         strategy (on only while the strategy is a sparse one)."""
         return self._local_trust
 
-    def _resolve_local_trust(self, communication, strict: bool) -> bool:
-        """local_trust_ratio for `communication` (`_local_trust_ratio`), on only with a lossy
-        strategy; `strict`: an explicit True with a dense one is refused (ValueError)."""
-        on = _local_trust_ratio(self._aid_args["local_trust_ratio"], self._optimizer, communication,
-                                self._aid_args["density"])
+    def _resolve_local_trust(self, strict: bool) -> bool:
+        """local_trust_ratio with the current strategy: as given, else the strategy's default
+        (`StrategyChoice.aid`), on only with a lossy strategy; `strict`: an explicit True with
+        a dense one is refused (ValueError)."""
+        on = self._aggregator.choice.aid("local_trust_ratio")
         if on and not self._aggregator.strategy.lossy:
             if strict:
                 raise ValueError(f"local_trust_ratio=True applies LARS' trust ratio before a sparse strategy; "
@@ -205,16 +212,6 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                                  "anyway): leave local_trust_ratio unset, or use communication='hitopk'")
             return False
         return on
-
-    def _default_aids(self, communication) -> Dict[str, Any]:
-        """momentum and warmup_steps for `communication` from the constructor's
-        momentum_correction / warmup_steps / density (None: the strategy's own default)."""
-        given = self._aid_args  # (local_trust_ratio itself: `_resolve_local_trust`, the wrapper's side)
-        trusted = _local_trust_ratio(given["local_trust_ratio"], self._optimizer, communication, given["density"])
-        return dict(
-            warmup_steps=_warmup_steps(given["warmup_steps"], self._optimizer, communication, given["density"]),
-            momentum=_corrected_momentum(self._optimizer, _momentum_correction(
-                given["momentum_correction"], self._optimizer, communication, given["density"], trusted)))
 
     def _check_momentum_correction(self) -> None:
         """A strategy with momentum correction needs a wrapped optimizer whose momentum the
@@ -430,10 +427,10 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             config["num_groups"] = 0  # variable groups cannot be saved: one bucket on reload
         config.update(self._aggregator.config)
         strategy = self._aggregator.strategy
-        if strategy.lossy:  # explicit, so that a reload does not apply other defaults (`_momentum_correction`)
-            config.setdefault("warmup_steps", getattr(strategy, "warmup_steps", 0))
+        if strategy.lossy:  # explicit, so that a reload does not apply other defaults
             config["momentum_correction"] = bool(getattr(strategy, "momentum", 0.0))
             config["local_trust_ratio"] = self._local_trust
+        config.update(self._aggregator.choice.pinned(strategy, config))
         return config
 
     @classmethod
@@ -445,134 +442,37 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if config.get("wire_dtype") is not None:
             config["wire_dtype"] = tf.as_dtype(config["wire_dtype"])
         optimizer = config.pop("optimizer")
-        # A registered strategy with options of its own (not keywords of this class) is
-        # rebuilt from its config and passed as an instance.
+        # A strategy with momentum correction saved its momentum (the wrapper takes
+        # momentum_correction, not momentum=): it is rebuilt from its config, an instance.
         strategy = comm.strategy_class(config.get("communication") or "allreduce")
-        own = [k for k in strategy.options if k in config and k not in _KEYWORDS]
-        if own:
+        if "momentum" in config and "momentum" in strategy.options:
             config.pop("momentum_correction", None)  # the instance carries its momentum
             config["communication"] = strategy.from_config(
                 {k: config.pop(k) for k in strategy.options if k in config and k not in HOROVOD_OPTIONS})
         return cls(optimizer, **config)
 
 
-#: Momentum correction is on by default up to this density (its masking presumes a sparse
-#: selection: at density 1 it would reset every velocity each step).
-AUTO_MOMENTUM_CORRECTION_DENSITY = 0.1
-#: For hvdx's LARS (with its local trust ratio) only up to this density: measured on the
-#: small ResNet (benchmarks/README.md, convergence.py --optimizer lars), momentum correction
-#: helps at density 0.01 (0.829 against 0.501 without, 3 seeds) and hurts above it (0.02:
-#: 0.573 against 0.642, one seed; 0.05: 0.391 against 0.900, 3 seeds).
-LARS_MOMENTUM_CORRECTION_DENSITY = 0.01
+#: Re-exported: the sparse strategies' default rules (`hvdx.comm.sparse.TopKStrategy.defaults_for`).
+AUTO_MOMENTUM_CORRECTION_DENSITY = sparse.AUTO_MOMENTUM_CORRECTION_DENSITY
+LARS_MOMENTUM_CORRECTION_DENSITY = sparse.LARS_MOMENTUM_CORRECTION_DENSITY
+ADAM_WARMUP_STEPS = sparse.ADAM_WARMUP_STEPS
 
 
-def _classic_lars(optimizer) -> bool:
-    """Whether `optimizer` is hvdx's LARS with eq. 11's classic momentum (its trust ratio
-    measures the gradient, so it can be applied before aggregation)."""
-    from hvdx.optimizers.lars import LARS
-
-    return isinstance(optimizer, LARS) and optimizer.classic_momentum
-
-
-def _momentum_correction(given: Optional[bool], optimizer, communication, density: Optional[float],
-                         local_trust: bool = False) -> bool:
-    """Whether to apply DGC's momentum correction: as `given`, or by default (None) when a
-    sparse strategy is named (or is $HVDX_COMMUNICATION's) at a density up to
-    AUTO_MOMENTUM_CORRECTION_DENSITY and the wrapped optimizer is Keras' SGD, or hvdx's LARS
-    with its `local_trust` ratio on (`_local_trust_ratio`; without it momentum correction
-    is LARS' worst case: the trust ratio would normalise the accumulated velocity) up to
-    LARS_MOMENTUM_CORRECTION_DENSITY, with a momentum, not Nesterov's (measured:
-    benchmarks/README.md, convergence.py)."""
-    if given is not None:
-        return given
-    density = _sparse_density(communication, density)
-    if density is None:
-        return False
-    number = getattr(optimizer, "momentum", None)
-    lars = local_trust and _classic_lars(optimizer)
-    limit = LARS_MOMENTUM_CORRECTION_DENSITY if lars else AUTO_MOMENTUM_CORRECTION_DENSITY
-    return ((type(optimizer) is tf.keras.optimizers.SGD or lars)
-            and isinstance(number, (int, float))
-            and not isinstance(number, bool) and 0 < number < 1 and not getattr(optimizer, "nesterov", False)
-            and isinstance(density, (int, float)) and density <= limit)
-
-
-#: The density warm-up an Adam-family optimizer gets by default with a sparse strategy
-#: (measured: benchmarks/README.md, convergence.py): 4 stages of 25 steps from 25 %.
-ADAM_WARMUP_STEPS = 100
-_ADAM_FAMILY = (tf.keras.optimizers.Adam, tf.keras.optimizers.AdamW, tf.keras.optimizers.Adamax,
-                tf.keras.optimizers.Nadam, tf.keras.optimizers.legacy.Adam, tf.keras.optimizers.legacy.Adamax,
-                tf.keras.optimizers.legacy.Nadam)
-
-
-def _adam_family(optimizer) -> bool:
-    """Keras' Adam-family optimizers and hvdx's LAMB (Adam's moments with a layer-wise rate)."""
-    from hvdx.optimizers.lamb import LAMB
-
-    return isinstance(optimizer, _ADAM_FAMILY + (LAMB,))
-
-
-def _local_trust_ratio(given: Optional[bool], optimizer, communication, density: Optional[float]) -> bool:
-    """Whether LARS' trust ratio is applied to each rank's gradient before the strategy
-    (hvdx.optimizers.lars): as `given`, or by default (None) for hvdx's LARS with classic
-    momentum under a sparse strategy named (or $HVDX_COMMUNICATION's) at a density up to
-    AUTO_MOMENTUM_CORRECTION_DENSITY, the same condition as its momentum correction.
+def _corrected_momentum(optimizer, momentum_correction: Optional[bool]) -> Optional[float]:
+    """The momentum the strategy accumulates with when momentum_correction=True is given (DGC's
+    momentum correction): the wrapped optimizer's own, which the wrapper then sets to 0 in
+    its step; None when not asked.
 
     Raises:
-      ValueError: `given` is not None, True or False, or True for an optimizer other than
-        LARS with classic momentum.
+      ValueError: momentum_correction is not True, False or None; True for an optimizer whose
+        momentum is not a number in (0, 1), or is Nesterov's.
     """
-    if given is None:
-        density = _sparse_density(communication, density)
-        return (density is not None and isinstance(density, (int, float))
-                and density <= AUTO_MOMENTUM_CORRECTION_DENSITY and _classic_lars(optimizer))
-    if not isinstance(given, bool):
-        raise ValueError(f"local_trust_ratio must be True, False or None (the default), got {given!r}")
-    if given and not _classic_lars(optimizer):
-        raise ValueError(f"local_trust_ratio=True applies LARS' trust ratio (eq. 11) to each rank's gradient; "
-                         f"{type(optimizer).__name__}{'' if not hasattr(optimizer, 'classic_momentum') else ' with classic_momentum=False'} "
-                         "has none to apply there: use hvdx.optimizers.LARS(..., classic_momentum=True), or leave "
-                         "local_trust_ratio unset")
-    return given
-
-
-def _sparse_density(communication, density: Optional[float]) -> Optional[float]:
-    """The density of the sparse strategy named by `communication` (or $HVDX_COMMUNICATION),
-    None if it names no sparse strategy."""
-    from hvdx.aggregator import default_communication
-
-    if communication is None:
-        communication, env_density = default_communication()
-        density = density if density is not None else env_density
-    if not isinstance(communication, str) or not comm.is_name(communication) \
-            or not comm.strategy_class(communication).lossy:
-        return None
-    return comm.DEFAULT_DENSITY if density is None else density
-
-
-def _warmup_steps(given: Optional[int], optimizer, communication, density: Optional[float]) -> Optional[int]:
-    """The density warm-up: as `given`, or by default (None) ADAM_WARMUP_STEPS for an
-    Adam-family optimizer (hvdx's LAMB included) with a sparse strategy named at a density below the warm-up's
-    start (0.25); None (the strategy's own default, off) otherwise."""
-    if given is not None:
-        return given
-    density = _sparse_density(communication, density)
-    if density is None or not isinstance(density, (int, float)) or density >= 0.25 \
-            or not _adam_family(optimizer):
-        return None
-    return ADAM_WARMUP_STEPS
-
-
-def _corrected_momentum(optimizer, momentum_correction: bool) -> Optional[float]:
-    """The momentum the strategy accumulates with (DGC's momentum correction): the wrapped
-    optimizer's, which then applies the aggregate without one; None when not asked."""
-    if not isinstance(momentum_correction, bool):
+    if momentum_correction is not None and not isinstance(momentum_correction, bool):
         raise ValueError(f"momentum_correction must be True or False, got {momentum_correction!r}")
     if not momentum_correction:
         return None
     number = getattr(optimizer, "momentum", None)
-    if isinstance(number, bool) or not isinstance(number, (int, float)) or not 0 < number < 1 \
-            or getattr(optimizer, "nesterov", False):
+    if plain_number(number) is None or not 0 < number < 1 or getattr(optimizer, "nesterov", False):
         raise ValueError(f"momentum_correction=True moves the momentum of an SGD-like optimizer into the sparse "
                          f"strategy (DGC); {type(optimizer).__name__} has momentum={number!r}"
                          f"{' with nesterov=True' if getattr(optimizer, 'nesterov', False) else ''}. Use e.g. "
@@ -580,7 +480,22 @@ def _corrected_momentum(optimizer, momentum_correction: bool) -> Optional[float]
     return float(number)
 
 
-_KEYWORDS = frozenset(inspect.signature(DistributedOptimizer.__init__).parameters)
+def _check_local_trust_ratio(given: Optional[bool], optimizer, traits: OptimizerTraits) -> None:
+    """local_trust_ratio as given: None, True or False; True only for an optimizer whose
+    trust ratio measures the gradient (hvdx's LARS with classic momentum).
+
+    Raises:
+      ValueError: naming the fix.
+    """
+    if given is None:
+        return
+    if not isinstance(given, bool):
+        raise ValueError(f"local_trust_ratio must be True, False or None (the default), got {given!r}")
+    if given and traits.trust_ratio != "gradient":
+        classic = " with classic_momentum=False" if hasattr(optimizer, "classic_momentum") else ""
+        raise ValueError(f"local_trust_ratio=True applies LARS' trust ratio (eq. 11) to each rank's gradient; "
+                         f"{type(optimizer).__name__}{classic} has none to apply there: use "
+                         "hvdx.optimizers.LARS(..., classic_momentum=True), or leave local_trust_ratio unset")
 
 
 def PartialDistributedOptimizer(optimizer, name: Optional[str] = None, local_layers=None, **kwargs):

@@ -35,10 +35,17 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
     device_sparse, compression, sparse_as_dense, backward_passes_per_step, op (Average, Sum),
     gradient_predivide_factor, average_aggregated_gradients, num_groups / groups (fusion
     buckets), process_set, scale_local_gradients. hvdx's (keyword only), as in
-    hvdx.DistributedOptimizer: communication, density, num_samplings, wire_dtype,
-    bucket_bytes.
+    hvdx.DistributedOptimizer: communication, bucket_bytes, and the strategy's options, one
+    mapping validated by the registry (`hvdx.comm.choice`): density, num_samplings,
+    wire_dtype, Deep Gradient Compression's aids for the sparse strategies (clip_norm,
+    warmup_steps, warmup_density, residual_decay; momentum= as in DistributedGradientTape:
+    the strategy accumulates the velocity, so the wrapped optimizer must have no momentum of
+    its own, e.g. GradientDescentOptimizer), a registered strategy's own options. A
+    tf.compat.v1 optimizer has no traits (`hvdx.comm.traits`): a strategy named gets the
+    defaults it decides for none (none for hvdx's strategies), as with the tape.
 
-    Raises ValueError for another kind of optimizer, or options the aggregator rejects.
+    Raises ValueError for another kind of optimizer, options the aggregator rejects, or a
+    strategy with momentum correction around a MomentumOptimizer (momentum applied twice).
     The aggregator (its per-rank residuals) is tracked as `_aggregator`, the wrapped
     optimizer as `_optimizer`, for object-based checkpoints; a tf.compat.v1 Saver saves
     the residuals as global variables.
@@ -50,8 +57,7 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
                  op=hvd.Average, gradient_predivide_factor: float = 1.0, average_aggregated_gradients: bool = False,
                  num_groups: int = 0, groups=None, process_set: hvd.ProcessSet = hvd.global_process_set,
                  scale_local_gradients: bool = True, *, communication: Union[str, comm.Strategy, None] = None,
-                 density: Optional[float] = None, num_samplings: Optional[int] = None, wire_dtype=None,
-                 bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES) -> None:
+                 bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES, **strategy_options: Any) -> None:
         if not isinstance(optimizer, tf.compat.v1.train.Optimizer):
             raise ValueError("DistributedOptimizerV1 wraps a tf.compat.v1.train optimizer, got "
                              f"{type(optimizer).__name__} (hvdx.DistributedOptimizer wraps Keras optimizers)")
@@ -60,11 +66,16 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
         super().__init__(use_locking=use_locking, name=name or f"Distributed{type(optimizer).__name__}")
         self._optimizer = optimizer
         self._aggregator = GradientAggregator(
-            communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
-            bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
+            communication, bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
             compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
             groups=groups, num_groups=num_groups,
-            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse)
+            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
+            **strategy_options)
+        if getattr(self._aggregator.strategy, "momentum", 0.0) and isinstance(
+                optimizer, tf.compat.v1.train.MomentumOptimizer):
+            raise ValueError(f"{self._aggregator.strategy!r} applies momentum correction (the strategy accumulates "
+                             "the velocity), and the wrapped MomentumOptimizer would apply momentum again: wrap "
+                             "tf.compat.v1.train.GradientDescentOptimizer, or drop momentum=")
         self._accumulator = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
                              if backward_passes_per_step != 1 else None)
         self._track_trackable(optimizer, name="_optimizer")

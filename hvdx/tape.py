@@ -49,13 +49,17 @@ class DistributedGradientTape:
     records with a new one), device_dense, device_sparse, compression, sparse_as_dense, op,
     gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients.
     hvdx's (keyword only): persistent, watch_accessed_variables (for a tape of its own),
-    communication, density, num_samplings, wire_dtype, bucket_bytes (as in
-    DistributedOptimizer), loss_scale (a LossScaleOptimizer, variable or callable: the
-    gradients are of a scaled loss, and residuals are rescaled when it changes), aggregator;
+    communication, bucket_bytes (as in DistributedOptimizer), loss_scale (a
+    LossScaleOptimizer, variable or callable: the gradients are of a scaled loss, and
+    residuals are rescaled when it changes), aggregator (the strategy options are then its
+    own); and the strategy's options, one mapping validated by the registry
+    (`hvdx.comm.choice`) as in DistributedOptimizer: density, num_samplings, wire_dtype,
     Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`): momentum
     (momentum correction: the strategy accumulates the velocity, so apply the gradients
     with an optimizer without momentum), clip_norm, warmup_steps, warmup_density,
-    residual_decay (as in DistributedOptimizer).
+    residual_decay, momentum_masking, and a registered strategy's own options. The tape
+    wraps no optimizer: a strategy named gets the defaults it decides for no traits
+    (`Strategy.defaults_for`; none for hvdx's strategies).
     """
 
     def __init__(self, gradtape: Optional[tf.GradientTape] = None, device_dense: str = "",
@@ -63,13 +67,10 @@ class DistributedGradientTape:
                  op=hvd.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups=None,
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  persistent: bool = False, watch_accessed_variables: bool = True,
-                 communication: Union[str, comm.Strategy, None] = None, density: Optional[float] = None,
-                 num_samplings: Optional[int] = None, wire_dtype=None,
+                 communication: Union[str, comm.Strategy, None] = None,
                  bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES,
                  loss_scale: Any = None, aggregator: Optional[GradientAggregator] = None,
-                 momentum: Optional[float] = None, clip_norm: Optional[float] = None,
-                 warmup_steps: Optional[int] = None, warmup_density: Optional[float] = None,
-                 residual_decay: Optional[float] = None) -> None:
+                 **strategy_options: Any) -> None:
         if gradtape is not None and not isinstance(gradtape, tf.GradientTape):
             raise ValueError("the first argument of hvdx.DistributedGradientTape is the tf.GradientTape to wrap "
                              f"(Horovod's form), got {gradtape!r}; for a tape of its own pass persistent= and "
@@ -81,14 +82,12 @@ class DistributedGradientTape:
             self.aggregator = aggregator
         else:
             self.aggregator = shared_aggregator(
-                communication=communication, density=density, num_samplings=num_samplings, wire_dtype=wire_dtype,
-                bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
-                compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
-                groups=groups, num_groups=num_groups,
+                communication=communication, bucket_bytes=bucket_bytes, op=op,
+                gradient_predivide_factor=gradient_predivide_factor, compression=compression,
+                sparse_as_dense=sparse_as_dense, process_set=process_set, groups=groups, num_groups=num_groups,
                 scale_local_gradients=scale_local_gradients, device_dense=device_dense,
                 device_sparse=device_sparse, loss_scale=loss_scale,
-                aids=dict(momentum=momentum, clip_norm=clip_norm, warmup_steps=warmup_steps,
-                          warmup_density=warmup_density, residual_decay=residual_decay))
+                **{k: v for k, v in strategy_options.items() if v is not None})  # None: not given
 
     def register_local_source(self, source) -> None:
         """Horovod's: the gradient of `source` is not aggregated (divided by the number of

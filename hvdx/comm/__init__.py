@@ -10,7 +10,10 @@
 What selects (MSTopK, `hvdx.ops`), what remembers (`memory.ResidualMemory`) and what
 communicates (the strategies, with `wire` packing) are separate pieces. A strategy module
 registers its class (`@register("name", aliases=...)`, `hvdx.comm.registry`); every module
-of this package is imported here, so a new strategy is one new module (and its test).
+of this package is imported here, so a new strategy is one new module (and its test). A
+strategy decides its default aids for the optimizer it serves from the optimizer's
+`OptimizerTraits` (`traits.py`, `Strategy.defaults_for`); `choice.py` resolves a wrapper's
+strategy, options and traits once.
 """
 from __future__ import annotations
 
@@ -24,10 +27,11 @@ from hvdx.comm.memory import ResidualMemory
 from hvdx.comm.naiveag import SparseAllgather
 from hvdx.comm.registry import get, is_name, names, register, resolve_name, strategy_class
 from hvdx.comm.sparse import DEFAULT_DENSITY, TopKStrategy
+from hvdx.comm.traits import OptimizerTraits, traits_of
 
-__all__ = ["Aggregated", "Allreduce", "DEFAULT_DENSITY", "Hierarchical", "HiTopK", "ResidualMemory",
-           "SparseAllgather", "Strategy", "TopKStrategy", "get", "is_name", "names", "register", "resolve_name",
-           "strategy_class"]
+__all__ = ["Aggregated", "Allreduce", "DEFAULT_DENSITY", "Hierarchical", "HiTopK", "OptimizerTraits",
+           "ResidualMemory", "SparseAllgather", "Strategy", "TopKStrategy", "get", "is_name", "names", "register",
+           "resolve_name", "strategy_class", "traits_of"]
 
 for _module in pkgutil.iter_modules(__path__):  # each strategy module registers itself on import
     importlib.import_module(f"{__name__}.{_module.name}")

@@ -17,6 +17,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.comm import registry
+from hvdx.comm.traits import OptimizerTraits
 from hvdx.layout import check_agreement
 # the node-local collectives, below the strategies; re-exported here, where they were
 from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scatter,  # noqa: F401
@@ -146,6 +147,21 @@ class Strategy:
             raise ValueError(f"communication={cls.key!r}{kind} does not take {', '.join(extra)} (taken: {taken}). "
                              "Drop them, or choose a strategy that takes them.")
         return cls(**{k: v for k, v in options.items() if k in cls.options})
+
+    @classmethod
+    def defaults_for(cls, traits: OptimizerTraits, options: Mapping[str, Any]) -> Dict[str, Any]:
+        """The aids this strategy applies by default for an optimizer of `traits`
+        (`hvdx.comm.traits`), given the `options` the user gave (its options, and the aids of
+        hvdx's optimizer wrapper, `hvdx.comm.choice.WRAPPER_AIDS`, that were given).
+
+        Returns:
+          The options to use where the user gave none (keys of `cls.options`), and wrapper
+          aids to turn on (e.g. local_trust_ratio); a key of `options` is never among them.
+          The base strategy (the dense ones): {}. `hvdx.comm.choice.StrategyChoice` asks it
+          when a strategy is chosen by name (a strategy instance is used as it is); the tape
+          wraps no optimizer and asks with `OptimizerTraits()`.
+        """
+        return {}
 
     def get_config(self) -> Dict[str, Any]:
         """This strategy's own options (not Horovod's, `HOROVOD_OPTIONS`) as JSON values;

@@ -10,12 +10,17 @@ strategy: `momentum` (momentum correction), `momentum_masking`, `clip_norm` (loc
 gradient clipping), `warmup_steps` / `warmup_density` (density warm-up) and
 `residual_decay`. They are applied here, around the selection, so each strategy only
 says how its pairs travel (`_sparse_aggregate`).
+
+Which aids a sparse strategy applies by default for an optimizer is decided here too
+(`TopKStrategy.defaults_for`, from the optimizer's `hvdx.comm.traits.OptimizerTraits`),
+by the rules measured with benchmarks/convergence.py (benchmarks/README.md).
 """
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import zlib
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -24,10 +29,12 @@ from hvdx import ops
 from hvdx.comm import dgc, wire
 from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int
 from hvdx.comm.memory import ResidualMemory, Update
+from hvdx.comm.traits import OptimizerTraits
 from hvdx.node.collectives import node_allgather
 from hvdx.topology import Topology
 
-__all__ = ["AIDS", "TopKStrategy"]
+__all__ = ["ADAM_WARMUP_STEPS", "AIDS", "AUTO_MOMENTUM_CORRECTION_DENSITY", "LARS_MOMENTUM_CORRECTION_DENSITY",
+           "TopKStrategy"]
 
 #: The density the sparse strategies use when none is given.
 DEFAULT_DENSITY = 0.01
@@ -36,6 +43,18 @@ DEFAULT_DENSITY = 0.01
 #: values that leave them off.
 AIDS = {"momentum": 0.0, "momentum_masking": True, "clip_norm": None, "warmup_steps": 0,
         "warmup_density": 0.25, "residual_decay": 1.0}
+
+#: Momentum correction is on by default up to this density (its masking presumes a sparse
+#: selection: at density 1 it would reset every velocity each step).
+AUTO_MOMENTUM_CORRECTION_DENSITY = 0.1
+#: For hvdx's LARS (with its local trust ratio) only up to this density: measured on the
+#: small ResNet (benchmarks/README.md, convergence.py --optimizer lars), momentum correction
+#: helps at density 0.01 (0.829 against 0.501 without, 3 seeds) and hurts above it (0.02:
+#: 0.573 against 0.642, one seed; 0.05: 0.391 against 0.900, 3 seeds).
+LARS_MOMENTUM_CORRECTION_DENSITY = 0.01
+#: The density warm-up an adaptive (Adam-family) optimizer gets by default (measured:
+#: benchmarks/README.md, convergence.py): 4 stages of 25 steps from 25 %, below that density.
+ADAM_WARMUP_STEPS = 100
 
 
 class TopKStrategy(Strategy):
@@ -74,6 +93,44 @@ class TopKStrategy(Strategy):
         #: DGC's velocities (momentum correction), kept like residuals: per rank, per buffer.
         self._velocities = ResidualMemory(f"{self.key}_velocity")
         self.last_indices: Optional[tf.Tensor] = None  # diagnostics: last call's selection
+
+    @classmethod
+    def defaults_for(cls, traits: OptimizerTraits, options: Mapping[str, Any]) -> Dict[str, Any]:
+        """The aids applied by default for an optimizer of `traits`, at the density of
+        `options` (what the user gave; DEFAULT_DENSITY if none), each only where `options`
+        does not set it (benchmarks/README.md, convergence.py measured them):
+
+        - local_trust_ratio (applied by hvdx's optimizer wrapper): True for a trust ratio that
+          measures the gradient (LARS with classic momentum) at density <=
+          AUTO_MOMENTUM_CORRECTION_DENSITY;
+        - momentum (DGC's momentum correction; not where the wrapper was given
+          momentum_correction): the optimizer's momentum, in (0, 1) and not Nesterov's, for an
+          optimizer without a trust ratio at density <= AUTO_MOMENTUM_CORRECTION_DENSITY, or
+          with the local trust ratio on (without it momentum correction is LARS' worst case:
+          the trust ratio would normalise the accumulated velocity) at density <=
+          LARS_MOMENTUM_CORRECTION_DENSITY;
+        - warmup_steps: ADAM_WARMUP_STEPS for an adaptive optimizer below the warm-up's start
+          density (AIDS["warmup_density"], 0.25).
+        """
+        density = options.get("density", DEFAULT_DENSITY)
+        if isinstance(density, bool) or not isinstance(density, numbers.Real):
+            return {}  # the constructor rejects it
+        density = float(density)
+        out: Dict[str, Any] = {}
+        trust = options.get("local_trust_ratio")
+        if trust is None:
+            trust = traits.trust_ratio == "gradient" and density <= AUTO_MOMENTUM_CORRECTION_DENSITY
+            if trust:
+                out["local_trust_ratio"] = True
+        if "momentum" not in options and options.get("momentum_correction") is None:
+            trusted = bool(trust) and traits.trust_ratio == "gradient"
+            limit = LARS_MOMENTUM_CORRECTION_DENSITY if trusted else AUTO_MOMENTUM_CORRECTION_DENSITY
+            if (traits.trust_ratio is None or trusted) and traits.momentum is not None \
+                    and 0 < traits.momentum < 1 and not traits.nesterov and density <= limit:
+                out["momentum"] = float(traits.momentum)
+        if "warmup_steps" not in options and traits.adaptive and density < AIDS["warmup_density"]:
+            out["warmup_steps"] = ADAM_WARMUP_STEPS
+        return out
 
     @property
     def memory(self) -> ResidualMemory:

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional
 
 import tensorflow as tf
 
+from hvdx.comm.traits import OptimizerTraits
 from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
 
 __all__ = ["LAMB"]
@@ -47,6 +48,11 @@ class LAMB(LayerwiseOptimizer):
         self.beta_2 = number(beta_2, "beta_2", 0.0, 1.0, high_open=True)
         self.epsilon = number(epsilon, "epsilon", low_open=True)
         self.bias_correction = flag(bias_correction, "bias_correction")
+
+    def hvdx_traits(self) -> OptimizerTraits:
+        """What hvdx's strategies decide their default aids from (`hvdx.comm.traits`): Adam's
+        per-coordinate moments, and a trust ratio that measures the update step."""
+        return OptimizerTraits(name=type(self).__name__, adaptive=True, trust_ratio="step")
 
     def build(self, var_list):
         super().build(var_list)

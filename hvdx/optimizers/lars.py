@@ -32,6 +32,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import tensorflow as tf
 
+from hvdx.comm.traits import OptimizerTraits, plain_number
 from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
 
 __all__ = ["LARS"]
@@ -81,6 +82,14 @@ class LARS(LayerwiseOptimizer):
             return
         self._built = True
         self.momentums = [self.add_variable_from_reference(v, "m") for v in var_list]
+
+    def hvdx_traits(self) -> OptimizerTraits:
+        """What hvdx's strategies decide their default aids from (`hvdx.comm.traits`): momentum
+        (a number the wrapper can set to 0 in the step), Nesterov's or not, and a trust ratio
+        that measures the gradient (classic momentum: eq. 11 can go before aggregation,
+        `local_trusted`) or the momentum step."""
+        return OptimizerTraits(name=type(self).__name__, momentum=plain_number(self.momentum), nesterov=self.nesterov,
+                               trust_ratio="gradient" if self.classic_momentum else "step")
 
     def _momentum(self, variable):
         return self.momentums[self._index_dict[self._var_key(variable)]]

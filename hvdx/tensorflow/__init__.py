@@ -32,7 +32,8 @@ def DistributedOptimizer(optimizer, name: _Optional[str] = None, use_locking: bo
                          scale_local_gradients: bool = True, *,
                          communication: _Union[str, _comm.Strategy, None] = None, **options):
     """Horovod's `horovod.tensorflow.DistributedOptimizer` (its arguments, in its order), then
-    hvdx's keyword options (communication, density, num_samplings, wire_dtype, bucket_bytes).
+    hvdx's keyword options (communication, bucket_bytes, and the strategy's options: density,
+    num_samplings, wire_dtype, Deep Gradient Compression's aids, ...; `hvdx.comm.choice`).
 
     Returns a `hvdx.optimizer_v1.DistributedOptimizerV1` for a tf.compat.v1.train optimizer
     (Horovod's delta-based `_DistributedAdasumOptimizer` for op=Adasum, as Horovod does),

@@ -1,0 +1,92 @@
+"""What a strategy needs to know about the optimizer it serves, declared rather than detected.
+
+A strategy decides the convergence aids it applies by default for an optimizer
+(`hvdx.comm.Strategy.defaults_for`) from the optimizer's `OptimizerTraits`:
+
+    traits_of(tf.keras.optimizers.SGD(0.1, momentum=0.9))   # OptimizerTraits(name='SGD', momentum=0.9)
+    traits_of(tf.keras.optimizers.Adam())                   # OptimizerTraits(name='Adam', adaptive=True)
+
+An optimizer declares its own traits with a method or class attribute `hvdx_traits`
+(hvdx's LARS and LAMB do); Keras' built-in optimizers are described here from their
+classes; any other optimizer has none (`OptimizerTraits(name=...)`: no aid by default).
+"""
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import tensorflow as tf
+
+__all__ = ["ADAM_FAMILY", "OptimizerTraits", "TRUST_RATIOS", "traits_of"]
+
+#: The kinds of layer-wise trust ratio (`OptimizerTraits.trust_ratio`).
+TRUST_RATIOS = ("gradient", "step")
+
+#: Keras' optimizers with Adam's per-coordinate moments (subclasses included).
+ADAM_FAMILY = (tf.keras.optimizers.Adam, tf.keras.optimizers.AdamW, tf.keras.optimizers.Adamax,
+               tf.keras.optimizers.Nadam, tf.keras.optimizers.legacy.Adam, tf.keras.optimizers.legacy.Adamax,
+               tf.keras.optimizers.legacy.Nadam)
+
+
+@dataclass(frozen=True)
+class OptimizerTraits:
+    """What kind of update an optimizer makes, as far as the strategies' defaults care.
+
+    name: the optimizer's class name (for messages).
+    momentum: its heavy-ball momentum on the gradient, where it is a plain number that
+      hvdx's wrapper can set to 0 in the step (DGC's momentum correction moves it into the
+      strategy); None otherwise (no momentum, or one the wrapper cannot zero: Keras'
+      legacy SGD).
+    nesterov: the momentum is Nesterov's.
+    adaptive: per-coordinate moments (the Adam family, LAMB).
+    trust_ratio: its layer-wise trust ratio measures "gradient" (LARS with classic
+      momentum, eq. 11: it can be applied to each rank's gradient before aggregation; the
+      optimizer then implements `local_trusted(grads, variables)` and the context manager
+      `trust_applied(on)`, hvdx.optimizers.LARS) or "step" (the update it makes: LAMB, LARS
+      with classic_momentum=False); None: no trust ratio.
+    """
+
+    name: str = "optimizer"
+    momentum: Optional[float] = None
+    nesterov: bool = False
+    adaptive: bool = False
+    trust_ratio: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.momentum is not None and (isinstance(self.momentum, bool)
+                                          or not isinstance(self.momentum, numbers.Real)):
+            raise ValueError(f"OptimizerTraits.momentum must be a number or None, got {self.momentum!r}")
+        if self.trust_ratio not in (None, *TRUST_RATIOS):
+            raise ValueError(f"OptimizerTraits.trust_ratio must be one of {TRUST_RATIOS} or None, got "
+                             f"{self.trust_ratio!r}")
+
+
+def plain_number(value: Any) -> Optional[float]:
+    """`value` as a float where it is a plain int or float (not a bool, tensor or variable), else None."""
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def traits_of(optimizer: Any) -> OptimizerTraits:
+    """The traits of `optimizer`: its own declaration (`hvdx_traits()`, or a class attribute
+    `hvdx_traits` holding an OptimizerTraits), else Keras' SGD (that class itself: a
+    subclass may change the update) and the Adam family (`ADAM_FAMILY`) described from
+    their classes, else none.
+
+    Raises:
+      TypeError: a declaration that is not an OptimizerTraits.
+    """
+    name = type(optimizer).__name__
+    declared = getattr(type(optimizer), "hvdx_traits", None)
+    if declared is not None:
+        traits = declared if isinstance(declared, OptimizerTraits) else optimizer.hvdx_traits()
+        if not isinstance(traits, OptimizerTraits):
+            raise TypeError(f"{name}.hvdx_traits must be (or return) an hvdx.comm.traits.OptimizerTraits, got "
+                            f"{traits!r}")
+        return traits
+    if type(optimizer) is tf.keras.optimizers.SGD:
+        return OptimizerTraits(name=name, momentum=plain_number(optimizer.momentum),
+                               nesterov=bool(optimizer.nesterov))
+    if isinstance(optimizer, ADAM_FAMILY):
+        return OptimizerTraits(name=name, adaptive=True)
+    return OptimizerTraits(name=name)
