@@ -5,23 +5,58 @@ and poorly connected between each other.
     topo = hvdx.init()          # hvd.init() + node-local and cross-node process sets
     print(topo)                 # rank, node, local rank, and the members of both sets
     opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk")
-    opt = hvdx.DASO(tf.keras.optimizers.SGD(0.1), total_epochs=20)   # + hvdx.daso.DASOCallback()
+    opt = hvdx.DASO(tf.keras.optimizers.SGD(0.1), total_epochs=20)   # + hvdx.callbacks.DASOCallback()
     model.fit(..., callbacks=[hvdx.adpsgd.ADPSGDCallback(topology="exponential")])   # AD-PSGD
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
+
+The package is lazy: `import hvdx` imports no TensorFlow and no Horovod; each name below is
+imported on first use (PEP 562), so the parts that need neither (the launchers of
+`hvdx.runner`, the shared-memory kit `hvdx.shm`) start in a fraction of a second.
 """
-from hvdx import adpsgd, asynchronous, buckets, callbacks, comm, daso, data, localsgd, ops, optimizers, pto, transport
-from hvdx.aggregator import GradientAggregator
-from hvdx.daso import DASO
-from hvdx.layout import RankMismatchError
-from hvdx.loading import load_model
-from hvdx.ops import mstopk, sparse_accumulate
-from hvdx.optimizer import DistributedOptimizer, PartialDistributedOptimizer
-from hvdx.tape import DistributedGradientTape
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any, Dict, List
+
 from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
 
 __version__ = "0.2.0"
 
-__all__ = ["DASO", "DistributedGradientTape", "DistributedOptimizer", "GradientAggregator", "PartialDistributedOptimizer",
-           "RankMismatchError", "Topology", "TopologyError", "adpsgd", "asynchronous", "barrier", "buckets", "callbacks", "comm", "daso", "data", "init",
-           "load_model", "localsgd", "mstopk", "ops", "optimizers", "pto", "shutdown", "sparse_accumulate", "topology", "transport"]
+#: Public names of submodules: name -> (module, attribute).
+_NAMES: Dict[str, tuple] = {
+    "DASO": ("hvdx.daso.optimizer", "DASO"),
+    "DistributedGradientTape": ("hvdx.tape", "DistributedGradientTape"),
+    "DistributedOptimizer": ("hvdx.optimizer", "DistributedOptimizer"),
+    "GradientAggregator": ("hvdx.aggregator", "GradientAggregator"),
+    "PartialDistributedOptimizer": ("hvdx.optimizer", "PartialDistributedOptimizer"),
+    "RankMismatchError": ("hvdx.layout", "RankMismatchError"),
+    "load_model": ("hvdx.loading", "load_model"),
+    "mstopk": ("hvdx.ops", "mstopk"),
+    "sparse_accumulate": ("hvdx.ops", "sparse_accumulate"),
+}
+#: Subpackages and modules reachable as attributes (`hvdx.comm.HiTopK`) without an import of their own.
+_SUBMODULES = ("adpsgd", "asynchronous", "buckets", "callbacks", "comm", "daso", "data", "localsgd", "ops",
+               "optimizers", "pto", "transport")
+
+__all__ = sorted(["Topology", "TopologyError", "barrier", "init", "shutdown", "topology", *_NAMES, *_SUBMODULES])
+
+
+def __getattr__(name: str) -> Any:
+    """Imports a public name's module on first use; any other submodule (`hvdx.keras`) too.
+
+    Raises AttributeError for a name that is neither."""
+    if name in _NAMES:
+        module, attribute = _NAMES[name]
+        value = getattr(importlib.import_module(module), attribute)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module 'hvdx' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -10,7 +10,8 @@
 Nodes must be homogeneous (the same number of ranks on each): otherwise `init()` raises
 `TopologyError` on every rank, saying how to launch. A set equal to the whole world is
 Horovod's global process set, which Horovod would not let us add twice. `topology()`
-before `init()` raises RuntimeError.
+before `init()` raises RuntimeError. Importing this module imports neither TensorFlow nor
+Horovod (`import hvdx` stays light); `init()` and the collectives do.
 """
 from __future__ import annotations
 
@@ -18,12 +19,12 @@ import os
 import socket
 import warnings
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
-
-import horovod.tensorflow as hvd
-import tensorflow as tf
+from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
 from . import launcher
+
+if TYPE_CHECKING:
+    import horovod.tensorflow as hvd
 
 __all__ = ["Topology", "TopologyError", "barrier", "init", "initialized", "set_rank_and_size", "shutdown",
            "topology"]
@@ -108,7 +109,15 @@ def _group_nodes(entries: Sequence[Tuple[int, int, int, str]]) -> Tuple[Tuple[in
     return tuple(node_ranks)
 
 
-def _process_set(ranks: Sequence[int], world: int) -> hvd.ProcessSet:
+def _horovod() -> Any:
+    """`horovod.tensorflow`, imported on first use (it imports TensorFlow)."""
+    import horovod.tensorflow as hvd
+
+    return hvd
+
+
+def _process_set(ranks: Sequence[int], world: int) -> "hvd.ProcessSet":
+    hvd = _horovod()
     if len(ranks) == world:
         return hvd.global_process_set
     return hvd.add_process_set(sorted(ranks))
@@ -128,6 +137,7 @@ def init(comm: Optional[Sequence[int]] = None) -> Topology:
     global _topology
     if _topology is not None:
         return _topology
+    hvd = _horovod()
     if not hvd.is_initialized():
         launcher.apply_mpi_defaults()
         hvd.init(comm=comm, process_sets="dynamic")
@@ -171,9 +181,10 @@ def topology() -> Topology:
     return _topology
 
 
-def set_rank_and_size(process_set: Optional[hvd.ProcessSet] = None) -> Tuple[int, int]:
+def set_rank_and_size(process_set: Optional["hvd.ProcessSet"] = None) -> Tuple[int, int]:
     """(this rank's index in `process_set`, the set's size); None or Horovod's global set:
     all ranks; (0, 1) without Horovod."""
+    hvd = _horovod()
     if not hvd.is_initialized():
         return 0, 1
     if process_set is None or process_set is hvd.global_process_set:
@@ -181,17 +192,22 @@ def set_rank_and_size(process_set: Optional[hvd.ProcessSet] = None) -> Tuple[int
     return process_set.rank(), process_set.size()
 
 
-def barrier(process_set: hvd.ProcessSet = hvd.global_process_set) -> None:
-    """Blocks until every rank of `process_set` arrives (a one-element allreduce).
+def barrier(process_set: Optional["hvd.ProcessSet"] = None) -> None:
+    """Blocks until every rank of `process_set` (None: Horovod's global set) arrives (a
+    one-element allreduce).
 
     End multi-rank scripts with it: a rank that exits while others still communicate
     shuts Horovod down under them.
     """
-    hvd.allreduce(tf.zeros([1], tf.int32), op=hvd.Sum, name="hvdx.barrier", process_set=process_set)
+    import tensorflow as tf
+
+    hvd = _horovod()
+    hvd.allreduce(tf.zeros([1], tf.int32), op=hvd.Sum, name="hvdx.barrier",
+                  process_set=hvd.global_process_set if process_set is None else process_set)
 
 
 def shutdown() -> None:
     """Shuts Horovod down and forgets the topology (hvdx.init() may be called again)."""
     global _topology
     _topology = None
-    hvd.shutdown()
+    _horovod().shutdown()

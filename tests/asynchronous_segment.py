@@ -1,5 +1,6 @@
 """A process of the shared segment's lifecycle tests (tests/test_asynchronous.py), without
-TensorFlow: loads hvdx/asynchronous/shared.py by path, so that it starts in a fraction of a
+TensorFlow: loads hvdx/asynchronous/shared.py by path (the package hvdx.asynchronous imports
+TensorFlow; hvdx and the segment kit hvdx.shm do not), so that it starts in a fraction of a
 second.
 
     python tests/asynchronous_segment.py create N      # creates, prints the name, waits for N
@@ -14,7 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-_PATH = Path(__file__).resolve().parents[1] / "hvdx" / "asynchronous" / "shared.py"
+_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(_ROOT))  # `from hvdx import shm` in shared.py
+_PATH = _ROOT / "hvdx" / "asynchronous" / "shared.py"
 _spec = importlib.util.spec_from_file_location("hvdx_shared_standalone", _PATH)
 shared = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(shared)

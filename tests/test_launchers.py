@@ -79,8 +79,9 @@ def test_hvdx_init_sets_the_defaults_before_horovod_initializes_mpi(monkeypatch)
         raise Stop
 
     monkeypatch.setattr(topology, "_topology", None)
-    monkeypatch.setattr(topology.hvd, "is_initialized", lambda: False)
-    monkeypatch.setattr(topology.hvd, "init", fake_init)
+    hvd = topology._horovod()  # horovod.tensorflow, which hvdx.init() imports on first use
+    monkeypatch.setattr(hvd, "is_initialized", lambda: False)
+    monkeypatch.setattr(hvd, "init", fake_init)
     monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "64")
     monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", str(4 * launcher.usable_cores()))
     monkeypatch.delenv("OMPI_MCA_mpi_yield_when_idle", raising=False)

@@ -35,18 +35,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
-if __package__:
-    from hvdx import shm
-else:  # loaded by its path without the hvdx package (tests/asynchronous_segment.py: no TensorFlow)
-    import importlib.util
-    import sys
-
-    _KIT = Path(__file__).resolve().parents[1] / "shm.py"
-    _spec = importlib.util.spec_from_file_location("hvdx_shm_standalone", _KIT)
-    shm = sys.modules.get(_spec.name)
-    if shm is None:
-        shm = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up there
-        _spec.loader.exec_module(shm)
+from hvdx import shm
 
 __all__ = ["SharedModel", "SharedModelError", "SHM_DIR", "PREFIX", "sweep", "segment_bytes"]
 

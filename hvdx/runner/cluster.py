@@ -29,21 +29,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-if __name__ == "__main__" and not __package__:
-    # Run as a file (`python hvdx/runner/cluster.py`, as the tests and benchmarks do): load this
-    # folder as the package hvdx.runner by itself. Importing it through hvdx would run
-    # hvdx/__init__.py, i.e. TensorFlow (seconds and ~400 MB for a launcher that starts processes).
-    import importlib.util
+if __name__ == "__main__":
+    # `python hvdx/runner/cluster.py ...` (as the tests and benchmarks run it) and
+    # `python -m hvdx.runner.cluster ...` are `python -m hvdx.runner ...` (cli.py). Run as a
+    # file, the folder that holds hvdx takes this folder's place on sys.path; `import hvdx`
+    # imports no TensorFlow (the package is lazy), so the launcher starts in a fraction of a second.
+    import runpy
 
-    _here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]  # no top-level `launch` etc.
-    _spec = importlib.util.spec_from_file_location("hvdx.runner", _here / "__init__.py",
-                                                   submodule_search_locations=[str(_here)])
-    sys.modules["hvdx.runner"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["hvdx.runner"])
-    from hvdx.runner.cli import main
-
-    sys.exit(main())
+    if not __package__:
+        sys.path[0] = str(Path(__file__).resolve().parents[2])
+    sys.exit(runpy.run_module("hvdx.runner", run_name="__main__", alter_sys=True))
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -51,7 +46,6 @@ import socket  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
 from typing import IO, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
-# `from .x import y`, never `from . import x`: the latter imports hvdx (TensorFlow) when run as a file
 from .launch import run_ranks  # noqa: E402
 from .netns import (ClusterError, add_bridge, add_namespace, add_port, cleanup_stale, delete_namespace,  # noqa: E402
                     in_namespace, write_hosts)
@@ -265,9 +259,3 @@ def run_mpi_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *
         print(f"hvdx-cluster: timed out after {timeout:g} s", file=out, flush=True)
         return 124
     return job.returncode
-
-
-if __name__ == "__main__":  # python -m hvdx.runner.cluster
-    from .cli import main
-
-    sys.exit(main())

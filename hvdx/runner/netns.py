@@ -16,6 +16,8 @@ import subprocess
 from pathlib import Path
 from typing import Iterator, List, Optional, Sequence
 
+from hvdx.shm import pid_alive
+
 ETC_NETNS = Path("/etc/netns")  # `ip netns exec NS` bind-mounts /etc/netns/NS/* over /etc/*
 NAME_RE = re.compile(r"^hvdx-(\d+)-(\d+)-(sw|n\d+)$")
 _CLONE_NEWNET = 0x40000000
@@ -89,20 +91,10 @@ def delete_namespace(ns: str) -> None:
         ETC_NETNS.rmdir()  # only when no other namespace keeps files there
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def cleanup_stale() -> List[str]:
     """Removes the namespaces of hvdx clusters whose launcher is gone; returns their names."""
     stale = [ns for ns in namespaces()
-             if (m := NAME_RE.match(ns)) and not _pid_alive(int(m.group(1)))]
+             if (m := NAME_RE.match(ns)) and not pid_alive(int(m.group(1)))]
     for ns in stale:
         delete_namespace(ns)
     return stale
