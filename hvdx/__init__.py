@@ -31,7 +31,7 @@ _NAMES: Dict[str, tuple] = {
     "DistributedOptimizer": ("hvdx.optimizer", "DistributedOptimizer"),
     "GradientAggregator": ("hvdx.aggregator", "GradientAggregator"),
     "PartialDistributedOptimizer": ("hvdx.optimizer", "PartialDistributedOptimizer"),
-    "RankMismatchError": ("hvdx.layout", "RankMismatchError"),
+    "RankMismatchError": ("hvdx.agreement", "RankMismatchError"),
     "load_model": ("hvdx.loading", "load_model"),
     "mstopk": ("hvdx.ops", "mstopk"),
     "sparse_accumulate": ("hvdx.ops", "sparse_accumulate"),

@@ -11,7 +11,7 @@ Given one step's gradients (and the variables they belong to), the aggregator
    than 2**31 - 2**20 elements). In a tf.function each bucket's collectives start as soon as its gradients
    exist, while backpropagation continues (shi2021 Fig. 1);
 3. checks, the first time it sees a layout, that every rank aggregates the same one
-   (`hvdx.layout`), bucket layouts included: one collective, and the strategy, which
+   (`hvdx.agreement`), bucket layouts included: one collective, and the strategy, which
    checks every layout it is called on for the first time, is told not to check again;
 4. aggregates each bucket with the strategy (`hvdx.comm`), its residuals keyed by the
    variables that fill the bucket, so two models never share one;
@@ -38,10 +38,10 @@ from hvdx import comm
 from hvdx.buckets import MAX_BUCKET_ELEMENTS, AggregationRecord, BucketRecord, plan
 from hvdx.comm.base import DEFAULT_BUCKET_BYTES
 from hvdx.comm.choice import StrategyChoice, environment_default
-from hvdx.comm.dense import OP_NAMES
+from hvdx.comm.allreduce import OP_NAMES
 from hvdx.comm.memory import commit
 from hvdx.comm.traits import OptimizerTraits
-from hvdx.layout import check_agreement
+from hvdx.agreement import check_agreement
 
 __all__ = ["AUTO_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "choose",
            "default_communication"]
@@ -395,7 +395,7 @@ class GradientAggregator(tf.Module):
                 for b, bucket in enumerate(self._bucket_plan(grads, variables, fused))]
 
     def _check_layout(self, grads, variables, fused, sparse, dynamic) -> None:
-        """The step's one agreement check, the first time its layout is seen (`hvdx.layout`).
+        """The step's one agreement check, the first time its layout is seen (`hvdx.agreement`).
         It covers the buckets the strategy will be called on, so the strategy does not check
         them again (`Strategy.agreed`)."""
         shapes = [tuple(g.shape.as_list()) if g is not None and hasattr(g, "shape") and g.shape.rank is not None

@@ -9,7 +9,7 @@ metrics; when a target metric was first met; the curves as a PNG.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, Optional, Sequence
 
 from hvdx.phases import Phase, phase_start
 

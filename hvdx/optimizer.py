@@ -27,7 +27,7 @@ from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.buckets import AggregationObserver
 from hvdx.comm import sparse
 from hvdx.comm.base import HOROVOD_OPTIONS
-from hvdx.comm.dense import OP_NAMES
+from hvdx.comm.allreduce import OP_NAMES
 from hvdx.comm.traits import OptimizerTraits, plain_number, traits_of
 from hvdx.wrapped import Momentum, check_not_horovods, subclass_for
 

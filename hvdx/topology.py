@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
-from . import launcher
+from . import mpi_defaults
 
 if TYPE_CHECKING:
     import horovod.tensorflow as hvd
@@ -129,22 +129,22 @@ def init(comm: Optional[Sequence[int]] = None) -> Topology:
     Collective: every rank must call it. Returns this rank's `Topology`.
 
     Under an MPI launcher on a machine with more ranks than cores, Open MPI is first told to
-    yield the core while it waits (`hvdx.launcher.apply_mpi_defaults`; `HVDX_MPI_DEFAULTS=0`
+    yield the core while it waits (`hvdx.mpi_defaults.apply_mpi_defaults`; `HVDX_MPI_DEFAULTS=0`
     leaves the environment alone); where that could not take effect (MPI already initialized,
     or emulated nodes sharing one machine), rank 0 warns with the flags to pass instead
-    (`hvdx.launcher.oversubscription_warning`, a RuntimeWarning).
+    (`hvdx.mpi_defaults.oversubscription_warning`, a RuntimeWarning).
     """
     global _topology
     if _topology is not None:
         return _topology
     hvd = _horovod()
     if not hvd.is_initialized():
-        launcher.apply_mpi_defaults()
+        mpi_defaults.apply_mpi_defaults()
         hvd.init(comm=comm, process_sets="dynamic")
     rank, size = hvd.rank(), hvd.size()
     entries = hvd.allgather_object((rank, hvd.local_rank(), hvd.local_size(), _node_key(),
-                                    launcher.machine_facts()), name="hvdx.topology")
-    message = launcher.oversubscription_warning([e[4] for e in entries], mpi=hvd.mpi_enabled())
+                                    mpi_defaults.machine_facts()), name="hvdx.topology")
+    message = mpi_defaults.oversubscription_warning([e[4] for e in entries], mpi=hvd.mpi_enabled())
     if message and rank == 0:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
     node_ranks = _group_nodes([e[:4] for e in entries])

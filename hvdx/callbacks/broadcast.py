@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import horovod.tensorflow.keras.callbacks as hvd_callbacks
 
-from hvdx.layout import check_agreement
+from hvdx.agreement import check_agreement
 
 __all__ = ["BroadcastGlobalVariablesCallback", "check_same_steps"]
 

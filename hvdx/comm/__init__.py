@@ -1,11 +1,11 @@
 """Gradient aggregation strategies on one fused 1-D buffer (docs/comm.md).
 
-| name               | aliases     | class             | module      | paper                               |
-| ------------------ | ----------- | ----------------- | ----------- | ----------------------------------- |
-| "allreduce"        | dense       | Allreduce         | dense.py    | dense baseline (Horovod allreduce)  |
-| "hierarchical"     | 2dtar       | Hierarchical      | dense.py    | 2DTAR, shi2021 sec. 5.3             |
-| "sparse_allgather" | naiveag     | SparseAllgather   | naiveag.py  | NaiveAG: MSTopK + global all-gather, shi2021 eq. 3 |
-| "hitopk"           | hitopkcomm  | HiTopK            | hitopk.py   | HiTopKComm, shi2021 Algorithm 2     |
+| name               | aliases    | class           | module          | paper                                               |
+| ------------------ | ---------- | --------------- | --------------- | --------------------------------------------------- |
+| "allreduce"        | dense      | Allreduce       | allreduce.py    | dense baseline (Horovod allreduce)                  |
+| "hierarchical"     | 2dtar      | Hierarchical    | hierarchical.py | 2DTAR, shi2021 sec. 5.3                             |
+| "sparse_allgather" | naiveag    | SparseAllgather | naiveag.py      | NaiveAG: MSTopK + global all-gather, shi2021 eq. 3  |
+| "hitopk"           | hitopkcomm | HiTopK          | hitopk.py       | HiTopKComm, shi2021 Algorithm 2                     |
 
 What selects (MSTopK, `hvdx.ops`), what remembers (`memory.ResidualMemory`) and what
 communicates (the strategies, with `wire` packing) are separate pieces. A strategy module
@@ -20,12 +20,13 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from hvdx.comm.base import Aggregated, Strategy
-from hvdx.comm.dense import Allreduce, Hierarchical
+from hvdx.comm.base import Aggregated, Strategy, get
+from hvdx.comm.allreduce import Allreduce
+from hvdx.comm.hierarchical import Hierarchical
 from hvdx.comm.hitopk import HiTopK
 from hvdx.comm.memory import ResidualMemory
 from hvdx.comm.naiveag import SparseAllgather
-from hvdx.comm.registry import get, is_name, names, register, resolve_name, strategy_class
+from hvdx.comm.registry import is_name, names, register, resolve_name, strategy_class
 from hvdx.comm.sparse import DEFAULT_DENSITY, TopKStrategy
 from hvdx.comm.traits import OptimizerTraits, traits_of
 

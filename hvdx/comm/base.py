@@ -4,28 +4,28 @@ A strategy is called on one fused 1-D gradient buffer of d elements (the same d 
 rank) and returns the average of all ranks' buffers, as seen through the strategy's
 compression. Collective: every rank calls the same strategy on the same buffers, in the
 same order. The first call on each layout (buffer name, length, pieces, dtype) checks that
-every rank makes the same call (`hvdx.layout`), whoever calls: the aggregator, or a user on
+every rank makes the same call (`hvdx.agreement`), whoever calls: the aggregator, or a user on
 a buffer of their own. Sparse strategies keep error-feedback residuals (`hvdx.comm.memory`).
 """
 from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.comm import registry
 from hvdx.comm.traits import OptimizerTraits
-from hvdx.layout import check_agreement
+from hvdx.agreement import check_agreement
 # the node-local collectives, below the strategies; re-exported here, where they were
 from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scatter,  # noqa: F401
                                    node_reduce_scatter_parts, node_slices, padded_length)
 from hvdx.topology import Topology, set_rank_and_size, topology
 
-__all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density", "check_positive_int",
-           "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
+__all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density",
+           "check_positive_int", "get", "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
 
 #: Horovod's own options. A strategy may take them (`Allreduce` does); the optimizer saves
 #: them in its config itself, so they are not part of a strategy's `get_config()`.
@@ -332,3 +332,24 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def get(strategy: Union[str, Strategy], *, strict: bool = True, **options: Any) -> Strategy:
+    """A strategy from its name (the registered class's `Strategy.from_options`) or an
+    instance (kept as is); `hvdx.comm.get`.
+
+    Args:
+      strategy: a registered name or alias (`hvdx.comm.registry`), or a `Strategy` instance.
+      strict: options the strategy does not take raise ValueError (True) or are dropped
+        (False: switching strategies keeps the options that apply).
+      options: the strategy's options (`cls.options` lists them).
+    Raises:
+      ValueError: unknown name, an option the strategy does not take (strict), a bad
+        value, or options given beside an instance (configure the instance itself).
+    """
+    if isinstance(strategy, Strategy):
+        if options:
+            raise ValueError(f"options {sorted(options)} given with a strategy instance {strategy!r}: "
+                             "configure the instance itself, e.g. hvdx.comm.HiTopK(density=0.01)")
+        return strategy
+    return registry.strategy_class(strategy).from_options(strict=strict, **options)

@@ -5,21 +5,20 @@ of `hvdx.comm` is imported with the package, so adding a strategy touches its ow
 only. The optimizer, the tape, the aggregator and the benchmarks ask the registry:
 
     cls = strategy_class("2dtar")                  # -> Hierarchical (aliases resolve)
-    strategy = get("hitopk", density=0.01)         # validated once, by the class
-    strategy = get("hierarchical", strict=False, density=0.01)   # options it does not take dropped
+    takers("density")                              # -> the strategies that take a density
+
+It knows classes by name only (no hvdx module imported): building a strategy from a name and
+options is `hvdx.comm.get` (`hvdx.comm.base`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Dict, List, Tuple, Type, TypeVar, Union
+from typing import Callable, Dict, List, Tuple, TypeVar
 
-if TYPE_CHECKING:
-    from hvdx.comm.base import Strategy
+__all__ = ["is_name", "names", "register", "resolve_name", "strategy_class", "takers"]
 
-__all__ = ["get", "is_name", "names", "register", "resolve_name", "strategy_class", "takers"]
-
-_BY_NAME: Dict[str, "Type[Strategy]"] = {}
+_BY_NAME: Dict[str, type] = {}  # name -> a subclass of hvdx.comm.Strategy
 _ALIASES: Dict[str, str] = {}
-S = TypeVar("S", bound="Type[Strategy]")
+S = TypeVar("S", bound=type)
 
 
 def register(name: str, *, aliases: Tuple[str, ...] = ()) -> Callable[[S], S]:
@@ -63,7 +62,7 @@ def resolve_name(strategy: str) -> str:
     return key
 
 
-def strategy_class(strategy: str) -> "Type[Strategy]":
+def strategy_class(strategy: str) -> type:
     """The class registered under a name or alias; ValueError if unknown."""
     return _BY_NAME[resolve_name(strategy)]
 
@@ -71,25 +70,3 @@ def strategy_class(strategy: str) -> "Type[Strategy]":
 def takers(option: str) -> List[str]:
     """The names of the strategies that take `option`, sorted."""
     return sorted(key for key, cls in _BY_NAME.items() if option in cls.options)
-
-
-def get(strategy: Union[str, "Strategy"], *, strict: bool = True, **options) -> "Strategy":
-    """A strategy from its name (built by `Strategy.from_options`) or an instance (kept as is).
-
-    Args:
-      strategy: a registered name or alias, or an `hvdx.comm.Strategy` instance.
-      strict: options the strategy does not take raise ValueError (True) or are dropped
-        (False: switching strategies keeps the options that apply).
-      options: the strategy's options (`cls.options` lists them).
-    Raises:
-      ValueError: unknown name, an option the strategy does not take (strict), a bad
-        value, or options given beside an instance (configure the instance itself).
-    """
-    from hvdx.comm.base import Strategy
-
-    if isinstance(strategy, Strategy):
-        if options:
-            raise ValueError(f"options {sorted(options)} given with a strategy instance {strategy!r}: "
-                             "configure the instance itself, e.g. hvdx.comm.HiTopK(density=0.01)")
-        return strategy
-    return strategy_class(strategy).from_options(strict=strict, **options)

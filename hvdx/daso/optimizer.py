@@ -45,7 +45,7 @@ from hvdx.buckets import AggregationObserver, AggregationRecord
 from hvdx.comm import wire
 from hvdx.daso.schedule import Action, Schedule
 from hvdx.daso.sync import FlatParameters, ParameterSync, SyncStats
-from hvdx.layout import check_agreement
+from hvdx.agreement import check_agreement
 from hvdx.lifecycle import TrainingMethod, find_method
 from hvdx.optimizer import DistributedOptimizer
 from hvdx.plateau import PlateauDetector

@@ -20,7 +20,7 @@ from hvdx.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from hvdx.tensorflow import _horovod_api
 from hvdx.topology import init, shutdown
 
-__all__ = _horovod_api.reexport(_horovod, globals(), own=(
+_EXPORTED = _horovod_api.reexport(_horovod, globals(), own=(
     "Adasum", "DistributedOptimizer", "PartialDistributedOptimizer", "allgather_object", "broadcast_object",
     "broadcast_variables", "callbacks", "init", "load_model", "shutdown"))
-__getattr__ = _horovod_api.late(_horovod, __name__)
+__getattr__ = _horovod_api.late(_horovod, __name__, exported=_EXPORTED)  # and __all__

@@ -9,5 +9,5 @@ import horovod.tensorflow.keras.callbacks as _horovod
 from hvdx.callbacks import BroadcastGlobalVariablesCallback, SwitchCommunication
 from hvdx.tensorflow import _horovod_api
 
-__all__ = _horovod_api.reexport(_horovod, globals(), own=("BroadcastGlobalVariablesCallback", "SwitchCommunication"))
-__getattr__ = _horovod_api.late(_horovod, __name__)
+_EXPORTED = _horovod_api.reexport(_horovod, globals(), own=("BroadcastGlobalVariablesCallback", "SwitchCommunication"))
+__getattr__ = _horovod_api.late(_horovod, __name__, exported=_EXPORTED)  # and __all__

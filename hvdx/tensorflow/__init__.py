@@ -83,7 +83,7 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
 
 
 _LAZY = ("keras",)  # hvdx.tensorflow.keras imports this package: imported on first use
-__all__ = _horovod_api.reexport(_horovod, globals(), lazy=_LAZY, own=(
+_EXPORTED = _horovod_api.reexport(_horovod, globals(), lazy=_LAZY, own=(
     "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
     "init", "shutdown"))
-__getattr__ = _horovod_api.late(_horovod, __name__, lazy=_LAZY)
+__getattr__ = _horovod_api.late(_horovod, __name__, lazy=_LAZY, exported=_EXPORTED)  # and __all__

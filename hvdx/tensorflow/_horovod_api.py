@@ -3,8 +3,10 @@ Horovod's module rather than listed by hand, so that "change the import only" ho
 every name a Horovod script uses.
 
 A module calls `reexport(horovod_module, globals(), own=..., lazy=...)` after defining (or
-importing) hvdx's names, and binds `__getattr__ = late(horovod_module, __name__, lazy)` for
-the names Horovod's module gains after that (its submodules, as they are imported).
+importing) hvdx's names, and binds `__getattr__ = late(horovod_module, __name__, lazy,
+exported)` for the names Horovod's module gains after that (its submodules, as they are
+imported: Horovod imports some only when first used). Its `__all__` is computed by that
+`__getattr__` on each access, so it lists those too.
 """
 from __future__ import annotations
 
@@ -48,13 +50,17 @@ def reexport(module: types.ModuleType, namespace: Dict[str, Any], own: Iterable[
     return sorted(horovod | own | lazy)
 
 
-def late(module: types.ModuleType, package: str, lazy: Iterable[str] = ()) -> Callable[[str], Any]:
+def late(module: types.ModuleType, package: str, lazy: Iterable[str] = (),
+         exported: Iterable[str] = ()) -> Callable[[str], Any]:
     """A module-level `__getattr__` (PEP 562) for `package`: a name in `lazy` is hvdx's
     submodule `package.name`, imported on first use; another public name is Horovod's
-    `module`'s, if it has it (now)."""
-    lazy = set(lazy)
+    `module`'s, if it has it (now); `__all__` is `exported` (what `reexport` returned) and
+    the public names `module` has gained since (less modules from outside Horovod)."""
+    lazy, exported = set(lazy), set(exported)
 
     def __getattr__(name: str) -> Any:
+        if name == "__all__":
+            return sorted(exported | {n for n in public_names(module) if not _foreign_module(getattr(module, n))})
         if name in lazy:
             return importlib.import_module(f"{package}.{name}")
         if not name.startswith("_") and hasattr(module, name):
