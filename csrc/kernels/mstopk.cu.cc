@@ -281,11 +281,7 @@ __global__ void SelectPlan(GpuState* st, const int64_t* above, const int64_t* ba
                            double* thresholds) {
   const int64_t k1 = above_start[chunks - 1] + above[chunks - 1];
   const int64_t nband = band_start[chunks - 1] + band[chunks - 1];
-  st->above_is_band = k1 > k;
-  st->k1 = k1;
-  st->band = nband;
-  st->need = st->above_is_band ? k : k - k1;
-  st->offset = st->need > 0 ? mstopk::WindowOffset(random, st->above_is_band ? k1 : nband, st->need) : 0;
+  st->window = mstopk::Window::Place(k1, nband, k, random);
   thresholds[0] = st->bis.thres1;
   thresholds[1] = st->bis.thres2;
 }
@@ -305,20 +301,13 @@ __global__ void SelectWrite(const T* x, int64_t d, const GpuState* st, const int
   Scan(ta).ExclusiveSum(na, ra);
   Scan(tb).ExclusiveSum(nb, rb);
   int64_t rank_a = above_start[blockIdx.x] + ra, rank_b = band_start[blockIdx.x] + rb;
-  const bool above_is_band = st->above_is_band;
-  const int64_t k1 = st->k1, need = st->need, offset = st->offset;
+  const mstopk::Window window = st->window;
   const int64_t start = blockIdx.x * static_cast<int64_t>(kSumBlock) + threadIdx.x * static_cast<int64_t>(kPerThread);
   for (int j = 0; j < kPerThread; ++j) {
     const int64_t i = start + j;
     int64_t pos = -1;
-    if (a[j] >= f1) {
-      if (!above_is_band) pos = rank_a;
-      else if (rank_a >= offset && rank_a < offset + need) pos = rank_a - offset;
-      ++rank_a;
-    } else if (a[j] >= f2) {
-      if (!above_is_band && rank_b >= offset && rank_b < offset + need) pos = k1 + rank_b - offset;
-      ++rank_b;
-    }
+    if (a[j] >= f1) pos = window.Slot(true, rank_a++);
+    else if (a[j] >= f2) pos = window.Slot(false, rank_b++);
     if (pos >= 0) {
       indices[pos] = static_cast<Tidx>(i);
       values[pos] = x[i];

@@ -80,6 +80,32 @@ HVDX_HOST_DEVICE inline int64_t WindowOffset(uint64_t random, int64_t count, int
 #endif
 }
 
+// Algorithm 1's selection of exactly k (lines 25-31, with its ties): every one of the k1
+// elements above thres1 (|x| >= f1) in index order, then a window of k - k1 consecutive band
+// elements (f2 <= |x| < f1, ranked in index order) placed by a random word; if more than k
+// are above (only non-finite magnitudes can be), a window of k of the above set instead.
+struct Window {
+  bool above_is_band;  // more than k above: the window is taken from the above set
+  int64_t k1, need, offset;
+
+  // The window for k1 elements above and `band` in the band.
+  HVDX_HOST_DEVICE static Window Place(int64_t k1, int64_t band, int64_t k, uint64_t random) {
+    Window w;
+    w.above_is_band = k1 > k;
+    w.k1 = k1;
+    w.need = w.above_is_band ? k : k - k1;
+    w.offset = w.need > 0 ? WindowOffset(random, w.above_is_band ? k1 : band, w.need) : 0;
+    return w;
+  }
+  // The output position of the element of rank `rank` (in index order) among the above set
+  // (`above`) or the band; -1 if it is not selected.
+  HVDX_HOST_DEVICE int64_t Slot(bool above, int64_t rank) const {
+    const bool in_window = rank >= offset && rank < offset + need;
+    if (above) return !above_is_band ? rank : (in_window ? rank - offset : -1);
+    return !above_is_band && in_window ? k1 + rank - offset : -1;
+  }
+};
+
 // Blocks of the fixed-order sum of |x| (see BlockStats in mstopk.cc): kSumBlock elements
 // in kSumLanes interleaved float32 lanes, folded in float64. The CUDA kernel does the same.
 constexpr int64_t kSumBlock = 4096;
@@ -104,8 +130,7 @@ struct GpuState {
   Bisection bis;
   unsigned long long nonfinite;
   unsigned int max_bits;
-  int above_is_band;
-  int64_t k1, band, need, offset;
+  Window window;
 };
 
 }  // namespace mstopk

@@ -7,8 +7,11 @@ once per node, and served from node memory from the second epoch on.
 Modules: `source` (where files come from), `disk` (level 1, local disk), `store` (level 2,
 one store per node on /dev/shm: a flat slab per resolution and an LMDB index; lmdb is
 imported only when a store is opened),
-`catalog` (folder trees and TFRecord files), `decode` (decoding at a resolution),
-`datacache` (the split and the tf.data pipeline); `python -m hvdx.data list|clear` lists and
+`catalog` (folder trees and TFRecord files), `decode` (decoding at a resolution), `split`
+(which node keeps which samples, which rank reads which in each epoch), `loader` (a sample
+read through level 1 and decoded), `prefetch` (epoch 1's filling of the store ahead of the
+reader), `reader` (a rank's batches out of the store), `pipeline` (the tf.data dataset),
+`datacache` (`DataCache`, composing them); `python -m hvdx.data list|clear` lists and
 removes the node stores left in memory (`__main__`).
 """
 from hvdx.data.datacache import DataCache, Placement, default_cache_dir, epoch_share, node_part, samples_per_rank

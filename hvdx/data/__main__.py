@@ -13,9 +13,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from hvdx.data.store import list_stores, remove_store
-
-DEFAULT_STORE_DIR = "/dev/shm/hvdx-datacache"  # hvdx.data.datacache's (without importing TensorFlow)
+from hvdx.data.store import DEFAULT_STORE_DIR, list_stores, remove_store
 
 
 def _describe(meta: Optional[dict]) -> str:
@@ -40,7 +38,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.command == "list":
         import os
 
-        from hvdx.data.datacache import default_cache_dir
+        from hvdx.data.disk import default_cache_dir
 
         print(f"node stores in {args.store_dir}: {len(stores)}, "
               f"{sum(s.bytes for s in stores) / 2**20:.1f} MiB")

@@ -34,13 +34,23 @@ from typing import Iterator, Optional
 
 from hvdx.data.source import GFileSource, Source
 
-__all__ = ["DiskCache", "FORMAT"]
+__all__ = ["DiskCache", "FORMAT", "default_cache_dir"]
 
 FORMAT = 2  # 2: copies named by path and stamp
 _TRAILER = struct.Struct("<4sQI")  # magic, size of the source's bytes, CRC32 of them
 _MAGIC = b"HVDC"
 _LOW_WATER = 0.9
 log = logging.getLogger(__name__)
+
+
+def default_cache_dir() -> str:
+    """Level 1's default base directory: `$HVDX_DATACACHE_DIR`, else node-local scratch,
+    `$TMPDIR/hvdx-datacache-<uid>` (/tmp when TMPDIR is unset). Not ~/.cache: home
+    directories of clusters are often on NFS, the storage level 1 is there to avoid."""
+    explicit = os.environ.get("HVDX_DATACACHE_DIR")
+    if explicit:
+        return explicit
+    return os.path.join(os.environ.get("TMPDIR") or "/tmp", f"hvdx-datacache-{os.getuid()}")
 
 
 def _version() -> str:

@@ -56,7 +56,10 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["NodeStore", "Sample", "Slab", "StoreInfo", "list_stores", "remove_store", "sample_key"]
+__all__ = ["DEFAULT_STORE_DIR", "NodeStore", "Sample", "Slab", "StoreInfo", "list_stores", "remove_store",
+           "sample_key", "tidy_stores"]
+
+DEFAULT_STORE_DIR = "/dev/shm/hvdx-datacache"
 
 FORMAT = 3  # 3: the key holds the channel count
 _HEADER = struct.Struct("<qIII")
@@ -512,3 +515,26 @@ def remove_store(path: str) -> bool:
         return not os.path.exists(path)
     finally:
         os.close(fd)
+
+
+def tidy_stores(directory: str, own: str, location: str, num_nodes: int) -> None:
+    """Removes the stores in `directory` that a job with store `own` replaces (stores of data
+    set `location` of nodes >= `num_nodes`, which the job no longer has) and warns once
+    (RuntimeWarning) about the stores of other data sets there that no process uses."""
+    stale = []
+    for info in list_stores(directory):
+        if info.path == own or info.in_use:
+            continue
+        meta = info.meta or {}
+        if meta.get("location") == location:
+            if int(meta.get("node", 0)) >= num_nodes and remove_store(info.path):
+                log.info("hvdx.data: removed %s (node %s of an earlier job)", info.path, meta.get("node"))
+            continue  # a node of this job that has not opened its store yet
+        stale.append(info)
+    if stale:
+        warnings.warn(
+            f"hvdx.data: {directory} holds {len(stale)} stale node store(s) of other data sets that no process "
+            f"uses ({sum(i.bytes for i in stale) / 2**20:.1f} MiB of memory, which also shrinks the default "
+            f"memory_bytes): {', '.join(i.name for i in stale)}; list them with `python -m hvdx.data list "
+            f"--store-dir {directory}` and remove them with `python -m hvdx.data clear --store-dir {directory}`",
+            RuntimeWarning, stacklevel=3)
