@@ -8,6 +8,7 @@ GPU build. TensorFlow is therefore not an install requirement; the extras ``[cpu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,7 @@ class CMakeBuild(build_ext):
 
 setup(
     name="hvdx",
-    version="0.1.0",
+    version=re.search(r'__version__ = "([^"]+)"', (ROOT / "hvdx" / "version.py").read_text()).group(1),
     description="Horovod + TensorFlow extension for clusters with fast intra-node and slow "
                 "inter-node links: MSTopK, HiTopKComm, LARS with a parallel tensor operator, "
                 "DataCache, DASO.",

@@ -21,8 +21,7 @@ import importlib.util
 from typing import Any, Dict, List
 
 from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
-
-__version__ = "0.2.0"
+from hvdx.version import __version__
 
 #: Public names of submodules: name -> (module, attribute).
 _NAMES: Dict[str, tuple] = {

@@ -17,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import hvdx
+import hvdx.version
 from hvdx.data import CountingSource, DataCache, DiskCache, NodeStore, Placement, decode_image, sample_key
 from hvdx.data import epoch_share, node_part, samples_per_rank
 from hvdx.data.store import Slab
@@ -415,14 +416,14 @@ def test_caches_of_another_data_set_or_version_are_rebuilt(digits_root, tmp_path
     assert json.loads((tmp_path / "disk" / "CACHE.json").read_text())["fingerprint"] == "data-set-B"
     new.read(path)
     with monkeypatch.context() as m:  # the same data set, cached by another hvdx version
-        m.setattr(hvdx, "__version__", "99.0")
+        m.setattr(hvdx.version, "__version__", "99.0")
         assert not os.path.exists(DiskCache(str(tmp_path / "disk"), "data-set-B", CountingSource()).path_of(path))
 
     store = NodeStore(str(tmp_path / "store"), {"fingerprint": "A", "node": 0}, 2**24)
     store.put_many([(sample_key(1, None), np.zeros((2, 2, 3), np.uint8), 1)])
     again = NodeStore(str(tmp_path / "store"), {"fingerprint": "A", "node": 0}, 2**24)
     assert not again.rebuilt and len(again.keys()) == 1
-    monkeypatch.setattr(hvdx, "__version__", "99.0")  # written by another hvdx version
+    monkeypatch.setattr(hvdx.version, "__version__", "99.0")  # written by another hvdx version
     newer = NodeStore(str(tmp_path / "store"), {"fingerprint": "A", "node": 0}, 2**24)
     assert newer.rebuilt and newer.keys() == []
     other = NodeStore(str(tmp_path / "store"), {"fingerprint": "B", "node": 0}, 2**24)

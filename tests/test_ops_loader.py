@@ -37,11 +37,13 @@ def test_file_that_is_no_hvdx_library_is_refused(tmp_path):
         ops.load_library(fake)
 
 
-def test_import_hvdx_fails_with_the_hint_when_library_is_missing(tmp_path):
+@pytest.mark.parametrize("code", ["import hvdx.ops", "import hvdx; hvdx.DistributedOptimizer"])
+def test_the_first_use_of_the_ops_fails_with_the_hint_when_library_is_missing(tmp_path, code):
+    """`import hvdx` is lazy (it loads no op library); what needs the ops fails on first use,
+    saying how to build them."""
     env = harness.test_env(str(tmp_path))
     env["HVDX_OPS_LIBRARY"] = str(tmp_path / "nowhere.so")
-    proc = subprocess.run([sys.executable, "-c", "import hvdx"], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode != 0
     assert "ImportError: hvdx's op library is missing" in proc.stderr and "make build" in proc.stderr
 

@@ -23,9 +23,3 @@ from hvdx.data.store import NodeStore, list_stores, remove_store, sample_key
 __all__ = ["CountingSource", "DataCache", "DiskCache", "GFileSource", "NodeStore", "Placement", "SlowSource",
            "Source", "decode_image", "default_cache_dir", "epoch_share", "list_stores", "node_part", "remove_store",
            "sample_key", "samples_per_rank"]
-
-
-def _hvdx_version() -> str:
-    import hvdx
-
-    return hvdx.__version__

@@ -54,9 +54,10 @@ def default_cache_dir() -> str:
 
 
 def _version() -> str:
-    from hvdx.data import _hvdx_version
+    """The running hvdx's version (read at each call: a test may change it)."""
+    from hvdx import version
 
-    return _hvdx_version()
+    return version.__version__
 
 
 class DiskCache:

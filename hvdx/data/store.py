@@ -201,10 +201,10 @@ class NodeStore:
     def __init__(self, path: str, meta: dict, memory_bytes: int) -> None:
         if memory_bytes <= 0:
             raise ValueError(f"memory_bytes must be > 0, got {memory_bytes}")
-        from hvdx.data import _hvdx_version
+        from hvdx import version
 
         self.path = os.path.abspath(path)
-        self.meta = {"format": FORMAT, "hvdx": _hvdx_version(), **meta}
+        self.meta = {"format": FORMAT, "hvdx": version.__version__, **meta}
         self.memory_bytes = int(memory_bytes)
         self.full = False
         self.rebuilt = False
