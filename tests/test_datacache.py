@@ -5,6 +5,7 @@ one store and read disjoint shares; bad data and full caches degrade with a mess
 Data: scikit-learn's digits upscaled to 40 px, encoded as JPEG files into tmp dirs.
 """
 import json
+import logging
 import multiprocessing
 import os
 import subprocess
@@ -710,10 +711,14 @@ def test_batches_have_a_static_shape_so_keras_augmentation_maps_over_them(digits
 
 # -- stores do not leak ----------------------------------------------------------------------------
 
-def test_a_run_replaces_the_stores_of_its_data_set_and_names_stale_ones(digits_root, tmp_path, capsys):
+def test_a_run_replaces_the_stores_of_its_data_set_and_names_stale_ones(digits_root, tmp_path, capsys, caplog,
+                                                                         monkeypatch):
     """Issue 27 (7): another split or node count replaces the data set's store (the stores of
     nodes the job no longer has go); stores of other data sets that no process uses are
-    named in a warning, listed and cleared by `python -m hvdx.data`, never one in use."""
+    named (in a log line while small: a job's validation set, a finished job's warm store;
+    in a warning once they hold a share of the file system), listed and cleared by
+    `python -m hvdx.data`, never one in use."""
+    from hvdx.data import store as store_module
     from hvdx.data.__main__ import main
 
     shm = tmp_path / "shm"
@@ -729,6 +734,11 @@ def test_a_run_replaces_the_stores_of_its_data_set_and_names_stale_ones(digits_r
     old = DataCache(other, resolution=RES, cache_dir=str(tmp_path / "disk-o"), store_dir=str(shm), memory_bytes=2**26)
     epoch(old.dataset(4, with_index=True))
     old.close()
+    with warnings.catch_warnings(), caplog.at_level(logging.INFO, logger="hvdx.data"):
+        warnings.simplefilter("error", RuntimeWarning)  # a small stale store: no warning
+        make_cache(digits_root, tmp_path, split_seed=4).close()
+    assert "holds 1 stale node store" in caplog.text
+    monkeypatch.setattr(store_module, "STALE_WARNING_SHARE", 0.0)  # as if it held much of /dev/shm
     with pytest.warns(RuntimeWarning, match=r"holds 1 stale node store.*python -m hvdx.data clear"):
         again = make_cache(digits_root, tmp_path, split_seed=4)
     assert main(["list", "--store-dir", str(shm)]) == 0

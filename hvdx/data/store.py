@@ -65,6 +65,11 @@ FORMAT = 3  # 3: the key holds the channel count
 _HEADER = struct.Struct("<qIII")
 _META_KEY = b"\x00meta"
 _INDEX_BYTES = 128  # LMDB bytes per header-only entry, kept free beside a slab
+#: Stores of other data sets that no process uses are named in a RuntimeWarning once they
+#: hold this share of their file system (they shrink every job's default memory_bytes);
+#: smaller ones in a log line only: a job's other data set (its validation set, opened a
+#: moment later) or a finished job's, kept so that a rerun starts warm.
+STALE_WARNING_SHARE = 0.1
 log = logging.getLogger(__name__)
 
 Sample = Tuple[np.ndarray, int]
@@ -519,8 +524,9 @@ def remove_store(path: str) -> bool:
 
 def tidy_stores(directory: str, own: str, location: str, num_nodes: int) -> None:
     """Removes the stores in `directory` that a job with store `own` replaces (stores of data
-    set `location` of nodes >= `num_nodes`, which the job no longer has) and warns once
-    (RuntimeWarning) about the stores of other data sets there that no process uses."""
+    set `location` of nodes >= `num_nodes`, which the job no longer has) and names the stores
+    of other data sets there that no process uses: in a RuntimeWarning once they hold
+    STALE_WARNING_SHARE of the file system, else in a log line (hvdx.data, INFO)."""
     stale = []
     for info in list_stores(directory):
         if info.path == own or info.in_use:
@@ -531,10 +537,15 @@ def tidy_stores(directory: str, own: str, location: str, num_nodes: int) -> None
                 log.info("hvdx.data: removed %s (node %s of an earlier job)", info.path, meta.get("node"))
             continue  # a node of this job that has not opened its store yet
         stale.append(info)
-    if stale:
-        warnings.warn(
-            f"hvdx.data: {directory} holds {len(stale)} stale node store(s) of other data sets that no process "
-            f"uses ({sum(i.bytes for i in stale) / 2**20:.1f} MiB of memory, which also shrinks the default "
-            f"memory_bytes): {', '.join(i.name for i in stale)}; list them with `python -m hvdx.data list "
-            f"--store-dir {directory}` and remove them with `python -m hvdx.data clear --store-dir {directory}`",
-            RuntimeWarning, stacklevel=3)
+    if not stale:
+        return
+    held = sum(i.bytes for i in stale)
+    message = (f"hvdx.data: {directory} holds {len(stale)} stale node store(s) of other data sets that no process "
+               f"uses ({held / 2**20:.1f} MiB of memory, which also shrinks the default memory_bytes): "
+               f"{', '.join(i.name for i in stale)}; list them with `python -m hvdx.data list --store-dir "
+               f"{directory}` and remove them with `python -m hvdx.data clear --store-dir {directory}`")
+    st = os.statvfs(directory)
+    if held >= STALE_WARNING_SHARE * st.f_blocks * st.f_frsize:
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    else:
+        log.info("%s", message)
