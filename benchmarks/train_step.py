@@ -71,7 +71,7 @@ DEFAULT_MODELS = ["mlp", "cnn", "resnet"]
 def build_model(kind: str, scale: float = 1.0):
     """The issue's MLP (1024-4096-4096-10, 21M parameters), a convolutional model (VGG-like
     on 32x32x3, 5.2M parameters) or a small ResNet (conv + batch norm: a 3x3 stem and three
-    stages of two basic blocks, 32-64-128 filters, on 32x32x3, 1.2M parameters; He et al.,
+    stages of two basic blocks, 32-64-128 filters, on 32x32x3, 0.7M parameters; He et al.,
     "Deep Residual Learning for Image Recognition", 2016, arXiv:1512.03385, sec. 4.2's CIFAR
     networks); `scale` shrinks widths (the tests' tiny runs)."""
     from hvdx import zoo
