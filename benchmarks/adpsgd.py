@@ -78,11 +78,10 @@ def shape_node_link(rate_bps: int) -> None:
 
 # -- the ranks -------------------------------------------------------------------------------
 def build_model(width: int, seed: int):
-    import tensorflow as tf
+    """The digits MLP 64-width-width-10."""
+    from hvdx.zoo import mlp
 
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
-                                tf.keras.layers.Dense(width, activation="relu"), tf.keras.layers.Dense(10)])
+    return mlp(64, (width, width), seed=seed)
 
 
 def train(method: str, scenario: str, args, topo, data, step_seconds: float, round_index: int) -> dict:

@@ -55,11 +55,10 @@ LABELS = {"sync": "synchronous (hvd.DistributedGradientTape)", "asyncminibatch":
 
 
 def build_model(width: int, depth: int, seed: int):
-    import tensorflow as tf
+    """The digits MLP: 64 inputs, `depth` hidden layers of `width`, 10 logits."""
+    from hvdx.zoo import mlp
 
-    tf.keras.utils.set_random_seed(seed)
-    layers = [tf.keras.Input((64,))] + [tf.keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-    return tf.keras.Sequential(layers + [tf.keras.layers.Dense(10)])
+    return mlp(64, (width,) * depth, seed=seed)
 
 
 def make_method(name: str, args):

@@ -86,17 +86,16 @@ def digits(task: str):
 def build_model(task: str, args: argparse.Namespace):
     import tensorflow as tf
 
+    from hvdx import zoo
+
     layers = tf.keras.layers
     if task == "mnist":  # Horovod's examples/tensorflow2/tensorflow2_keras_mnist.py
         width = 0.25 if args.smoke else 1.0
-        return tf.keras.Sequential([
-            tf.keras.Input((28, 28, 1)),
-            layers.Conv2D(int(32 * width), [3, 3], activation="relu"),
-            layers.Conv2D(int(64 * width), [3, 3], activation="relu"),
-            layers.MaxPooling2D(pool_size=(2, 2)), layers.Dropout(0.25), layers.Flatten(),
-            layers.Dense(int(128 * width), activation="relu"), layers.Dropout(0.5),
-            layers.Dense(10, activation="softmax")])
+        return zoo.cnn((28, 28, 1), (int(32 * width), int(64 * width)), pool_after=(1,), dropout=0.25,
+                       head="flatten", dense=(int(128 * width),), dense_dropout=0.5, output_activation="softmax")
     if task == "resnet":
+        # Not zoo.resnet: a biased stem and biased 1x1 projections (built before the block), neither
+        # batch-normalized; the model of the published rows.
         def block(x, filters, stride):
             shortcut = x if stride == 1 and x.shape[-1] == filters else layers.Conv2D(filters, 1, stride)(x)
             y = layers.Conv2D(filters, 3, stride, padding="same", use_bias=False)(x)
@@ -111,9 +110,7 @@ def build_model(task: str, args: argparse.Namespace):
         x = layers.GlobalAveragePooling2D()(x)
         return tf.keras.Model(inputs, layers.Dense(10, activation="softmax")(x), name="resnet")
     width = max(4, int(4096 * (0.01 if args.smoke else args.mlp_scale)))  # train_step.py's MLP: 4096 at scale 1
-    return tf.keras.Sequential([tf.keras.Input((1024,)), layers.Dense(width, activation="relu"),
-                                layers.Dense(width, activation="relu"), layers.Dense(10, activation="softmax")],
-                               name="mlp")
+    return zoo.mlp(1024, (width, width), output_activation="softmax", name="mlp")
 
 
 #: LARS / LAMB with --optimizer, at a constant rate, every layer adapted, biases and

@@ -49,11 +49,10 @@ STEP_LABELS = {"blocking": "blocking global average (warm-up/cool-down)", "local
 
 # -- the ranks -------------------------------------------------------------------------------
 def build_model(width: int, seed: int = 0):
-    import tensorflow as tf
+    """The digits MLP 64-width-width-10."""
+    from hvdx.zoo import mlp
 
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
-                                tf.keras.layers.Dense(width, activation="relu"), tf.keras.layers.Dense(10)])
+    return mlp(64, (width, width), seed=seed)
 
 
 def classify_steps(history) -> List[str]:

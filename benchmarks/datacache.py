@@ -50,6 +50,7 @@ import psutil  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import hvdx  # noqa: E402
+from hvdx import zoo  # noqa: E402
 from hvdx.data import DataCache, SlowSource, decode_image  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402
 from hvdx.data.store import remove_store  # noqa: E402
@@ -160,13 +161,8 @@ def rss() -> int:
 
 
 def small_cnn(resolution: int) -> tf.keras.Model:
-    tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([
-        tf.keras.layers.Input((resolution, resolution, 3)), tf.keras.layers.Rescaling(1 / 255.0),
-        tf.keras.layers.Conv2D(16, 3, strides=2, activation="relu"),
-        tf.keras.layers.Conv2D(32, 3, strides=2, activation="relu"),
-        tf.keras.layers.Conv2D(64, 3, strides=2, activation="relu"),
-        tf.keras.layers.GlobalAveragePooling2D(), tf.keras.layers.Dense(10)])
+    """uint8 pixels rescaled, three stride-2 ReLU convolutions (16, 32, 64), average-pooled, 10 logits."""
+    return zoo.cnn((resolution, resolution, 3), (16, 32, 64), strides=2, rescale=1 / 255.0, seed=0)
 
 
 def bench_input(root: Path, work: Path, args: argparse.Namespace) -> dict:

@@ -99,31 +99,20 @@ def build_model(workload: Workload):
     """The workload's Keras model (random weights; the same on every rank: seeded)."""
     import tensorflow as tf
 
-    layers = tf.keras.layers
+    from hvdx import zoo
+
     tf.keras.utils.set_random_seed(1234)
     kind, size = workload.model, workload.size
     if kind == "resnet50":  # any resolution: one model serves both ResNet-50 rows
-        base = tf.keras.applications.ResNet50(weights=None, include_top=False, input_shape=(None, None, 3),
-                                              pooling="avg")
-        return tf.keras.Model(base.input, layers.Dense(1000)(base.output), name="resnet50")
+        return zoo.resnet50(1000)
     if kind == "vgg19":
-        base = tf.keras.applications.VGG19(weights=None, include_top=False, input_shape=(size, size, 3))
-        x = layers.Flatten()(base.output)
-        x = layers.Dense(4096, activation="relu")(layers.Dense(4096, activation="relu")(x))
-        return tf.keras.Model(base.input, layers.Dense(1000)(x), name="vgg19")
-    if kind == "transformer":  # embedding + 3 x (attention, feed-forward), 25.8M parameters
+        return zoo.vgg19(1000, input_shape=(size, size, 3))
+    if kind in ("transformer", "tiny_transformer"):  # embedding + 3 x (attention, feed-forward), 25.8M parameters
         from topk import transformer_model
 
-        return transformer_model(quick=False)
-    if kind == "tiny_transformer":
-        from topk import transformer_model
-
-        return transformer_model(quick=True)
+        return transformer_model(quick=kind == "tiny_transformer")
     if kind == "tiny_cnn":
-        inputs = tf.keras.Input((None, None, 3))
-        x = layers.Conv2D(8, 3, padding="same", activation="relu")(inputs)
-        x = layers.Conv2D(16, 3, 2, padding="same", activation="relu")(x)
-        return tf.keras.Model(inputs, layers.Dense(10)(layers.GlobalAveragePooling2D()(x)), name="tiny_cnn")
+        return zoo.cnn((None, None, 3), (8, 16), strides=(1, 2), padding="same", name="tiny_cnn")
     raise ValueError(f"unknown model {kind!r}")
 
 

@@ -71,50 +71,21 @@ DEFAULT_MODELS = ["mlp", "cnn", "resnet"]
 def build_model(kind: str, scale: float = 1.0):
     """The issue's MLP (1024-4096-4096-10, 21M parameters), a convolutional model (VGG-like
     on 32x32x3, 5.2M parameters) or a small ResNet (conv + batch norm: a 3x3 stem and three
-    stages of two basic blocks, 32-64-128 filters, on 32x32x3, 1.2M parameters; He et al.,
+    stages of two basic blocks, 32-64-128 filters, on 32x32x3, 0.7M parameters; He et al.,
     "Deep Residual Learning for Image Recognition", 2016, arXiv:1512.03385, sec. 4.2's CIFAR
     networks); `scale` shrinks widths (the tests' tiny runs)."""
-    import tensorflow as tf
+    from hvdx import zoo
 
-    layers = tf.keras.layers
     w = lambda n: max(4, int(n * scale))  # noqa: E731
     if kind == "mlp":
-        return tf.keras.Sequential([tf.keras.Input((w(1024),)), layers.Dense(w(4096), activation="relu"),
-                                    layers.Dense(w(4096), activation="relu"), layers.Dense(10)], name="mlp")
+        return zoo.mlp(w(1024), (w(4096), w(4096)), name="mlp")
     if kind == "cnn":
-        return tf.keras.Sequential([
-            tf.keras.Input((32, 32, 3)),
-            layers.Conv2D(w(64), 3, padding="same", activation="relu"),
-            layers.Conv2D(w(128), 3, padding="same", activation="relu"), layers.MaxPool2D(),
-            layers.Conv2D(w(256), 3, padding="same", activation="relu"), layers.MaxPool2D(),
-            layers.Conv2D(w(256), 3, padding="same", activation="relu"), layers.MaxPool2D(),
-            layers.Flatten(), layers.Dense(w(1024), activation="relu"), layers.Dense(10)], name="cnn")
-    if kind == "resnet":
-        return _resnet(w)
+        return zoo.cnn((32, 32, 3), (w(64), w(128), w(256), w(256)), padding="same", pool_after=(1, 2, 3),
+                       head="flatten", dense=(w(1024),), name="cnn")
+    if kind == "resnet":  # He et al.'s CIFAR ResNet, two basic blocks per stage
+        return zoo.resnet((w(32), w(64), w(128)), input_shape=(32, 32, 3), blocks_per_stage=2, layer_names=False,
+                          shortcut_first=False, name="resnet")
     raise ValueError(f"unknown model {kind!r}: one of {', '.join(MODELS)}")
-
-
-def _resnet(w: Callable[[int], int]):
-    """He et al.'s CIFAR ResNet with two basic blocks per stage (conv-BN-ReLU-conv-BN plus the
-    shortcut, a 1x1 convolution with batch norm where the shape changes)."""
-    import tensorflow as tf
-
-    layers = tf.keras.layers
-
-    def conv_bn(x, filters: int, size: int, stride: int = 1):
-        x = layers.Conv2D(filters, size, strides=stride, padding="same", use_bias=False)(x)
-        return layers.BatchNormalization()(x)
-
-    inputs = tf.keras.Input((32, 32, 3))
-    x = layers.ReLU()(conv_bn(inputs, w(32), 3))
-    for stage, filters in enumerate((w(32), w(64), w(128))):
-        for block in range(2):
-            stride = 2 if stage and not block else 1
-            y = conv_bn(layers.ReLU()(conv_bn(x, filters, 3, stride)), filters, 3)
-            shortcut = x if stride == 1 and x.shape[-1] == filters else conv_bn(x, filters, 1, stride)
-            x = layers.ReLU()(layers.Add()([y, shortcut]))
-    x = layers.GlobalAveragePooling2D()(x)
-    return tf.keras.Model(inputs, layers.Dense(10)(x), name="resnet")
 
 
 def input_shape(model) -> tuple:

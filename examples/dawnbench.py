@@ -29,7 +29,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
-from hvdx import checkpoints, phases as ph, throughput
+from hvdx import checkpoints, phases as ph, throughput, zoo
 from hvdx.data import augment, batches, demo
 from hvdx.callbacks import CheckpointCallback, EpochLog
 from hvdx.history import first_reaching, plot_curves
@@ -172,25 +172,9 @@ def plan(config: Config) -> dict:
 
 
 def small_resnet(num_classes: int, widths: Sequence[int]) -> tf.keras.Model:
-    """A ResNet of one basic block per stage (stride 2 from the second stage), any input size."""
-    layers = tf.keras.layers
-
-    def conv_bn(x, filters, stride, name, relu=True):
-        x = layers.Conv2D(filters, 3, stride, "same", use_bias=False, name=f"{name}_conv")(x)
-        x = layers.BatchNormalization(momentum=0.9, name=f"{name}_bn")(x)
-        return layers.ReLU(name=f"{name}_relu")(x) if relu else x
-
-    inputs = tf.keras.Input([None, None, 3])
-    x = conv_bn(inputs, widths[0], 1, "stem")
-    for s, width in enumerate(widths):
-        stride = 1 if s == 0 else 2
-        y = conv_bn(conv_bn(x, width, stride, f"stage{s}_a"), width, 1, f"stage{s}_b", relu=False)
-        if stride != 1 or x.shape[-1] != width:
-            x = layers.Conv2D(width, 1, stride, use_bias=False, name=f"stage{s}_proj_conv")(x)
-            x = layers.BatchNormalization(momentum=0.9, name=f"stage{s}_proj_bn")(x)
-        x = layers.ReLU(name=f"stage{s}_out")(layers.Add(name=f"stage{s}_add")([x, y]))
-    outputs = layers.Dense(num_classes, name="logits", dtype="float32")(layers.GlobalAveragePooling2D(name="pool")(x))
-    return tf.keras.Model(inputs, outputs, name="small_resnet")
+    """A ResNet of one basic block per stage (stride 2 from the second stage), any input size
+    (hvdx.zoo.resnet: named layers, batch-norm momentum 0.9)."""
+    return zoo.resnet(widths, num_classes, bn_momentum=0.9, name="small_resnet")
 
 
 def build_model(config: Config) -> tf.keras.Model:
@@ -198,10 +182,7 @@ def build_model(config: Config) -> tf.keras.Model:
     same initial weights on every rank."""
     tf.keras.utils.set_random_seed(config.seed)
     if config.model == "resnet50":
-        base = tf.keras.applications.ResNet50(weights=None, include_top=False, input_shape=(None, None, 3),
-                                              pooling="avg")
-        outputs = tf.keras.layers.Dense(config.num_classes, name="logits", dtype="float32")(base.output)
-        return tf.keras.Model(base.input, outputs, name="resnet50")
+        return zoo.resnet50(config.num_classes)
     return small_resnet(config.num_classes, config.widths)
 
 

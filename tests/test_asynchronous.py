@@ -190,10 +190,8 @@ def test_a_lock_held_by_a_dead_process_is_taken_over():
 
 # -- PASSM: the partition, restricted backpropagation ---------------------------------------------------
 def _model(widths=(32, 48, 16)):
-    import tensorflow as tf
-    tf.keras.utils.set_random_seed(0)
-    layers = [tf.keras.layers.Input((64,))] + [tf.keras.layers.Dense(w, activation="relu") for w in widths]
-    return tf.keras.Sequential(layers + [tf.keras.layers.Dense(10)])
+    from hvdx.zoo import mlp
+    return mlp(64, widths, seed=0)
 
 
 @pytest.mark.parametrize("processes", [1, 2, 3, 4])

@@ -173,6 +173,7 @@ def test_train_step_models_and_profile_categories():
     import tensorflow as tf
 
     resnet = train_step.build_model("resnet")  # the issue's conv + batch-norm model: He et al.'s CIFAR ResNet
+    assert resnet.count_params() == 698_858
     assert sum(isinstance(layer, tf.keras.layers.BatchNormalization) for layer in resnet.layers) == 15
     assert sum(isinstance(layer, tf.keras.layers.Add) for layer in resnet.layers) == 6
 

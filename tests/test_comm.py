@@ -7,6 +7,7 @@ import tensorflow as tf
 
 import hvdx
 from hvdx import comm
+from hvdx.zoo import mlp
 from tests import suite
 
 
@@ -133,9 +134,7 @@ def test_hitopk_peak_memory_per_element_stays_bounded(tmp_path, mode, bound):
 def _traced_step(optimizer):
     """The graph of one train step of a three-layer MLP under `optimizer`, and the name of
     the first layer's kernel gradient (backpropagation's last)."""
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(16), tf.keras.layers.Dense(16),
-                                 tf.keras.layers.Dense(2)])
+    model = mlp(8, (16, 16), 2, activation=None, seed=0)
     seen = {}
 
     @tf.function

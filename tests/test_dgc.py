@@ -9,6 +9,7 @@ import tensorflow as tf
 import hvdx
 from hvdx import comm
 from hvdx.comm import dgc
+from hvdx.zoo import mlp
 from tests import suite
 
 
@@ -118,8 +119,7 @@ def test_with_everything_sent_momentum_correction_is_momentum_sgd(one_rank):
     """DGC sec. 3.2: accumulating the velocity and applying it with plain SGD is momentum
     SGD; at density 1 without masking nothing is held back, so the weights are the same."""
     def train(optimizer):
-        tf.keras.utils.set_random_seed(3)
-        model = tf.keras.Sequential([tf.keras.layers.Input((8,)), tf.keras.layers.Dense(4)])
+        model = mlp(8, (), 4, seed=3)
         model.compile(optimizer=optimizer, loss="mse")
         x, y = np.random.default_rng(4).standard_normal((64, 8)), np.random.default_rng(5).standard_normal((64, 4))
         model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
@@ -224,8 +224,7 @@ def test_aids_on_two_nodes_follow_the_rule_and_keep_the_training_path_guarantees
 def test_communication_policy_goes_dense_then_sparse_then_2dtar_on_a_plateau(one_rank):
     """shi2021 sec. 5.6's practice: dense for the first epoch, HiTopK until the loss
     plateaus (a learning rate of 0 makes it flat at once), then 2DTAR."""
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.layers.Input((4,)), tf.keras.layers.Dense(2)])
+    model = mlp(4, (), 2, seed=0)
     model.compile(hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.0)), loss="mse")
     policy = hvdx.callbacks.CommunicationPolicy([("allreduce", 1), ("hitopk", "plateau"), ("hierarchical", None)],
                                                 patience=1)

@@ -22,6 +22,7 @@ import hvdx.keras.callbacks
 import hvdx.tensorflow
 import hvdx.tensorflow.keras
 from hvdx.optimizer_v1 import DistributedOptimizerV1
+from hvdx.zoo import mlp
 from tests import suite
 from tests.multirank.check_horovod_api import BATCH, V1_STEPS, linear_data
 
@@ -158,8 +159,7 @@ def test_legacy_optimizers_keep_working_but_are_not_subclassed():
 
 
 def small_model():
-    tf.keras.utils.set_random_seed(0)
-    return tf.keras.Sequential([tf.keras.layers.Input((3,)), tf.keras.layers.Dense(4), tf.keras.layers.Dense(1)])
+    return mlp(3, (4,), 1, activation=None, seed=0)
 
 
 @pytest.mark.parametrize("fmt", ["keras", "h5", "savedmodel"])

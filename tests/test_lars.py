@@ -219,7 +219,7 @@ def test_config_round_trip_keeps_every_option(cls):
     assert isinstance(scheduled._learning_rate, tf.keras.optimizers.schedules.ExponentialDecay)
 
 
-def small_model():
+def small_model():  # not a zoo model: batch norm (non-trainable moving statistics) between the Dense layers
     tf.keras.utils.set_random_seed(0)
     return tf.keras.Sequential([tf.keras.layers.Input(shape=(6,)), tf.keras.layers.Dense(8),
                                 tf.keras.layers.BatchNormalization(), tf.keras.layers.Dense(2)])

@@ -13,6 +13,7 @@ import tensorflow as tf
 import hvdx
 from hvdx import comm
 from hvdx.optimizers import LAMB, LARS
+from hvdx.zoo import mlp
 from tests import suite
 
 
@@ -51,8 +52,7 @@ def test_local_trust_ratio_is_eq_11_on_the_rank_own_gradient():
 
 
 def train(optimizer, steps_per_epoch_batch=16):
-    tf.keras.utils.set_random_seed(3)
-    model = tf.keras.Sequential([tf.keras.layers.Input((8,)), tf.keras.layers.Dense(4)])
+    model = mlp(8, (), 4, seed=3)
     model.compile(optimizer=optimizer, loss="mse")
     x, y = np.random.default_rng(4).standard_normal((64, 8)), np.random.default_rng(5).standard_normal((64, 4))
     model.fit(x, y, batch_size=steps_per_epoch_batch, epochs=2, shuffle=False, verbose=0)
@@ -146,8 +146,7 @@ def test_the_aid_survives_config_round_trip_and_follows_switches(one_rank):
 
 
 def test_a_saved_model_reloads_with_the_aid(one_rank, tmp_path):
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.layers.Input((8,)), tf.keras.layers.Dense(4)])
+    model = mlp(8, (), 4, seed=0)
     model.compile(hvdx.DistributedOptimizer(lars(), communication="hitopk", local_trust_ratio=False,
                                             momentum_correction=True), loss="mse")
     model.fit(np.ones((16, 8)), np.zeros((16, 4)), batch_size=8, verbose=0)

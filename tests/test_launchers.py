@@ -223,13 +223,12 @@ ADPSGD_FIT = """
 import sys
 import numpy as np, tensorflow as tf, hvdx
 from hvdx.adpsgd import ADPSGDCallback
+from hvdx.zoo import mlp
 from sklearn.datasets import load_digits
 topo = hvdx.init()
 x, y = load_digits(return_X_y=True)
 x = (x / 16).astype("float32")
-tf.keras.utils.set_random_seed(topo.rank)
-model = tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(32, activation="relu"),
-                             tf.keras.layers.Dense(10)])
+model = mlp(64, (32,), seed=topo.rank)
 model.compile(tf.keras.optimizers.SGD(0.1), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
 gossip = ADPSGDCallback(topology="ring", cross_node_weight=0.5, timeout=60)
 model.fit(x[topo.rank::topo.size], y[topo.rank::topo.size], epochs=2, batch_size=16, verbose=0, callbacks=[gossip])

@@ -23,11 +23,9 @@ def _data(n=128, seed=0):
 
 
 def _model(seed=0, width=16):
-    import tensorflow as tf
+    from hvdx.zoo import mlp
 
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.layers.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
-                                tf.keras.layers.Dense(10)])
+    return mlp(64, (width,), seed=seed)
 
 
 @pytest.fixture(scope="module")

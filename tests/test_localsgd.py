@@ -148,12 +148,11 @@ def test_fit_through_the_one_callback_trains_and_counts(one_rank):
 
     from hvdx.callbacks import TrainingMethodCallback
     from hvdx.localsgd import LocalSGD
+    from hvdx.zoo import mlp
     rng = np.random.default_rng(0)
     x = rng.random((256, 64), np.float32)
     y = (x[:, :10].argmax(1)).astype(np.int64)
-    tf.keras.utils.set_random_seed(0)
-    model = tf.keras.Sequential([tf.keras.layers.Input((64,)), tf.keras.layers.Dense(32, activation="relu"),
-                                 tf.keras.layers.Dense(10)])
+    model = mlp(64, (32,), seed=0)
     model.compile(tf.keras.optimizers.SGD(0.1, momentum=0.9),
                   tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     method = LocalSGD(sync_every=3)

@@ -14,6 +14,7 @@ import tensorflow as tf
 
 import hvdx
 from hvdx.adpsgd import ADPSGD, ADPSGDCallback
+from hvdx.zoo import mlp
 from tests.multirank import digits
 
 
@@ -184,8 +185,7 @@ def check_checkpoint(topo, epochs=2):
         saver = SaveAndMeasure(directory)
         model.fit(x_train[shard], y_train[shard], batch_size=16, epochs=epochs, verbose=0,
                   callbacks=[ADPSGDCallback(topology="ring", average_every_epoch=True, timeout=60), saver])
-        saved = tf.keras.Sequential([tf.keras.layers.Input((64,)), tf.keras.layers.Dense(64, activation="relu"),
-                                     tf.keras.layers.Dense(10)])
+        saved = mlp(64, (64,))  # make_model's, unseeded: its weights come from the file
         saved.load_weights(os.path.join(directory, "epoch0.weights.h5"))  # restore mid-training
     restored = saved.get_weights()
     restored_spread = spread(restored, "restored")

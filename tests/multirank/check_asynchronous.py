@@ -15,6 +15,7 @@ import tensorflow as tf
 import hvdx
 from hvdx import ops
 from hvdx.asynchronous import ASSM, PASSM, AsyncMiniBatch, PASSMPlus, SharedModelCallback
+from hvdx.zoo import mlp
 from tests.multirank import digits
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -29,10 +30,7 @@ def spread(values, tag):
 
 
 def make_model(seed=0, width=64, depth=1):
-    tf.keras.utils.set_random_seed(seed)
-    layers = [tf.keras.layers.Input((64,))]
-    layers += [tf.keras.layers.Dense(width, activation="relu") for _ in range(depth)]
-    return tf.keras.Sequential(layers + [tf.keras.layers.Dense(10)])
+    return mlp(64, (width,) * depth, seed=seed)
 
 
 # -- no lost update: the node's processes add known increments concurrently --------------------------

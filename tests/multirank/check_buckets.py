@@ -12,6 +12,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
+from hvdx.zoo import mlp
 
 SPARSE = ("hitopk", "sparse_allgather")
 ALL = ("allreduce", "hierarchical") + SPARSE
@@ -31,9 +32,7 @@ def communication(strategy: str):
 
 def model(seed: int = 0) -> tf.keras.Model:
     """Variables (kernel, bias) x 3: 2048, 32, 19200, 2400, 24000, 40 bytes."""
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.Input((64,)), tf.keras.layers.Dense(8, activation="relu"),
-                                tf.keras.layers.Dense(600, activation="relu"), tf.keras.layers.Dense(10)])
+    return mlp(64, (8, 600), seed=seed)
 
 
 def batch(rank: int, n: int = 16):

@@ -13,6 +13,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
+from hvdx.zoo import mlp
 
 SPARSE = ("hitopk", "sparse_allgather")
 ALL = ("allreduce", "hierarchical") + SPARSE
@@ -31,11 +32,8 @@ def same_on_every_rank(values, tag):
                                                                         equal_nan=True))
 
 
-def digits_model(seed=0, dropout=False):
-    tf.keras.utils.set_random_seed(seed)
-    layers = [tf.keras.layers.Input((64,)), tf.keras.layers.Dense(32, activation="relu")]
-    layers.append(tf.keras.layers.Dense(10))
-    return tf.keras.Sequential(layers)
+def digits_model(seed=0):
+    return mlp(64, (32,), seed=seed)
 
 
 def digits(rank, size, n=256):
@@ -301,13 +299,12 @@ def train_steps(make_optimizer, topo, steps=4, embedding=False, seed=0, eager=Fa
     models = {} if models is None else models
     if (embedding, seed) not in models:
         tf.keras.utils.set_random_seed(seed)
-        if embedding:
+        if embedding:  # not a zoo model: int tokens into an Embedding, whose gradients are IndexedSlices
             model = tf.keras.Sequential([tf.keras.layers.Input((6,), dtype="int32"),
                                          tf.keras.layers.Embedding(50, 4), tf.keras.layers.Flatten(),
                                          tf.keras.layers.Dense(3)])
         else:
-            model = tf.keras.Sequential([tf.keras.layers.Input((6,)), tf.keras.layers.Dense(8, activation="tanh"),
-                                         tf.keras.layers.Dense(3)])
+            model = mlp(6, (8,), 3, activation="tanh")
         models[embedding, seed] = model, model.get_weights()
     model, initial = models[embedding, seed]
     model.set_weights(initial)

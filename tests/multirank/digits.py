@@ -21,9 +21,7 @@ def split(shape: Sequence[int] = (64,)):
 
 
 def mlp(seed: int = 0, width: int = 64):
-    """64 inputs -> `width` ReLU units -> 10 logits, its weights seeded by `seed`."""
-    import tensorflow as tf
+    """64 inputs -> `width` ReLU units -> 10 logits, its weights seeded by `seed` (hvdx.zoo.mlp)."""
+    from hvdx.zoo import mlp
 
-    tf.keras.utils.set_random_seed(seed)
-    return tf.keras.Sequential([tf.keras.layers.Input((64,)), tf.keras.layers.Dense(width, activation="relu"),
-                                tf.keras.layers.Dense(10)])
+    return mlp(64, (width,), seed=seed)
