@@ -16,14 +16,7 @@ import hvdx
 from hvdx.adpsgd import ADPSGD, ADPSGDCallback
 from hvdx.zoo import mlp
 from tests.multirank import digits
-
-
-def spread(values, tag):
-    """Largest difference between ranks of the concatenated values (0.0: bitwise identical)."""
-    flat = tf.constant(np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]))
-    low = hvd.allreduce(flat, op=hvd.Min, name=f"adpsgd.min.{tag}").numpy()
-    high = hvd.allreduce(flat, op=hvd.Max, name=f"adpsgd.max.{tag}").numpy()
-    return float(np.max(high - low)) if flat.shape[0] else 0.0
+from tests.multirank.rank import spread
 
 
 def settle(adp, tag):

@@ -7,7 +7,6 @@ barrier); every rank issues the same collectives in the same order.
 import os
 import tempfile
 
-import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
 import numpy as np
 import tensorflow as tf
@@ -17,16 +16,9 @@ from hvdx import ops
 from hvdx.asynchronous import ASSM, PASSM, AsyncMiniBatch, PASSMPlus, SharedModelCallback
 from hvdx.zoo import mlp
 from tests.multirank import digits
+from tests.multirank.rank import spread
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def spread(values, tag):
-    """Largest difference between ranks of the concatenated values (0.0: bitwise identical)."""
-    flat = tf.constant(np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]))
-    low = hvd.allreduce(flat, op=hvd.Min, name=f"asynchronous.min.{tag}").numpy()
-    high = hvd.allreduce(flat, op=hvd.Max, name=f"asynchronous.max.{tag}").numpy()
-    return float(np.max(high - low))
 
 
 def make_model(seed=0, width=64, depth=1):

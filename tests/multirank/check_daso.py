@@ -14,14 +14,7 @@ import tensorflow as tf
 import hvdx
 from hvdx.daso import DASO, DASOCallback
 from tests.multirank import digits
-
-
-def spread(values, tag):
-    """Largest difference between ranks of the concatenated values (0.0: bitwise identical)."""
-    flat = tf.constant(np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]))
-    low = hvd.allreduce(flat, op=hvd.Min, name=f"min.{tag}").numpy()
-    high = hvd.allreduce(flat, op=hvd.Max, name=f"max.{tag}").numpy()
-    return float(np.max(high - low)) if flat.shape[0] else 0.0
+from tests.multirank.rank import spread
 
 
 def make_model(seed=0, width=32):

@@ -2,23 +2,15 @@
 m x n Horovod job. Run by tests/test_localsgd.py through the suite (tests/multirank/suite.py):
 `CHECKS` below, each returning what the test asserts on.
 """
-import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
 from hvdx.callbacks import TrainingMethodCallback
 from hvdx.localsgd import LocalSGD
 from tests.multirank import digits
+from tests.multirank.rank import spread
 
 LOSS = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-
-
-def spread(values, tag):
-    """Largest difference between ranks of the concatenated values (0.0: bitwise identical)."""
-    flat = tf.constant(np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]))
-    low = hvd.allreduce(flat, op=hvd.Min, name=f"localsgd.min.{tag}").numpy()
-    high = hvd.allreduce(flat, op=hvd.Max, name=f"localsgd.max.{tag}").numpy()
-    return float(np.max(high - low))
 
 
 def check_averaging(topo):

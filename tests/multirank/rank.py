@@ -34,3 +34,16 @@ def run(main: Callable[[], Optional[dict]]) -> None:
 
         hvdx.barrier()
     sys.exit(0 if result["ok"] else 1)
+
+
+def spread(values, tag: str) -> float:
+    """Collective: the largest difference between ranks of `values` (arrays or variables,
+    concatenated; 0.0: bitwise identical on every rank). `tag` names its two collectives."""
+    import horovod.tensorflow as hvd
+    import numpy as np
+    import tensorflow as tf
+
+    flat = tf.constant(np.concatenate([np.ravel(np.asarray(v, np.float64)) for v in values]))
+    low = hvd.allreduce(flat, op=hvd.Min, name=f"spread.min.{tag}").numpy()
+    high = hvd.allreduce(flat, op=hvd.Max, name=f"spread.max.{tag}").numpy()
+    return float(np.max(high - low)) if flat.shape[0] else 0.0
