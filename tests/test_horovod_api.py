@@ -412,7 +412,8 @@ def test_metric_average_callback_averages_the_epoch_logs_over_two_ranks(ranks):
 @suite.runs(HABITS)
 def test_lr_warmup_callback_averages_and_warms_up_over_two_ranks(ranks):
     seen = ranks[0]["lr_warmup"]
-    assert seen == ranks[1]["lr_warmup"]
+    mine = {key: value for key, value in seen.items() if key != "loss_own"}  # the ranks' own losses differ
+    assert mine == {key: value for key, value in ranks[1]["lr_warmup"].items() if key != "loss_own"}
     steps, size, warmup, target = len(linear_data(0)[0]) // BATCH, 2, 2, 0.05
     expected_lr = [target / size * ((epoch + (batch + 1) / steps) * (size - 1) / warmup + 1)
                    for epoch in range(warmup) for batch in range(steps)] + [target] * steps  # Horovod's formula
