@@ -1,5 +1,9 @@
 # hvdx development commands. Every target that runs code bootstraps first (idempotent).
-VENV ?= .venv
+# HVDX_STACK picks the stack (requirements/<stack>.txt; default: requirements/default-stack),
+# and with it the venv: `make test HVDX_STACK=tf2.21` runs the tests on TensorFlow 2.21.
+HVDX_STACK ?= $(shell cat requirements/default-stack)
+export HVDX_STACK
+VENV ?= $(shell HVDX_STACK=$(HVDX_STACK) bash scripts/bootstrap.sh --venv)
 PY := $(VENV)/bin/python
 # 2 nodes x 2 ranks on one machine: horovodrun treats the two host names as two nodes.
 HOSTS ?= localhost:2,127.0.0.1:2

@@ -28,7 +28,7 @@ class CMakeExtension(Extension):
 
 
 class CMakeBuild(build_ext):
-    """Configures csrc/ once in build/cmake and rebuilds incrementally there."""
+    """Configures csrc/ once in build/cmake-<python> and rebuilds incrementally there."""
 
     def build_extension(self, ext: Extension) -> None:
         os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -41,7 +41,9 @@ class CMakeBuild(build_ext):
                 f"{TF_PIN}) first and build with `pip install --no-build-isolation`."
             ) from exc
         output = Path(self.get_ext_fullpath(ext.name)).resolve()
-        build_dir = Path(os.environ.get("HVDX_BUILD_DIR", ROOT / "build" / "cmake"))
+        # One build folder per interpreter (each stack's venv has its own Python and
+        # TensorFlow), so that switching stacks keeps both incremental builds.
+        build_dir = Path(os.environ.get("HVDX_BUILD_DIR", ROOT / "build" / f"cmake-{sys.implementation.cache_tag}"))
         build_dir.mkdir(parents=True, exist_ok=True)
         configure = [
             "cmake", "-S", str(ROOT), "-B", str(build_dir),

@@ -1,24 +1,40 @@
 #!/usr/bin/env bash
-# Takes a fresh Debian machine to a working hvdx development install, idempotently:
-#   1. Debian packages: OpenMPI (runtime + headers), CMake, a C++ compiler, iproute2;
-#   2. a virtual environment (.venv) with the pinned stack of requirements-dev.txt;
-#   3. Horovod 0.28.1 built from source against that TensorFlow (TF, Gloo, MPI), the
-#      built wheel kept in a cache keyed by the TensorFlow version so later runs reuse it;
+# Takes a fresh Debian machine to a working hvdx development install of one stack,
+# idempotently:
+#   1. Debian packages: OpenMPI (runtime + headers), CMake, a C++ compiler, iproute2, patch;
+#   2. the stack's virtual environment with the pins of requirements/<stack>.txt (and of
+#      requirements/<stack>.no-deps.txt, installed without dependencies), on the Python
+#      version its "# python: X.Y" line names;
+#   3. Horovod 0.28.1 built from source against that TensorFlow (TF, Gloo, MPI), with the
+#      patches of scripts/patches/horovod-0.28.1/ whose "# tensorflow:" range holds that
+#      TensorFlow, the built wheel kept in a cache keyed by the TensorFlow and Python
+#      versions (and the patches) so later runs reuse it;
 #   4. hvdx installed editable through setup.py, which builds csrc/ with CMake.
 # Every step checks first and does nothing when its result is already in place, so a
-# second run takes seconds. Environment overrides:
-#   HVDX_VENV (default .venv), HVDX_PYTHON (default python3.11, else python3),
+# second run takes seconds.
+#
+# Stacks (docs/design.md, "Stack"): HVDX_STACK=tf2.15 (the default, requirements/default-stack:
+# TensorFlow 2.15 on Python 3.11, venv .venv) or HVDX_STACK=tf2.21 (TensorFlow 2.21 with
+# tf_keras on Python 3.12, venv .venv-tf2.21). `bootstrap.sh --venv` prints the stack's venv
+# and exits (the Makefile's VENV). Environment overrides:
+#   HVDX_VENV (default .venv for the default stack, else .venv-<stack>),
+#   HVDX_PYTHON (default: python<X.Y> on PATH, else pyenv's newest <X.Y>),
 #   HVDX_WHEEL_CACHE (default ~/.cache/hvdx/wheels), HVDX_WITH_CUDA (AUTO|ON|OFF),
-#   HVDX_REQUIREMENTS (default requirements-dev.txt; scripts/gpu_check.sh: the GPU wheel),
+#   HVDX_REQUIREMENTS (default requirements/<stack>.txt; scripts/gpu_check.sh: the GPU wheel),
 #   HVDX_WITH_SLURM=1 (or the flag --with-slurm; CI sets it): also SLURM and munge, for the
 #   srun/sbatch tests' throwaway cluster (hvdx/runner/slurm.py; no service is started).
 set -euo pipefail
-[ "${1:-}" = "--with-slurm" ] && HVDX_WITH_SLURM=1
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-VENV=${HVDX_VENV:-$ROOT/.venv}
+DEFAULT_STACK=$(cat "$ROOT/requirements/default-stack")
+STACK=${HVDX_STACK:-$DEFAULT_STACK}
+if [ "$STACK" = "$DEFAULT_STACK" ]; then VENV=${HVDX_VENV:-$ROOT/.venv}; else VENV=${HVDX_VENV:-$ROOT/.venv-$STACK}; fi
+if [ "${1:-}" = "--venv" ]; then echo "$VENV"; exit 0; fi
+[ "${1:-}" = "--with-slurm" ] && HVDX_WITH_SLURM=1
 HOROVOD_VERSION=0.28.1
-REQS=${HVDX_REQUIREMENTS:-$ROOT/requirements-dev.txt}
+REQS=${HVDX_REQUIREMENTS:-$ROOT/requirements/$STACK.txt}
+NO_DEPS=${REQS%.txt}.no-deps.txt
+PATCHES=$ROOT/scripts/patches/horovod-$HOROVOD_VERSION
 JOBS=$(nproc 2>/dev/null || echo 2)
 
 log() { printf '[bootstrap] %s\n' "$*"; }
@@ -27,7 +43,7 @@ t0=$(date +%s)
 
 # --- 1. system packages -----------------------------------------------------------
 missing=()
-pkgs=(openmpi-bin libopenmpi-dev cmake g++ make iproute2)
+pkgs=(openmpi-bin libopenmpi-dev cmake g++ make iproute2 patch)
 [ "${HVDX_WITH_SLURM:-0}" = 1 ] && pkgs+=(slurmctld slurmd slurm-client munge)
 for pkg in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "ok installed" || missing+=("$pkg")
@@ -41,18 +57,40 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# --- 2. virtual environment with the pinned stack -----------------------------------
+# --- 2. virtual environment with the stack's pins --------------------------------------
+[ -f "$REQS" ] || die "no stack '$STACK': $REQS does not exist (stacks: $(cd "$ROOT/requirements" && ls ./*.txt | grep -v 'no-deps\|common' | sed 's|^\./||; s/\.txt$//' | paste -sd' '))"
+PY_VERSION=$(sed -n 's/^# python: *\([0-9.]*\).*/\1/p' "$REQS" | head -n 1)
+runs() { [ -n "$1" ] && "$1" -c 'import sys' >/dev/null 2>&1; }   # pyenv's shims exist for versions not selected
+find_python() {
+  local candidate
+  for candidate in "$(command -v "python$1" || true)" \
+      $(ls -d "${PYENV_ROOT:-$HOME/.pyenv}/versions/$1".*/bin/"python$1" 2>/dev/null | sort -t. -k3 -n -r); do
+    if runs "$candidate"; then echo "$candidate"; return; fi
+  done
+}
 if [ ! -x "$VENV/bin/python" ]; then
-  PYTHON=${HVDX_PYTHON:-$(command -v python3.11 || command -v python3)}
-  log "creating $VENV with $PYTHON"
+  PYTHON=${HVDX_PYTHON:-$(if [ -n "$PY_VERSION" ]; then find_python "$PY_VERSION"; else command -v python3; fi)}
+  runs "$PYTHON" || die "stack $STACK needs Python ${PY_VERSION:-3}: install it (e.g. \`pyenv install $PY_VERSION\`, or Debian's python$PY_VERSION-venv) or set HVDX_PYTHON"
+  log "creating $VENV with $PYTHON (stack $STACK)"
   "$PYTHON" -m venv "$VENV"
 fi
 PY=$VENV/bin/python
+have=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+[ -z "$PY_VERSION" ] || [ -n "${HVDX_PYTHON:-}" ] || [ "$have" = "$PY_VERSION" ] \
+  || die "$VENV has Python $have, stack $STACK needs $PY_VERSION: remove it (rm -rf $VENV) or choose its stack (HVDX_STACK)"
+# The stack's files: the requirements, the files they include (-r), the no-deps list.
+req_files=("$REQS")
+while read -r included; do
+  case "$included" in /*) req_files+=("$included") ;; *) req_files+=("$(dirname "$REQS")/$included") ;; esac
+done \
+  < <(sed -n 's/^-r  *\([^ ]*\).*/\1/p' "$REQS")
+[ -f "$NO_DEPS" ] && req_files+=("$NO_DEPS")
 stamp_reqs=$VENV/.hvdx-requirements.sha256
-want=$(sha256sum "$REQS" | cut -d' ' -f1)
+want=$(cat "${req_files[@]}" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp_reqs" 2>/dev/null)" != "$want" ]; then
-  log "installing requirements-dev.txt"
+  log "installing the pins of stack $STACK into $VENV"
   "$PY" -m pip install -q --disable-pip-version-check -r "$REQS"
+  [ ! -f "$NO_DEPS" ] || "$PY" -m pip install -q --disable-pip-version-check --no-deps -r "$NO_DEPS"
   echo "$want" > "$stamp_reqs"
 fi
 
@@ -62,19 +100,39 @@ for d in ("tensorflow-cpu", "tensorflow"):
     try: print(m.version(d)); break
     except m.PackageNotFoundError: pass')
 [ -n "$TF_VERSION" ] || die "TensorFlow is not installed in $VENV"
+# The patches for this TensorFlow: those whose "# tensorflow: <specifier>" header holds it.
+patches=()
+for patch in "$PATCHES"/*.patch; do
+  [ -f "$patch" ] || continue
+  spec=$(sed -n 's/^# tensorflow: *//p' "$patch" | head -n 1)
+  [ -n "$spec" ] || die "$patch has no '# tensorflow: <specifier>' line"
+  if "$PY" -c 'import sys; from packaging.specifiers import SpecifierSet
+sys.exit(sys.argv[2] not in SpecifierSet(sys.argv[1]))' "$spec" "$TF_VERSION"; then patches+=("$patch"); fi
+done
 hvd_key="horovod-$HOROVOD_VERSION-tf-$TF_VERSION-$($PY -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
+if [ ${#patches[@]} -gt 0 ]; then
+  hvd_key+="-patches-$(cat "${patches[@]}" | sha256sum | cut -c1-12)"
+fi
 stamp_hvd=$VENV/.hvdx-horovod
 if [ "$(cat "$stamp_hvd" 2>/dev/null)" != "$hvd_key" ]; then
   wheels=${HVDX_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdx/wheels}/$hvd_key
   if ! ls "$wheels"/horovod-*.whl >/dev/null 2>&1; then
-    log "building Horovod $HOROVOD_VERSION from source against TensorFlow $TF_VERSION (a few minutes)"
+    log "building Horovod $HOROVOD_VERSION from source against TensorFlow $TF_VERSION with ${#patches[@]} patch(es) (10-30 minutes on 2 cores)"
     cmake_major=$(cmake --version | sed -n 's/^cmake version \([0-9]*\).*/\1/p')
     [ "${cmake_major:-3}" -lt 4 ] || export CMAKE_POLICY_VERSION_MINIMUM=3.5  # Horovod's bundled Gloo
+    src=$(mktemp -d "${TMPDIR:-/tmp}/hvdx-horovod.XXXXXX")
+    trap 'rm -rf "$src"' EXIT
+    "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: -d "$src" "horovod==$HOROVOD_VERSION"
+    tar -xzf "$src/horovod-$HOROVOD_VERSION.tar.gz" -C "$src"
+    for patch in "${patches[@]}"; do
+      log "applying $(basename "$patch")"
+      patch -s -p1 -d "$src/horovod-$HOROVOD_VERSION" < "$patch" || die "$patch does not apply to Horovod $HOROVOD_VERSION's sdist"
+    done
     mkdir -p "$wheels.tmp"
     HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
     HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$JOBS" \
       "$PY" -m pip wheel -q --disable-pip-version-check --no-cache-dir --no-build-isolation \
-        --no-deps -w "$wheels.tmp" "horovod==$HOROVOD_VERSION"
+        --no-deps -w "$wheels.tmp" "$src/horovod-$HOROVOD_VERSION"
     rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
   fi
   log "installing Horovod from $wheels"
@@ -89,9 +147,9 @@ fi
 
 # --- 4. hvdx itself: editable install, op library built by CMake (incremental) ------
 mkdir -p "$ROOT/build"
-build_log=$ROOT/build/bootstrap-hvdx.log
+build_log=$ROOT/build/bootstrap-hvdx-$STACK.log
 if "$PY" -m pip show -q hvdx >/dev/null 2>&1; then
-  build=("$PY" setup.py build_ext --inplace)      # incremental: CMake reuses build/cmake
+  build=("$PY" setup.py build_ext --inplace)      # incremental: CMake reuses build/cmake-<python>
 else
   log "installing hvdx (editable) and building the op library"
   build=("$PY" -m pip install --disable-pip-version-check --no-build-isolation --no-deps -e "$ROOT")
@@ -101,4 +159,4 @@ if ! (cd "$ROOT" && "${build[@]}") >"$build_log" 2>&1; then
   die "building hvdx failed; the whole log is in $build_log"
 fi
 
-log "ready in $(( $(date +%s) - t0 )) s: $VENV (TensorFlow $TF_VERSION, Horovod $HOROVOD_VERSION)"
+log "ready in $(( $(date +%s) - t0 )) s: stack $STACK in $VENV (Python $have, TensorFlow $TF_VERSION, Horovod $HOROVOD_VERSION)"

@@ -75,8 +75,10 @@ log "copying the checkout to $SRC"
 mkdir -p "$SRC"
 find "$SRC" -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +   # keep the incremental build
 (cd "$ROOT" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -xf - -C "$SRC"
-sed 's/^tensorflow-cpu==/tensorflow[and-cuda]==/' "$ROOT/requirements-dev.txt" > "$WORK/requirements-gpu.txt"
-grep -q '^tensorflow\[and-cuda\]==' "$WORK/requirements-gpu.txt" || die "requirements-dev.txt pins no tensorflow-cpu"
+# The tf2.15 stack's pins with the GPU wheel (its includes, -r, by their path in the checkout).
+sed -e 's/^tensorflow-cpu==/tensorflow[and-cuda]==/' -e "s|^-r  *|-r $ROOT/requirements/|" \
+  "$ROOT/requirements/tf2.15.txt" > "$WORK/requirements-gpu.txt"
+grep -q '^tensorflow\[and-cuda\]==' "$WORK/requirements-gpu.txt" || die "requirements/tf2.15.txt pins no tensorflow-cpu"
 log "bootstrapping $WORK/venv (GPU TensorFlow, Horovod, hvdx with CUDA kernels)"
 HVDX_VENV=$WORK/venv HVDX_PYTHON=$PYTHON HVDX_REQUIREMENTS=$WORK/requirements-gpu.txt \
   HVDX_WHEEL_CACHE=$WORK/wheels HVDX_WITH_CUDA=ON CUDACXX=$NVCC \

@@ -1,7 +1,8 @@
-// The status the kernels return, in both builds of the same sources:
-//   - the TensorFlow op library (the default): hvdx::Status *is* tensorflow::Status, and
-//     hvdx::errors the tensorflow::errors factories, so the ops report exactly what they
-//     reported before;
+// The status the kernels and the ops return, in both builds of the same sources:
+//   - the TensorFlow op library (the default): hvdx::Status *is* tensorflow::Status (which
+//     is absl::Status from TensorFlow 2.13 on), and hvdx::errors builds it as
+//     tensorflow::errors' factories did, absl::StrCat of the arguments under the code
+//     (those factories are deprecated from TensorFlow 2.18 on, in favour of absl's);
 //   - the TensorFlow-free harness (csrc/harness, HVDX_WITHOUT_TENSORFLOW defined): a small
 //     standalone Status with the same codes (InvalidArgument = 3, Internal = 13) and the
 //     message concatenated from the same arguments.
@@ -79,13 +80,27 @@ Status Internal(const Args&... args) {
 
 #else  // the TensorFlow op library
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "tensorflow/core/platform/errors.h"
 #include "tensorflow/core/platform/status.h"
 
 namespace hvdx {
-using Status = ::tensorflow::Status;
-using ::tensorflow::OkStatus;
-namespace errors = ::tensorflow::errors;
+using Status = ::absl::Status;  // what TensorFlow's Status is (an alias, deprecated from 2.18 on)
+using ::absl::OkStatus;
+
+namespace errors {
+
+template <typename... Args>
+Status InvalidArgument(const Args&... args) {
+  return ::absl::InvalidArgumentError(::absl::StrCat(args...));
+}
+template <typename... Args>
+Status Internal(const Args&... args) {
+  return ::absl::InternalError(::absl::StrCat(args...));
+}
+
+}  // namespace errors
 }  // namespace hvdx
 
 #define HVDX_RETURN_IF_ERROR(expr) TF_RETURN_IF_ERROR(expr)

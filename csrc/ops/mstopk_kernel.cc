@@ -27,7 +27,6 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 using ::tensorflow::TensorShapeUtils;
-namespace errors = ::tensorflow::errors;
 
 // SplitMix64's finaliser: a bijective mix of a 64-bit word.
 inline uint64_t Mix64(uint64_t z) {
@@ -47,7 +46,7 @@ class MsTopKOp : public OpKernel {
   explicit MsTopKOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_samplings", &num_samplings_));
     if (kStateless) return;
-    ::tensorflow::int64 seed, seed2;
+    int64_t seed, seed2;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("seed2", &seed2));
     if (seed == 0 && seed2 == 0) {
@@ -67,7 +66,7 @@ class MsTopKOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(k_tensor.shape()),
                 errors::InvalidArgument("mstopk: k must be a scalar, got shape ", k_tensor.shape().DebugString()));
     const int64_t d = x.NumElements();
-    const int64_t k_requested = k_tensor.scalar<::tensorflow::int64>()();
+    const int64_t k_requested = k_tensor.scalar<int64_t>()();
     OP_REQUIRES(ctx, k_requested >= 0, errors::InvalidArgument("mstopk: k must be >= 0, got ", k_requested));
     OP_REQUIRES(ctx, (std::is_same_v<Tidx, int64_t> || d <= std::numeric_limits<int32_t>::max()),
                 errors::InvalidArgument("mstopk: int32 indices cannot address ", d, " elements; use int64"));
@@ -82,7 +81,7 @@ class MsTopKOp : public OpKernel {
       OP_REQUIRES(ctx, seed.dims() == 1 && seed.NumElements() == 2,
                   errors::InvalidArgument("stateless_mstopk: seed must have shape [2], got ",
                                           seed.shape().DebugString()));
-      const auto pair = seed.flat<::tensorflow::int64>();
+      const auto pair = seed.flat<int64_t>();
       random = StatelessWord(pair(0), pair(1));
     } else {
       std::lock_guard<std::mutex> lock(mu_);
@@ -94,7 +93,7 @@ class MsTopKOp : public OpKernel {
     const int64_t scratch_bytes = Functor::ScratchBytes(d);
     if (scratch_bytes > 0) {
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8, TensorShape({scratch_bytes}), &scratch));
-      scratch_ptr = scratch.flat<::tensorflow::int8>().data();
+      scratch_ptr = scratch.flat<int8_t>().data();
     }
     OP_REQUIRES_OK(ctx, Functor()(ctx->eigen_device<Device>(), x.flat<T>().data(), d, k, num_samplings_, random,
                                   values->flat<T>().data(), indices->flat<Tidx>().data(),

@@ -1,4 +1,6 @@
 // Registration and shape function of HvdxMstopk (shi2021, Algorithm 1).
+#include "absl/status/status.h"
+#include "kernels/status.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
@@ -9,7 +11,7 @@ using ::tensorflow::shape_inference::InferenceContext;
 using ::tensorflow::shape_inference::ShapeHandle;
 
 // values / indices: [min(k, d)] where k and d are known; thresholds: [2].
-::tensorflow::Status MstopkShape(InferenceContext* c) {
+::absl::Status MstopkShape(InferenceContext* c) {
   ShapeHandle x, k;
   TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &x));
   TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &k));
@@ -17,14 +19,14 @@ using ::tensorflow::shape_inference::ShapeHandle;
   const ::tensorflow::Tensor* k_value = c->input_tensor(1);
   const DimensionHandle d = c->Dim(x, 0);
   if (k_value != nullptr && c->ValueKnown(d)) {
-    const int64_t kk = k_value->scalar<::tensorflow::int64>()();
-    if (kk < 0) return ::tensorflow::errors::InvalidArgument("mstopk: k must be >= 0, got ", kk);
+    const int64_t kk = k_value->scalar<int64_t>()();
+    if (kk < 0) return errors::InvalidArgument("mstopk: k must be >= 0, got ", kk);
     selected = c->MakeDim(std::min<int64_t>(kk, c->Value(d)));
   }
   c->set_output(0, c->Vector(selected));
   c->set_output(1, c->Vector(selected));
   c->set_output(2, c->Vector(2));
-  return ::tensorflow::OkStatus();
+  return ::absl::OkStatus();
 }
 
 REGISTER_OP("HvdxMstopk")

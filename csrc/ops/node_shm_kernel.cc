@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "kernels/node_shm.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -21,12 +22,11 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 using ::tensorflow::TensorShapeUtils;
-namespace errors = ::tensorflow::errors;
 
 class NodeCollectiveOp : public AsyncOpKernel {
  public:
   explicit NodeCollectiveOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
-    ::tensorflow::int64 address = 0, channel = 0, rank = 0;
+    int64_t address = 0, channel = 0, rank = 0;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("address", &address));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("channel", &channel));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("rank", &rank));
@@ -40,7 +40,7 @@ class NodeCollectiveOp : public AsyncOpKernel {
   }
 
  protected:
-  ::tensorflow::Status OpenChannel(node_shm::Channel* channel) const {
+  ::absl::Status OpenChannel(node_shm::Channel* channel) const {
     return node_shm::Open(address_, channel_, rank_, channel);
   }
   node_shm::Call BaseCall(const Tensor& input) const {
@@ -76,7 +76,7 @@ class NodeAlltoallOp : public NodeCollectiveOp {
                       errors::InvalidArgument("node_alltoall '", name_, "' needs one split per local rank (",
                                               channel.size, "), got shape ", splits.shape().DebugString()),
                       done);
-    auto s = splits.flat<::tensorflow::int64>();
+    auto s = splits.flat<int64_t>();
     std::vector<uint64_t> sizes(channel.size);
     for (uint32_t j = 0; j < channel.size; ++j) {
       OP_REQUIRES_ASYNC(ctx, s(j) >= 0, errors::InvalidArgument("node_alltoall '", name_, "': negative split"), done);
@@ -88,7 +88,7 @@ class NodeAlltoallOp : public NodeCollectiveOp {
     worker()->Enqueue([ctx, done, channel, call, sizes = std::move(sizes)]() mutable {
       call.splits = sizes.data();
       Tensor* output = nullptr;
-      ::tensorflow::Status status = node_shm::Run(&channel, call, [&](uint64_t elements, ::tensorflow::Status* st) {
+      ::absl::Status status = node_shm::Run(&channel, call, [&](uint64_t elements, ::absl::Status* st) {
         *st = ctx->allocate_output(0, TensorShape({static_cast<int64_t>(elements)}), &output);
         return st->ok() ? const_cast<char*>(output->tensor_data().data()) : nullptr;
       });
@@ -116,7 +116,7 @@ class NodeAllgatherOp : public NodeCollectiveOp {
     call.row_elements = static_cast<uint64_t>(row.num_elements());
     worker()->Enqueue([ctx, done, channel, call, row]() mutable {
       Tensor* output = nullptr;
-      ::tensorflow::Status status = node_shm::Run(&channel, call, [&](uint64_t elements, ::tensorflow::Status* st) {
+      ::absl::Status status = node_shm::Run(&channel, call, [&](uint64_t elements, ::absl::Status* st) {
         TensorShape shape = row;
         shape.InsertDim(0, static_cast<int64_t>(elements));  // rows
         *st = ctx->allocate_output(0, shape, &output);

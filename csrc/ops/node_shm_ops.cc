@@ -1,6 +1,7 @@
 // Registrations of the node-local shared-memory collectives (csrc/kernels/node_shm.h): an
 // all-to-all with equal splits on every rank and an all-gather of per-rank row counts, over
 // the ranks of one node, through a segment hvdx/comm/node_shm.py maps in each of them.
+#include "absl/status/status.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -28,7 +29,7 @@ REGISTER_OP("HvdxNodeAlltoall")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &s));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &s));
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      return ::tensorflow::OkStatus();
+      return ::absl::OkStatus();
     })
     .Doc(R"doc(
 Node-local all-to-all through shared memory: slice j of `tensor` (splits[j] elements, the
@@ -54,7 +55,7 @@ REGISTER_OP("HvdxNodeAllgather")
       ShapeHandle out;
       TF_RETURN_IF_ERROR(c->ReplaceDim(in, 0, c->UnknownDim(), &out));
       c->set_output(0, out);
-      return ::tensorflow::OkStatus();
+      return ::absl::OkStatus();
     })
     .Doc(R"doc(
 Node-local all-gather through shared memory: every rank's rows (dimension 0, counts may

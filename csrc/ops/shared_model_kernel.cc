@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 
+#include "absl/status/status.h"
 #include "kernels/shared_model.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
@@ -20,24 +21,23 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 using ::tensorflow::TensorShapeUtils;
-namespace errors = ::tensorflow::errors;
 using CPUDevice = Eigen::ThreadPoolDevice;
 
-::tensorflow::Status ParseMode(const std::string& name, bool allow_none, shared::Mode* mode) {
+::absl::Status ParseMode(const std::string& name, bool allow_none, shared::Mode* mode) {
   if (name == "atomic") *mode = shared::Mode::kAtomic;
   else if (name == "block") *mode = shared::Mode::kBlock;
   else if (name == "whole") *mode = shared::Mode::kWhole;
   else if (name == "none" && allow_none) *mode = shared::Mode::kNone;
   else return errors::InvalidArgument("unknown shared model mode '", name, "'");
-  return ::tensorflow::OkStatus();
+  return ::absl::OkStatus();
 }
 
-::tensorflow::Status OpenInput(OpKernelContext* ctx, shared::View* view) {
+::absl::Status OpenInput(OpKernelContext* ctx, shared::View* view) {
   const Tensor& address = ctx->input(0);
   if (!TensorShapeUtils::IsScalar(address.shape())) {
     return errors::InvalidArgument("address must be a scalar, got shape ", address.shape().DebugString());
   }
-  return shared::Open(static_cast<uint64_t>(address.scalar<::tensorflow::int64>()()), view);
+  return shared::Open(static_cast<uint64_t>(address.scalar<int64_t>()()), view);
 }
 
 class SharedReadOp : public OpKernel {
@@ -59,7 +59,7 @@ class SharedReadOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &version));
     const uint64_t v = shared::Read<CPUDevice>()(ctx->eigen_device<CPUDevice>(), view, mode_,
                                                  values->flat<float>().data());
-    version->scalar<::tensorflow::int64>()() = static_cast<::tensorflow::int64>(v);
+    version->scalar<int64_t>()() = static_cast<int64_t>(v);
   }
 
  private:
@@ -84,7 +84,7 @@ class SharedUpdateOp : public OpKernel {
                 errors::InvalidArgument("delta must be 1-D, got shape ", delta.shape().DebugString()));
     OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(offset.shape()),
                 errors::InvalidArgument("offset must be a scalar, got shape ", offset.shape().DebugString()));
-    const int64_t off = offset.scalar<::tensorflow::int64>()();
+    const int64_t off = offset.scalar<int64_t>()();
     const int64_t m = delta.NumElements();
     const int64_t n = static_cast<int64_t>(view.header->size);
     OP_REQUIRES(ctx, off >= 0 && off + m <= n,
@@ -98,7 +98,7 @@ class SharedUpdateOp : public OpKernel {
                                                    delta.flat<float>().data(), static_cast<uint64_t>(off),
                                                    static_cast<uint64_t>(m),
                                                    read_back_ ? values->flat<float>().data() : nullptr);
-    version->scalar<::tensorflow::int64>()() = static_cast<::tensorflow::int64>(v);
+    version->scalar<int64_t>()() = static_cast<int64_t>(v);
   }
 
  private:

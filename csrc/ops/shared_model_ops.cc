@@ -1,6 +1,7 @@
 // Registrations of the shared model ops: one node's float32 model in a shared-memory segment
 // (hvdx/asynchronous/shared.py), read and updated concurrently by the node's processes
 // (gimpel2010 Algorithm 1; kungurtsev2021 Algorithm 1, ASSM and PASSM).
+#include "absl/status/status.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -21,7 +22,7 @@ REGISTER_OP("HvdxSharedRead")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &address));
       c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
       c->set_output(1, c->Scalar());
-      return ::tensorflow::OkStatus();
+      return ::absl::OkStatus();
     })
     .Doc(R"doc(
 values = the shared model; version = the number of updates applied to it before the copy.
@@ -48,7 +49,7 @@ REGISTER_OP("HvdxSharedUpdate")
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &s));
       c->set_output(0, c->Scalar());
       c->set_output(1, c->Vector(InferenceContext::kUnknownDim));
-      return ::tensorflow::OkStatus();
+      return ::absl::OkStatus();
     })
     .Doc(R"doc(
 shared[offset, offset + len(delta)) += delta; version = the updates applied before this one.

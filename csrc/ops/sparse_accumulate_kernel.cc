@@ -24,7 +24,6 @@ using ::tensorflow::OpKernelContext;
 using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 using ::tensorflow::TensorShapeUtils;
-namespace errors = ::tensorflow::errors;
 using CPUDevice = Eigen::ThreadPoolDevice;
 using GPUDevice = Eigen::GpuDevice;
 
@@ -45,7 +44,7 @@ class SparseAccumulateOp : public OpKernel {
       const Tensor& size = ctx->input(2);
       OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(size.shape()),
                   errors::InvalidArgument("size must be a scalar, got shape ", size.shape().DebugString()));
-      const int64_t n = size.scalar<::tensorflow::int64>()();
+      const int64_t n = size.scalar<int64_t>()();
       OP_REQUIRES(ctx, n >= 0, errors::InvalidArgument("size must be >= 0, got ", n));
       dense_shape = TensorShape({n});
     }
@@ -80,7 +79,7 @@ class SparseAccumulateOp : public OpKernel {
     const int64_t workspace_bytes = Functor::WorkspaceBytes(nnz, size);
     if (workspace_bytes > 0) {
       OP_REQUIRES_OK(ctx, ctx->allocate_temp(::tensorflow::DT_INT8, TensorShape({workspace_bytes}), &workspace));
-      workspace_ptr = workspace.flat<::tensorflow::int8>().data();
+      workspace_ptr = workspace.flat<int8_t>().data();
     }
     const Tout* dense = kHasDense ? ctx->input(2).flat<Tout>().data() : nullptr;
     OP_REQUIRES_OK(ctx, Functor()(ctx->eigen_device<Device>(), values.flat<T>().data(), idx, nnz, dense,
@@ -107,8 +106,8 @@ class SparseAccumulateOp : public OpKernel {
   HVDX_REGISTER_SPARSE_ACCUMULATE(DEV, DEVICE, T, TIDX, Eigen::half)    \
   HVDX_REGISTER_SPARSE_ACCUMULATE(DEV, DEVICE, T, TIDX, Eigen::bfloat16)
 #define HVDX_REGISTER_FOR_IDX(DEV, DEVICE, T)          \
-  HVDX_REGISTER_FOR_OUT(DEV, DEVICE, T, ::tensorflow::int32) \
-  HVDX_REGISTER_FOR_OUT(DEV, DEVICE, T, ::tensorflow::int64)
+  HVDX_REGISTER_FOR_OUT(DEV, DEVICE, T, int32_t) \
+  HVDX_REGISTER_FOR_OUT(DEV, DEVICE, T, int64_t)
 #define HVDX_REGISTER_ALL(DEV, DEVICE)                 \
   HVDX_REGISTER_FOR_IDX(DEV, DEVICE, float)            \
   HVDX_REGISTER_FOR_IDX(DEV, DEVICE, Eigen::half)      \

@@ -1,5 +1,6 @@
 // Registration and shape function of HvdxSparseAccumulate (shi2021, Alg. 2 line 9: the
 // receivers add the gathered top-k values of every node into one dense vector).
+#include "absl/status/status.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -24,7 +25,7 @@ REGISTER_OP("HvdxSparseAccumulate")
       TF_RETURN_IF_ERROR(c->Merge(values, indices, &values));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &dense));
       c->set_output(0, dense);
-      return ::tensorflow::OkStatus();
+      return ::absl::OkStatus();
     })
     .Doc(R"doc(
 output = dense + sum of values[j] at indices[j] (duplicate indices add up).
@@ -52,7 +53,7 @@ REGISTER_OP("HvdxSparseScatter")
       ::tensorflow::shape_inference::DimensionHandle dim;
       TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &dim));
       c->set_output(0, c->Vector(dim));
-      return ::tensorflow::OkStatus();
+      return ::absl::OkStatus();
     })
     .Doc(R"doc(
 output = zeros(size) + sum of values[j] at indices[j]: HvdxSparseAccumulate onto zeros,

@@ -5,7 +5,10 @@
   a tf.compat.v1 graph + session and eagerly: the weights after each step;
 - Horovod's own LearningRateWarmupCallback (imported from horovod) with momentum correction
   on an hvdx-wrapped new-style SGD, in model.fit: the learning rate and momentum each batch
-  ran with (as the callbacks left them) and the final weights.
+  ran with (as the callbacks left them) and the final weights; and its MetricAverageCallback:
+  each epoch's loss before and after it. From TensorFlow 2.16 on, where Horovod hands these
+  callbacks Keras 3's backend and they fail, hvdx.keras.horovod_callbacks' (the same classes
+  on tf.keras's backend).
 
 Every rank returns its results; the test compares them across ranks and with a NumPy
 reference of averaged gradients.
@@ -67,8 +70,20 @@ def v1_eager(rank: int) -> List[List[float]]:
     return out
 
 
-def lr_warmup(rank: int) -> Dict[str, list]:
+def backend_callbacks():
+    """The module whose MetricAverage / LearningRate* callbacks a Horovod user runs here:
+    Horovod's own where they work (TensorFlow < 2.16), hvdx's versions of them otherwise."""
     import horovod.tensorflow.keras.callbacks as horovod_callbacks
+    import tensorflow as tf
+
+    import hvdx.keras.horovod_callbacks
+    from hvdx import legacy_keras
+
+    keras3_tf = tuple(int(p) for p in tf.__version__.split(".")[:2]) >= legacy_keras.KERAS3_SINCE
+    return hvdx.keras.horovod_callbacks if keras3_tf else horovod_callbacks
+
+
+def lr_warmup(rank: int) -> Dict[str, list]:
     import tensorflow as tf
 
     import hvdx.keras as hvd
@@ -79,16 +94,26 @@ def lr_warmup(rank: int) -> Dict[str, list]:
     opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9))
     assert isinstance(opt, tf.keras.optimizers.SGD)
     model.compile(opt, "mse")
-    seen: Dict[str, list] = {"lr": [], "momentum": []}
+    seen: Dict[str, list] = {"lr": [], "momentum": [], "loss_own": [], "loss_averaged": []}
 
     class Record(tf.keras.callbacks.Callback):
-        def on_train_batch_begin(self, batch, logs=None):  # after the warm-up callback's
-            seen["lr"].append(float(tf.keras.backend.get_value(self.model.optimizer.lr)))
-            seen["momentum"].append(float(tf.keras.backend.get_value(self.model.optimizer.momentum)))
+        def __init__(self, loss: str) -> None:
+            super().__init__()
+            self.loss = loss
 
-    warmup = horovod_callbacks.LearningRateWarmupCallback(initial_lr=0.05, warmup_epochs=2, momentum_correction=True)
+        def on_train_batch_begin(self, batch, logs=None):  # after the warm-up callback's
+            if self.loss == "loss_averaged":
+                seen["lr"].append(float(tf.keras.backend.get_value(self.model.optimizer.lr)))
+                seen["momentum"].append(float(tf.keras.backend.get_value(self.model.optimizer.momentum)))
+
+        def on_epoch_end(self, epoch, logs=None):  # before and after MetricAverageCallback's
+            seen[self.loss].append(float(logs["loss"]))
+
+    callbacks = backend_callbacks()
+    warmup = callbacks.LearningRateWarmupCallback(initial_lr=0.05, warmup_epochs=2, momentum_correction=True)
     model.fit(x, y, batch_size=BATCH, epochs=3, shuffle=False, verbose=0,
-              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), warmup, Record()])
+              callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0), warmup, Record("loss_own"),
+                         callbacks.MetricAverageCallback(), Record("loss_averaged")])
     seen["weights"] = np.concatenate([v.numpy().ravel() for v in model.trainable_variables]).tolist()
     seen["momentum_after"] = float(opt.momentum.numpy())
     return seen

@@ -1,0 +1,87 @@
+"""Keras 2 as tf.keras on every TensorFlow hvdx supports: from TensorFlow 2.16 on, tf.keras
+routed to the tf_keras package.
+
+TensorFlow 2.16 made Keras 3 its tf.keras. Horovod's Keras integration, and hvdx's built on
+it, needs Keras 2: under Keras 3 every Horovod path fails ("'Variable' object has no
+attribute 'ref'", horovod#4290). TensorFlow routes tf.keras to tf_keras (Keras 2) when
+$TF_USE_LEGACY_KERAS is "1", "true" or "True" at `import tensorflow`; it reads the variable
+once, then, and a later change leaves tf.keras half routed.
+
+Importing this module (hvdx's package imports it first, before any of its modules imports
+TensorFlow) sets TF_USE_LEGACY_KERAS=1 where the user did not set it, TensorFlow is not
+imported yet and tf_keras is installed (TensorFlow 2.15 reads the variable too and fails
+without tf_keras), then imports TensorFlow and raises `Keras3Error` if tf.keras is Keras 3
+all the same, saying what to do.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import Tuple
+
+__all__ = ["ENV", "KERAS3_SINCE", "Keras3Error", "keras_package", "require_keras2", "route_to_tf_keras"]
+
+ENV = "TF_USE_LEGACY_KERAS"
+KERAS3_SINCE = (2, 16)   # the first TensorFlow whose tf.keras is Keras 3 by default
+_ON = ("1", "true", "True")   # the values TensorFlow reads as "route to tf_keras"
+
+
+class Keras3Error(ImportError):
+    """tf.keras is Keras 3, with which Horovod's and hvdx's Keras integration fails."""
+
+
+def route_to_tf_keras() -> bool:
+    """Sets $TF_USE_LEGACY_KERAS=1 for TensorFlow's coming import, where that is safe.
+
+    Returns:
+        Whether it set the variable: not where the user set it (to anything), where
+        TensorFlow is already imported (it read the variable then), or where tf_keras is
+        not installed.
+    """
+    if ENV in os.environ or "tensorflow" in sys.modules or importlib.util.find_spec("tf_keras") is None:
+        return False
+    os.environ[ENV] = "1"
+    return True
+
+
+def _version(tf: ModuleType) -> Tuple[int, int]:
+    return tuple(int(part) for part in tf.__version__.split(".")[:2])
+
+
+def keras_package(tf: ModuleType) -> str:
+    """The top-level package tf.keras resolves to: "keras" or "tf_keras" (loads Keras)."""
+    return tf.keras.Model.__module__.split(".")[0]
+
+
+def require_keras2(tf: ModuleType) -> None:
+    """Checks that tf.keras is Keras 2.
+
+    Args:
+        tf: the imported tensorflow module.
+
+    Raises:
+        Keras3Error: TensorFlow >= 2.16 with tf.keras resolved to Keras 3; the message says
+            why (tf_keras missing, the variable set otherwise, TensorFlow imported before
+            hvdx) and how to fix it.
+    """
+    if _version(tf) < KERAS3_SINCE or keras_package(tf) == "tf_keras":
+        return
+    minor = ".".join(str(part) for part in _version(tf))
+    if importlib.util.find_spec("tf_keras") is None:
+        why = f"the tf_keras package is not installed: `pip install tf-keras~={minor}.0`"
+    elif os.environ.get(ENV) not in _ON and ENV in os.environ:
+        why = f"${ENV} is set to {os.environ[ENV]!r}: set it to 1 (or unset it and import hvdx first)"
+    else:
+        why = (f"tensorflow was imported before hvdx without ${ENV}=1: import hvdx before tensorflow, "
+               f"or set {ENV}=1 in the environment (or in os.environ before `import tensorflow`)")
+    raise Keras3Error(
+        f"hvdx needs Keras 2 as tf.keras, and TensorFlow {tf.__version__}'s tf.keras is Keras 3 here (Horovod's Keras "
+        f"integration fails under Keras 3, horovod#4290): {why}.")
+
+
+route_to_tf_keras()
+import tensorflow as _tf  # noqa: E402  (after the routing above, on purpose)
+
+require_keras2(_tf)
