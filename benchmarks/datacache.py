@@ -45,11 +45,11 @@ from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import hvdx  # noqa: E402  (first, before TensorFlow: tf.keras is Keras 2, tf_keras, on TensorFlow 2.16+)
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import hvdx  # noqa: E402
 from hvdx import zoo  # noqa: E402
 from hvdx.data import DataCache, SlowSource, decode_image  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402

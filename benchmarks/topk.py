@@ -35,10 +35,10 @@ from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+import hvdx  # noqa: E402  (first, before TensorFlow: tf.keras is Keras 2, tf_keras, on TensorFlow 2.16+)
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import hvdx  # noqa: E402
 from hvdx import zoo  # noqa: E402
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
     from common import add_output_arguments, markdown_table, readme_path, update_readme  # noqa: E402

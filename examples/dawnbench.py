@@ -25,10 +25,10 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
+import hvdx  # first, before TensorFlow: tf.keras is Keras 2 (tf_keras) on TensorFlow 2.16+
 import numpy as np
 import tensorflow as tf
 
-import hvdx
 from hvdx import checkpoints, phases as ph, throughput, zoo
 from hvdx.data import augment, batches, demo
 from hvdx.callbacks import CheckpointCallback, EpochLog

@@ -19,13 +19,13 @@ import time
 
 import statistics
 
+import hvdx  # first, before TensorFlow: tf.keras is Keras 2 (tf_keras) on TensorFlow 2.16+
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 
-import hvdx
 from hvdx.zoo import mlp
 
 

@@ -20,8 +20,14 @@ import importlib
 import importlib.util
 from typing import Any, Dict, List
 
-from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
-from hvdx.version import __version__
+# First, before anything imports TensorFlow: tf.keras is Keras 2 (tf_keras from TensorFlow
+# 2.16 on), or the import fails saying what to do (hvdx/legacy_keras.py).
+from hvdx import legacy_keras as _legacy_keras
+
+_legacy_keras.prepare()
+
+from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology  # noqa: E402
+from hvdx.version import __version__  # noqa: E402
 
 #: Public names of submodules: name -> (module, attribute).
 _NAMES: Dict[str, tuple] = {

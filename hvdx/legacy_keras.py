@@ -7,11 +7,12 @@ attribute 'ref'", horovod#4290). TensorFlow routes tf.keras to tf_keras (Keras 2
 $TF_USE_LEGACY_KERAS is "1", "true" or "True" at `import tensorflow`; it reads the variable
 once, then, and a later change leaves tf.keras half routed.
 
-Importing this module (hvdx's package imports it first, before any of its modules imports
-TensorFlow) sets TF_USE_LEGACY_KERAS=1 where the user did not set it, TensorFlow is not
-imported yet and tf_keras is installed (TensorFlow 2.15 reads the variable too and fails
-without tf_keras), then imports TensorFlow and raises `Keras3Error` if tf.keras is Keras 3
-all the same, saying what to do.
+`import hvdx` calls `prepare()` first: it sets TF_USE_LEGACY_KERAS=1 where the user did not
+set it, TensorFlow is not imported yet and tf_keras is installed (TensorFlow 2.15 reads the
+variable too and fails without tf_keras); where TensorFlow is imported already, it checks
+tf.keras at once. `require_keras2()` raises `Keras3Error` where tf.keras is Keras 3 all the
+same, saying what to do; `hvdx.init()` and the Keras wrappers call it before they use
+tf.keras. Importing this module imports no TensorFlow (`import hvdx` stays light).
 """
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ import importlib.util
 import os
 import sys
 from types import ModuleType
-from typing import Tuple
+from typing import Optional, Tuple
 
-__all__ = ["ENV", "KERAS3_SINCE", "Keras3Error", "keras_package", "require_keras2", "route_to_tf_keras"]
+__all__ = ["ENV", "KERAS3_SINCE", "Keras3Error", "keras_package", "prepare", "require_keras2", "route_to_tf_keras"]
 
 ENV = "TF_USE_LEGACY_KERAS"
 KERAS3_SINCE = (2, 16)   # the first TensorFlow whose tf.keras is Keras 3 by default
 _ON = ("1", "true", "True")   # the values TensorFlow reads as "route to tf_keras"
+
+
+_checked = False  # the running TensorFlow's tf.keras passed `require_keras2`
 
 
 class Keras3Error(ImportError):
@@ -55,18 +59,24 @@ def keras_package(tf: ModuleType) -> str:
     return tf.keras.Model.__module__.split(".")[0]
 
 
-def require_keras2(tf: ModuleType) -> None:
-    """Checks that tf.keras is Keras 2.
+def require_keras2(tf: Optional[ModuleType] = None) -> None:
+    """Checks that tf.keras is Keras 2 (once per process where it is).
 
     Args:
-        tf: the imported tensorflow module.
+        tf: the imported tensorflow module (None: imported here).
 
     Raises:
         Keras3Error: TensorFlow >= 2.16 with tf.keras resolved to Keras 3; the message says
             why (tf_keras missing, the variable set otherwise, TensorFlow imported before
             hvdx) and how to fix it.
     """
+    global _checked
+    if tf is None:
+        if _checked:
+            return
+        import tensorflow as tf
     if _version(tf) < KERAS3_SINCE or keras_package(tf) == "tf_keras":
+        _checked = _checked or tf is sys.modules.get("tensorflow")
         return
     minor = ".".join(str(part) for part in _version(tf))
     if importlib.util.find_spec("tf_keras") is None:
@@ -81,7 +91,10 @@ def require_keras2(tf: ModuleType) -> None:
         f"integration fails under Keras 3, horovod#4290): {why}.")
 
 
-route_to_tf_keras()
-import tensorflow as _tf  # noqa: E402  (after the routing above, on purpose)
-
-require_keras2(_tf)
+def prepare() -> None:
+    """At `import hvdx`: tf.keras routed to tf_keras before TensorFlow's import
+    (`route_to_tf_keras`); where TensorFlow is imported already, checked now
+    (`require_keras2`). Raises Keras3Error as `require_keras2`."""
+    route_to_tf_keras()
+    if "tensorflow" in sys.modules:
+        require_keras2()

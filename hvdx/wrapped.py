@@ -29,7 +29,11 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import tensorflow as tf
 
-from hvdx.optimizers.lars import LARS
+from hvdx import legacy_keras
+
+legacy_keras.require_keras2(tf)  # what follows subclasses tf.keras' optimizers: Keras 2 only
+
+from hvdx.optimizers.lars import LARS  # noqa: E402
 
 __all__ = ["Momentum", "SYNCHRONOUS_MARKER", "check_not_horovods", "check_not_synchronous", "is_horovods",
            "is_synchronous", "subclass_for"]

@@ -51,7 +51,9 @@ NAMESPACES = {
     "hvdx.keras": (horovod_keras, hvdx.keras, {"DistributedOptimizer", "callbacks", "init", "load_model", "shutdown"}),
     "hvdx.tensorflow.keras": (horovod_keras, hvdx.tensorflow.keras, {
         "DistributedOptimizer", "callbacks", "init", "load_model", "shutdown"}),
-    "hvdx.keras.callbacks": (horovod_callbacks, hvdx.keras.callbacks, {"BroadcastGlobalVariablesCallback"}),
+    "hvdx.keras.callbacks": (horovod_callbacks, hvdx.keras.callbacks, {
+        "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+        "MetricAverageCallback"}),
 }
 
 
@@ -80,7 +82,8 @@ def test_the_names_issue_19_found_missing_are_there():
     assert hvdx.keras.allreduce is horovod_keras.allreduce  # the Keras flavour (values in, values out)
     assert hvdx.tensorflow.keras.DistributedOptimizer is hvdx.DistributedOptimizer
     assert hvdx.tensorflow.keras.callbacks is hvdx.keras.callbacks
-    assert hvdx.keras.callbacks.LearningRateWarmupCallback is horovod_callbacks.LearningRateWarmupCallback
+    assert hvdx.keras.callbacks.LearningRateWarmupCallback is hvdx.keras.horovod_callbacks.LearningRateWarmupCallback
+    assert issubclass(hvdx.keras.callbacks.LearningRateWarmupCallback, horovod_callbacks.LearningRateWarmupCallback)
 
 
 def test_a_name_horovod_gains_later_is_found(monkeypatch):

@@ -26,7 +26,8 @@ def fake_tf(version: str, model_module: str) -> types.ModuleType:
 def fresh(monkeypatch):
     """A process state before TensorFlow's import: no $TF_USE_LEGACY_KERAS, tensorflow not
     in sys.modules, tf_keras installed (unless a test says otherwise)."""
-    monkeypatch.delenv(legacy_keras.ENV, raising=False)
+    monkeypatch.setenv(legacy_keras.ENV, "")  # recorded, so the variable the test sets is removed after it
+    monkeypatch.delenv(legacy_keras.ENV)
     monkeypatch.delitem(sys.modules, "tensorflow")
     monkeypatch.setattr(legacy_keras.importlib.util, "find_spec", lambda name: object() if name == "tf_keras" else None)
     return monkeypatch
