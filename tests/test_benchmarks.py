@@ -360,3 +360,36 @@ def test_throughput_goal_counts_communication_bound_rows_and_says_by_how_much_it
         "resnet50_224": {"none": [1.0], "hierarchical": [1.2], "hitopk": [0.9]}}))
     v = throughput.verdict(compute_bound)
     assert v["met_on"] == [] and "no row was communication-bound" in throughput.verdict_text(v, compute_bound)
+
+
+def test_stacks_tabulates_each_stack_side_by_side_with_the_new_over_the_old(tmp_path):
+    from benchmarks import stacks
+
+    def topk(top_k_over_mstopk, accumulate):
+        return {"machine": {"tensorflow": "x"}, "distributions": [
+                    {"distribution": "normal", "d": 100, "top_k_over_mstopk": top_k_over_mstopk,
+                     "mstopk_over_floor": 1.5}],
+                "accumulate_seconds": [{"d": 100, "sparse_accumulate": 1.0, "unsorted_segment_sum": accumulate}]}
+
+    def train_step(speedup):
+        entry = {"median_seconds": 1.0 / speedup, "speedup_vs_horovod": speedup, "speedup_range": [speedup - 0.1,
+                                                                                                     speedup + 0.1]}
+        return {"runs": [{"summary": {"mlp": {"horovod": {"median_seconds": 1.0}, "hitopk": entry}}}]}
+
+    def convergence(accuracy):
+        return {"summary": {"mnist": {"hitopk": {"final_accuracy": accuracy, "gap_points": -0.5}}}}
+
+    for stack, results in (("tf2.15", (topk(8.0, 4.0), train_step(2.0), convergence(0.95))),
+                           ("tf2.21", (topk(6.0, 6.0), train_step(2.5), convergence(0.96)))):
+        for benchmark, result in zip(("topk", "train_step", "convergence"), results):
+            (tmp_path / stack / benchmark).mkdir(parents=True)
+            (tmp_path / stack / benchmark / stacks.RESULT_FILE[benchmark]).write_text(json.dumps(result))
+    text = stacks.tabulate(tmp_path, ["tf2.15", "tf2.21"], ["topk", "train_step", "convergence"], {})
+    assert "| input | ratio | tf2.15 | tf2.21 | tf2.21 / tf2.15 |" in text
+    assert "| normal (d=100) | top_k / MSTopK | 8.00x | 6.00x | 0.75 |" in text
+    assert "| accumulate (d=100) | segment_sum / ours | 4.00x | 6.00x | 1.50 |" in text
+    assert "| mlp | hitopk | 2.00x (1.90-2.10) | 2.50x (2.40-2.60) | 1.25 |" in text
+    assert "| mlp | Horovod's step (ms) | 1000 | 1000 | 1.00 |" in text
+    assert "| mnist | hitopk | 0.950 (-0.5) | 0.960 (-0.5) |  |" in text
+    with pytest.raises(SystemExit, match="run `python benchmarks/stacks.py --only topk` first"):
+        stacks.tabulate(tmp_path / "none", ["tf2.15"], ["topk"], {})
