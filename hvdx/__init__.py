@@ -9,6 +9,9 @@ and poorly connected between each other.
     model.fit(..., callbacks=[hvdx.adpsgd.ADPSGDCallback(topology="exponential")])   # AD-PSGD
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
+With Keras 3 as tf.keras (the user's choice, `TF_USE_LEGACY_KERAS=0`), `hvdx.init()`,
+`hvdx.DistributedGradientTape` and `hvdx.broadcast_variables` work in a custom training
+loop; the Keras integration raises `hvdx.legacy_keras.Keras3Error` (docs/keras3.md).
 
 The package is lazy: `import hvdx` imports no TensorFlow and no Horovod; each name below is
 imported on first use (PEP 562), so the parts that need neither (the launchers of
@@ -21,7 +24,8 @@ import importlib.util
 from typing import Any, Dict, List
 
 # First, before anything imports TensorFlow: tf.keras is Keras 2 (tf_keras from TensorFlow
-# 2.16 on), or the import fails saying what to do (hvdx/legacy_keras.py).
+# 2.16 on), or the user chose Keras 3, or the import fails saying what to do
+# (hvdx/legacy_keras.py).
 from hvdx import legacy_keras as _legacy_keras
 
 _legacy_keras.prepare()
@@ -37,6 +41,7 @@ _NAMES: Dict[str, tuple] = {
     "GradientAggregator": ("hvdx.aggregator", "GradientAggregator"),
     "PartialDistributedOptimizer": ("hvdx.optimizer", "PartialDistributedOptimizer"),
     "RankMismatchError": ("hvdx.agreement", "RankMismatchError"),
+    "broadcast_variables": ("hvdx.variables", "broadcast_variables"),
     "load_model": ("hvdx.loading", "load_model"),
     "mstopk": ("hvdx.ops", "mstopk"),
     "sparse_accumulate": ("hvdx.ops", "sparse_accumulate"),

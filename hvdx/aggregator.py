@@ -1,6 +1,8 @@
 """The gradient aggregator: what DistributedOptimizer and DistributedGradientTape share.
 
-Given one step's gradients (and the variables they belong to), the aggregator
+Given one step's gradients (and the variables they belong to: tf.Variables or variables of
+either Keras, a Keras 3 variable standing for the tf.Variable it holds, `hvdx.variables`),
+the aggregator
 
 1. leaves out the gradients of registered local variables (averaged nowhere; divided by
    the number of ranks when `scale_local_gradients`, as Horovod does) and sends sparse
@@ -42,6 +44,7 @@ from hvdx.comm.allreduce import OP_NAMES
 from hvdx.comm.memory import commit
 from hvdx.comm.traits import OptimizerTraits
 from hvdx.agreement import check_agreement
+from hvdx.variables import tf_variable
 
 __all__ = ["AUTO_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "choose",
            "default_communication"]
@@ -178,6 +181,8 @@ class GradientAggregator(tf.Module):
             raise ValueError("groups must be an int (that many buckets) or a list of lists of variables")
         if isinstance(groups, int) and groups < 0:
             raise ValueError(f"groups must be >= 0, got {groups}")
+        if groups is not None and not isinstance(groups, int):
+            groups = [[tf_variable(v) for v in group] for group in groups]
         choice = choose(communication, strategy_options, compression=compression, op=op,
                         gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
                         traits=traits, wrapper_aids=wrapper_aids)
@@ -304,7 +309,7 @@ class GradientAggregator(tf.Module):
         present), as the first step would: checkpoints and saved models restore into them."""
         if not self._strategy.lossy:
             return
-        variables = [v for v in variables if not self._is_local(v)]
+        variables = [tf_variable(v) for v in variables if not self._is_local(v)]
         shapes = [tf.TensorShape(v.shape) for v in variables]
         fused = [i for i, shape in enumerate(shapes) if shape.is_fully_defined() and shape.num_elements()]
         grads = [tf.TensorSpec(shape, v.dtype) for v, shape in zip(variables, shapes)]  # what the plan reads
@@ -320,7 +325,7 @@ class GradientAggregator(tf.Module):
         Gradients of registered local variables, and of `local`, are not aggregated."""
         grads = list(grads)
         extra_local = {_ref(v) for v in local}
-        variables = list(variables) if variables is not None else [None] * len(grads)
+        variables = [tf_variable(v) for v in variables] if variables is not None else [None] * len(grads)
         if len(variables) != len(grads):
             raise ValueError(f"{len(grads)} gradients but {len(variables)} variables")
         out: List[Any] = list(grads)
@@ -475,7 +480,8 @@ def _in_function() -> bool:
 
 
 def _ref(variable) -> Any:
-    """A hashable identity of a variable (or of another source of a tape)."""
+    """A hashable identity of a variable of either Keras (or of another source of a tape)."""
+    variable = tf_variable(variable)
     return variable.ref() if hasattr(variable, "ref") else id(variable)
 
 

@@ -21,7 +21,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Tuple
 
-from . import legacy_keras, mpi_defaults
+from . import mpi_defaults
 
 if TYPE_CHECKING:
     import horovod.tensorflow as hvd
@@ -134,14 +134,12 @@ def init(comm: Optional[Sequence[int]] = None) -> Topology:
     or emulated nodes sharing one machine), rank 0 warns with the flags to pass instead
     (`hvdx.mpi_defaults.oversubscription_warning`, a RuntimeWarning).
 
-    Raises hvdx.legacy_keras.Keras3Error where tf.keras is Keras 3 (TensorFlow imported before
-    hvdx without tf_keras routing; the message says what to do), TopologyError for nodes of
-    different sizes.
+    Uses no Keras: it works where tf.keras is Keras 3 too (docs/keras3.md). Raises
+    TopologyError for nodes of different sizes.
     """
     global _topology
     if _topology is not None:
         return _topology
-    legacy_keras.require_keras2()  # before Horovod's Keras half: Keras 3 fails there (horovod#4290)
     hvd = _horovod()
     if not hvd.is_initialized():
         mpi_defaults.apply_mpi_defaults()

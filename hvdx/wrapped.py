@@ -31,7 +31,10 @@ import tensorflow as tf
 
 from hvdx import legacy_keras
 
-legacy_keras.require_keras2(tf)  # what follows subclasses tf.keras' optimizers: Keras 2 only
+# What follows subclasses tf.keras' optimizers: Keras 2 only. Every Keras wrapper, method and
+# callback of hvdx imports this module, so each fails here, clearly, under Keras 3.
+legacy_keras.require_keras2(tf, what="hvdx's Keras integration (DistributedOptimizer, DASO, the training methods, "
+                                     "the Keras callbacks, load_model, hvdx.keras, hvdx.tensorflow)")
 
 from hvdx.optimizers.lars import LARS  # noqa: E402
 

@@ -82,6 +82,24 @@ def test_keras_3_fails_saying_why_and_what_to_do(monkeypatch, env, tf_keras, say
     assert isinstance(error.value, ImportError)
 
 
+@pytest.mark.parametrize("env,refused", [(None, True), ("0", False), ("false", False)])
+def test_import_after_tensorflow_refuses_keras_3_unless_the_user_chose_it(fresh, env, refused):
+    """$TF_USE_LEGACY_KERAS set to a value other than 1 chooses Keras 3 (docs/keras3.md): the
+    Keras integration checks again where it is used."""
+    fresh.setitem(sys.modules, "tensorflow", fake_tf("2.21.0", "keras.src.models.model"))
+    fresh.setattr(legacy_keras, "_checked", False)
+    if env is not None:
+        fresh.setenv(legacy_keras.ENV, env)
+    assert legacy_keras.keras3_chosen() is not refused
+    if refused:
+        with pytest.raises(legacy_keras.Keras3Error, match="import hvdx before tensorflow"):
+            legacy_keras.prepare()
+    else:
+        legacy_keras.prepare()
+        with pytest.raises(legacy_keras.Keras3Error, match=f"set to '{env}': set it to 1"):
+            legacy_keras.require_keras2(what="hvdx.DistributedOptimizer")
+
+
 def run(code: str, **env: str) -> subprocess.CompletedProcess:
     """`code` in a fresh interpreter of this venv, from the checkout, without the user's
     $TF_USE_LEGACY_KERAS (unless given)."""

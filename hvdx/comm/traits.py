@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import tensorflow as tf
 
@@ -23,10 +23,18 @@ __all__ = ["ADAM_FAMILY", "OptimizerTraits", "TRUST_RATIOS", "traits_of"]
 #: The kinds of layer-wise trust ratio (`OptimizerTraits.trust_ratio`).
 TRUST_RATIOS = ("gradient", "step")
 
-#: Keras' optimizers with Adam's per-coordinate moments (subclasses included).
-ADAM_FAMILY = (tf.keras.optimizers.Adam, tf.keras.optimizers.AdamW, tf.keras.optimizers.Adamax,
-               tf.keras.optimizers.Nadam, tf.keras.optimizers.legacy.Adam, tf.keras.optimizers.legacy.Adamax,
-               tf.keras.optimizers.legacy.Nadam)
+
+
+def _classes(namespace: Any, names: Tuple[str, ...]) -> Tuple[type, ...]:
+    """The classes of `names` that `namespace` has (Keras 3's tf.keras.optimizers.legacy has
+    no Adamax or Nadam)."""
+    return tuple(cls for cls in (getattr(namespace, name, None) for name in names) if isinstance(cls, type))
+
+
+#: Keras' optimizers with Adam's per-coordinate moments (subclasses included): tf.keras's
+#: Adam, AdamW, Adamax, Nadam and their legacy versions, those the installed Keras has.
+ADAM_FAMILY = (_classes(tf.keras.optimizers, ("Adam", "AdamW", "Adamax", "Nadam"))
+               + _classes(tf.keras.optimizers.legacy, ("Adam", "Adamax", "Nadam")))
 
 
 @dataclass(frozen=True)

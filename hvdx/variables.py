@@ -1,0 +1,46 @@
+"""Variables of either Keras as TensorFlow's: the tf.Variable behind a Keras 3 variable.
+
+Keras 3 (tf.keras from TensorFlow 2.16 on, unless routed to tf_keras: hvdx/legacy_keras.py)
+holds a model's and an optimizer's state in `keras.Variable`s. On the TensorFlow backend one
+wraps a tf.Variable (its `.value`), which a tf.GradientTape watches, but it has no `ref()`
+(what the aggregator keys residuals, fusion groups and local variables by) and Horovod's
+`broadcast_variables` cannot assign it (horovod#4290). `tf_variable` gives the tf.Variable
+behind it; the aggregator (every variable it is given) and `broadcast_variables` take either.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Optional
+
+import horovod.tensorflow as hvd
+import tensorflow as tf
+
+__all__ = ["broadcast_variables", "tf_variable"]
+
+
+def tf_variable(variable: Any) -> Any:
+    """The tf.Variable behind `variable`.
+
+    Returns:
+        The tf.Variable a Keras 3 variable holds (`.value`, TensorFlow backend); anything
+        else (a tf.Variable, a Keras 2 variable, a tensor, None) as it is.
+    """
+    if variable is None or hasattr(variable, "ref"):  # tf.Variable, tensors: their own identity
+        return variable
+    value = getattr(variable, "value", None)
+    return value if isinstance(value, tf.Variable) else variable
+
+
+def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,
+                        process_set: Optional[hvd.ProcessSet] = None) -> None:
+    """Horovod's `broadcast_variables` for variables of either Keras: every rank's
+    `variables` take root_rank's values (collective: every rank of `process_set` calls it
+    with the same variables, in the same order).
+
+    Args:
+        variables: tf.Variables or Keras variables (of Keras 3 too: a model's
+            `model.variables`, a built optimizer's `optimizer.variables`).
+        root_rank: the rank whose values every rank takes.
+        process_set: Horovod's process set (None: every rank).
+    """
+    hvd.broadcast_variables([tf_variable(v) for v in variables], root_rank,
+                            process_set=process_set if process_set is not None else hvd.global_process_set)
