@@ -244,7 +244,7 @@ def phase_data(config: Config, phase: ph.Phase, epoch: int, step: int, caches, r
 def train(config: Config) -> dict:
     """Runs (or resumes) the recipe; returns the summary (on every rank). Collective."""
     import horovod.tensorflow as hvd
-    import horovod.tensorflow.keras.callbacks as hvd_callbacks
+    import hvdx.keras.callbacks as hvd_callbacks  # Horovod's, MetricAverageCallback working on TF 2.16+ too
 
     topo = hvdx.init()
     if config.deterministic:

@@ -3,7 +3,7 @@ with (phase, resolution, batch, strategy, learning rate), how fast (`hvdx.throug
 metrics; when a target metric was first met; the curves as a PNG.
 
     history = []
-    model.fit(..., callbacks=[hvd_callbacks.MetricAverageCallback(), hvdx.callbacks.EpochLog(phases, ranks, history)])
+    model.fit(..., callbacks=[hvdx.keras.callbacks.MetricAverageCallback(), hvdx.callbacks.EpochLog(phases, ranks, history)])
     reached = first_reaching(history, "val_top1", 0.9)
     plot_curves(history, phases, "curves.png", marks={13: "HiTopK -> 2DTAR"})
 """
