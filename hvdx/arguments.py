@@ -12,12 +12,17 @@ import math
 import numbers
 from typing import Any, Optional
 
-__all__ = ["integer", "is_integer", "real"]
+__all__ = ["integer", "is_integer", "is_real", "real"]
 
 
 def is_integer(value: Any) -> bool:
     """Whether `value` is an integer (int, NumPy integers; any `numbers.Integral`), not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """Whether `value` is a real number (int, float, NumPy's; any `numbers.Real`), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _int_bounds(minimum: Optional[int], maximum: Optional[int]) -> str:
@@ -82,7 +87,7 @@ def real(value: Any, name: str, low: Optional[float] = None, high: Optional[floa
     """
     if value is None and optional:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+    if not is_real(value) or math.isnan(value):
         raise ValueError(f"{name} must be {expected or 'a number'}, got {value!r}")
     number = float(value)
     if (low is not None and (number < low or (low_open and number == low))) or (

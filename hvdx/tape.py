@@ -15,14 +15,13 @@ keyed by the variables they come from, so two models never share one. Pass
 """
 from __future__ import annotations
 
-import numbers
 from typing import Any, Dict, Optional, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.arguments import is_integer
+from hvdx.arguments import is_integer, is_real
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 
 __all__ = ["DistributedGradientTape", "shared_aggregator"]
@@ -40,7 +39,7 @@ def shared_aggregator(**options) -> GradientAggregator:
             return v
         if is_integer(v):
             return int(v)
-        if isinstance(v, numbers.Real):
+        if is_real(v):
             return float(v)
         return f"{type(v).__name__}@{id(v)}"
 

@@ -12,13 +12,12 @@ classes; any other optimizer has none (`OptimizerTraits(name=...)`: no aid by de
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import tensorflow as tf
 
-from hvdx.arguments import real
+from hvdx.arguments import is_real, real
 
 __all__ = ["ADAM_FAMILY", "OptimizerTraits", "TRUST_RATIOS", "traits_of"]
 
@@ -66,7 +65,7 @@ class OptimizerTraits:
 def plain_number(value: Any) -> Optional[float]:
     """`value` as a float where it is a plain number (int, float, NumPy's; not a bool, tensor or variable),
     else None."""
-    return float(value) if isinstance(value, numbers.Real) and not isinstance(value, bool) else None
+    return float(value) if is_real(value) else None
 
 
 def traits_of(optimizer: Any) -> OptimizerTraits:
