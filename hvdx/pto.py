@@ -105,10 +105,8 @@ def partition(sizes: Sequence[int], parts: int, overhead: int = OP_OVERHEAD_ELEM
 def element_ranges(length: int, parts: int, align: int = 16) -> List[Tuple[int, int]]:
     """`parts` contiguous ranges covering [0, length), of equal size up to `align` elements
     (range starts are multiples of `align`, so that 64-byte vector loads stay aligned)."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts!r}")
-    if length < 0:
-        raise ValueError(f"length must be >= 0, got {length!r}")
+    parts = integer(parts, "parts", 1)
+    length = integer(length, "length", 0)
     step = -(-length // parts)
     step = -(-step // align) * align if align > 1 else step
     return [(min(p * step, length), min((p + 1) * step, length)) for p in range(parts)]
