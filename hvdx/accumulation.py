@@ -13,7 +13,17 @@ from typing import Callable, List, Optional, Sequence
 
 import tensorflow as tf
 
-__all__ = ["LocalAccumulator", "aggregate_passes"]
+from hvdx.arguments import integer
+
+__all__ = ["LocalAccumulator", "aggregate_passes", "local_accumulator"]
+
+
+def local_accumulator(backward_passes_per_step: int,
+                      average_aggregated_gradients: bool = False) -> Optional["LocalAccumulator"]:
+    """The accumulator of `backward_passes_per_step` passes (an int >= 1, NumPy's too); None
+    for 1 (every pass aggregates). Raises ValueError for anything else."""
+    passes = integer(backward_passes_per_step, "backward_passes_per_step", 1)
+    return LocalAccumulator(passes, average_aggregated_gradients) if passes != 1 else None
 
 
 def aggregate_passes(accumulator: Optional["LocalAccumulator"], aggregate: Callable[[List, List], List],
@@ -31,10 +41,7 @@ class LocalAccumulator(tf.Module):
 
     def __init__(self, backward_passes_per_step: int, average_aggregated_gradients: bool = False) -> None:
         super().__init__(name="hvdx_accumulator")
-        if isinstance(backward_passes_per_step, bool) or not isinstance(backward_passes_per_step, int) \
-                or backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be an int >= 1, got {backward_passes_per_step!r}")
-        self.passes = backward_passes_per_step
+        self.passes = integer(backward_passes_per_step, "backward_passes_per_step", 1)
         self.average = bool(average_aggregated_gradients)
         with tf.init_scope():
             self.counter = tf.Variable(0, dtype=tf.int32, trainable=False, name="hvdx_accumulation_counter")

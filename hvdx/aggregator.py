@@ -37,6 +37,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
+from hvdx.arguments import integer, is_integer, real
 from hvdx.buckets import MAX_BUCKET_ELEMENTS, AggregationRecord, BucketRecord, plan
 from hvdx.comm.base import DEFAULT_BUCKET_BYTES
 from hvdx.comm.choice import StrategyChoice, environment_default
@@ -97,9 +98,8 @@ def choose(communication: Union[str, comm.Strategy, None], options: Optional[Map
     """
     if op not in OP_NAMES:
         raise ValueError(f"op must be hvd.Average, hvd.Sum or hvd.Adasum, got {op!r}")
-    if isinstance(gradient_predivide_factor, bool) or not isinstance(gradient_predivide_factor, (int, float)) \
-            or gradient_predivide_factor <= 0:
-        raise ValueError(f"gradient_predivide_factor must be a positive number, got {gradient_predivide_factor!r}")
+    gradient_predivide_factor = real(gradient_predivide_factor, "gradient_predivide_factor", 0, low_open=True,
+                                     expected="a positive number")
     if gradient_predivide_factor != 1.0 and op is not hvd.Average:
         raise ValueError("gradient_predivide_factor != 1.0 only goes with op=hvd.Average (as in Horovod)")
     given: Dict[str, Any] = {k: v for k, v in (options or {}).items() if v is not None}
@@ -169,19 +169,19 @@ class GradientAggregator(tf.Module):
                  traits: Optional[OptimizerTraits] = None, wrapper_aids: Optional[Mapping[str, Any]] = None,
                  name: str = "hvdx_aggregator", **strategy_options: Any) -> None:
         super().__init__(name=name)
-        if bucket_bytes is not None and bucket_bytes != AUTO_BUCKET_BYTES and (
-                isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
-            raise ValueError(f"bucket_bytes must be a positive int, None (one buffer per dtype) or 'auto' (the "
-                             f"strategy's own size), got {bucket_bytes!r}")
+        if not (bucket_bytes is None or isinstance(bucket_bytes, str) and bucket_bytes == AUTO_BUCKET_BYTES):
+            bucket_bytes = integer(bucket_bytes, "bucket_bytes", 1, expected=(
+                "a positive int, None (one buffer per dtype) or 'auto' (the strategy's own size)"))
         if num_groups and groups is not None:
             raise ValueError("give num_groups or groups, not both (num_groups is Horovod's older name)")
         groups = groups if groups is not None else (num_groups or None)
-        if groups is not None and not isinstance(groups, int) and not all(
-                isinstance(g, (list, tuple)) for g in groups):
-            raise ValueError("groups must be an int (that many buckets) or a list of lists of variables")
-        if isinstance(groups, int) and groups < 0:
-            raise ValueError(f"groups must be >= 0, got {groups}")
-        if groups is not None and not isinstance(groups, int):
+        if is_integer(groups):
+            groups = integer(groups, "groups", 0, expected="an int >= 0 (that many buckets)")
+        elif groups is not None and not (isinstance(groups, (list, tuple)) and all(
+                isinstance(g, (list, tuple)) for g in groups)):
+            raise ValueError(f"groups must be an int (that many buckets) or a list of lists of variables, got "
+                             f"{groups!r}")
+        if groups is not None and not is_integer(groups):
             groups = [[tf_variable(v) for v in group] for group in groups]
         choice = choose(communication, strategy_options, compression=compression, op=op,
                         gradient_predivide_factor=gradient_predivide_factor, process_set=process_set,
@@ -264,6 +264,12 @@ class GradientAggregator(tf.Module):
             del out["wire_dtype"]  # Horovod's compression option says it
         out["bucket_bytes"] = self.bucket_bytes
         return out
+
+    @property
+    def num_groups(self) -> int:
+        """Horovod's `num_groups`: the number of equal-count buckets asked for; 0 where the
+        groups are lists of variables or none were given."""
+        return self._book.groups if isinstance(self._book.groups, int) else 0
 
     @property
     def groups_are_variables(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+from hvdx.arguments import is_integer
 from hvdx.comm.base import Aggregated
 
 __all__ = ["AggregationObserver", "AggregationRecord", "BucketRecord", "MAX_BUCKET_ELEMENTS", "Piece", "Ranges", "plan"]
@@ -61,8 +62,8 @@ def plan(sizes: Dict[int, int], dtypes: Dict[int, tf.DType], variables: Sequence
 
 def _groups(indices: List[int], sizes: Dict[int, int], variables: Sequence[Any], dtype: tf.DType,
             groups: Groups, bucket_bytes: Optional[int]) -> List[List[int]]:
-    if isinstance(groups, int) and groups > 0:  # Horovod's num_groups: equal counts
-        n = min(groups, len(indices))
+    if is_integer(groups) and groups > 0:  # Horovod's num_groups: equal counts
+        n = min(int(groups), len(indices))
         return [indices[j * len(indices) // n:(j + 1) * len(indices) // n] for j in range(n)]
     if isinstance(groups, (list, tuple)):
         position = {variables[i].ref(): i for i in indices if variables[i] is not None}

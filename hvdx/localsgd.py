@@ -36,6 +36,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import tensorflow as tf
 
+from hvdx.arguments import integer
 from hvdx.lifecycle import TrainingMethod
 
 __all__ = ["LocalSGD"]
@@ -83,8 +84,7 @@ class LocalSGD(TrainingMethod):
 
     def __init__(self, sync_every: int = 8, outer_optimizer: Optional[tf.keras.optimizers.Optimizer] = None, *,
                  sync_every_epoch: bool = True) -> None:
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-            raise ValueError(f"sync_every must be a positive number of local steps, got {sync_every!r}")
+        sync_every = integer(sync_every, "sync_every", 1, expected="a positive number of local steps (an int)")
         outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
         if not isinstance(outer, (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)):
             raise ValueError(f"outer_optimizer must be a Keras optimizer (e.g. "

@@ -17,6 +17,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
+from hvdx.arguments import integer, is_integer
+
 __all__ = ["build_info", "gpu_problems", "library_path", "load_library", "mstopk", "shared_read", "shared_update",
            "sparse_accumulate", "stateless_mstopk"]
 
@@ -167,15 +169,15 @@ def _mstopk(x: tf.Tensor, k: tf.Tensor, num_samplings: int, seed: Optional[int],
 
 
 def _mstopk_inputs(x: TensorLike, k: Union[int, TensorLike], num_samplings: int,
-                   index_dtype: Optional[tf.DType]) -> Tuple[tf.Tensor, tf.Tensor, tf.DType]:
-    """Checked (x, k as int64, index dtype) of mstopk / stateless_mstopk (their Raises)."""
+                   index_dtype: Optional[tf.DType]) -> Tuple[tf.Tensor, tf.Tensor, int, tf.DType]:
+    """Checked (x, k as int64, num_samplings as a Python int, index dtype) of mstopk /
+    stateless_mstopk (their Raises)."""
     x = tf.convert_to_tensor(x)
     if x.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"mstopk: x must be float32, float16 or bfloat16, got {x.dtype.name}")
     if x.shape.rank is not None and x.shape.rank != 1:
         raise ValueError(f"mstopk: x must be 1-D, got shape {x.shape}")
-    if not isinstance(num_samplings, int) or num_samplings < 1:
-        raise ValueError(f"mstopk: num_samplings must be an int >= 1, got {num_samplings!r}")
+    num_samplings = integer(num_samplings, "mstopk: num_samplings", 1)
     static_k = tf.get_static_value(k)
     if static_k is not None and (isinstance(static_k, (bool, np.bool_)) or np.asarray(static_k).dtype.kind not in "iu"):
         raise ValueError(f"mstopk: k must be an integer, got {static_k!r}")
@@ -190,7 +192,7 @@ def _mstopk_inputs(x: TensorLike, k: Union[int, TensorLike], num_samplings: int,
         raise ValueError(f"mstopk: index_dtype must be tf.int32 or tf.int64, got {index_dtype.name}")
     if index_dtype == tf.int32 and d is not None and d >= 2 ** 31:
         raise ValueError(f"mstopk: int32 indices cannot address {d} elements; use index_dtype=tf.int64")
-    return x, k, index_dtype
+    return x, k, num_samplings, index_dtype
 
 
 def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
@@ -217,7 +219,7 @@ def mstopk(x: TensorLike, k: Union[int, TensorLike], num_samplings: int = 30,
     Returns:
       (values, indices): values in x's dtype; indices of `index_dtype`.
     """
-    x, k, index_dtype = _mstopk_inputs(x, k, num_samplings, index_dtype)
+    x, k, num_samplings, index_dtype = _mstopk_inputs(x, k, num_samplings, index_dtype)
     values, indices, _ = _mstopk(x, k, num_samplings, seed, index_dtype, name=name)
     return values, indices
 
@@ -239,7 +241,7 @@ def stateless_mstopk(x: TensorLike, k: Union[int, TensorLike], seed: TensorLike,
     Raises:
       ValueError: as `mstopk`; a seed whose shape is known and not [2].
     """
-    x, k, index_dtype = _mstopk_inputs(x, k, num_samplings, index_dtype)
+    x, k, num_samplings, index_dtype = _mstopk_inputs(x, k, num_samplings, index_dtype)
     seed = tf.cast(seed, tf.int64)
     if seed.shape.rank is not None and seed.shape.as_list() not in ([2], [None]):
         raise ValueError(f"stateless_mstopk: seed must have shape [2], got {seed.shape}")
@@ -301,7 +303,7 @@ def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, 
         dtype = tf.as_dtype(dtype or values.dtype)
         if dtype not in _FLOAT_DTYPES:
             raise ValueError(f"sparse_accumulate: dtype must be float32, float16 or bfloat16, got {dtype.name}")
-        size = tf.constant(size, tf.int64) if isinstance(size, int) else tf.cast(size, tf.int64)
+        size = tf.constant(int(size), tf.int64) if is_integer(size) else tf.cast(size, tf.int64)
         return _ops.hvdx_sparse_scatter(values=values, indices=indices, size=size, Tout=dtype, name=name)
     else:
         out = tf.convert_to_tensor(out)

@@ -22,7 +22,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.accumulation import LocalAccumulator, aggregate_passes
+from hvdx.accumulation import aggregate_passes, local_accumulator
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.buckets import AggregationObserver
 from hvdx.comm import sparse
@@ -157,15 +157,14 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             **strategy_options, **({} if momentum is None else {"momentum": momentum}))
         self._check_momentum_correction()
         self._local_trust = self._resolve_local_trust(strict=True)
-        self._agg_helper = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
-                            if backward_passes_per_step != 1 else None)
+        self._agg_helper = local_accumulator(backward_passes_per_step, average_aggregated_gradients)
         self._horovod_config = dict(
             device_dense=device_dense, device_sparse=device_sparse, compression=_compression_name(compression)
             if compression in _COMPRESSIONS.values() else None, sparse_as_dense=bool(sparse_as_dense),
             gradient_predivide_factor=float(gradient_predivide_factor),
-            op=OP_NAMES[op], backward_passes_per_step=backward_passes_per_step,
+            op=OP_NAMES[op], backward_passes_per_step=self._agg_helper.passes if self._agg_helper else 1,
             average_aggregated_gradients=bool(average_aggregated_gradients),
-            num_groups=groups if isinstance(groups, int) else num_groups,
+            num_groups=self._aggregator.num_groups,
             scale_local_gradients=bool(scale_local_gradients))
         self._just_aggregated: Optional[List[Any]] = None
         self._ready = True

@@ -19,7 +19,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.accumulation import LocalAccumulator, aggregate_passes
+from hvdx.accumulation import aggregate_passes, local_accumulator
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.wrapped import check_not_horovods
 
@@ -76,8 +76,7 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
             raise ValueError(f"{self._aggregator.strategy!r} applies momentum correction (the strategy accumulates "
                              "the velocity), and the wrapped MomentumOptimizer would apply momentum again: wrap "
                              "tf.compat.v1.train.GradientDescentOptimizer, or drop momentum=")
-        self._accumulator = (LocalAccumulator(backward_passes_per_step, average_aggregated_gradients)
-                             if backward_passes_per_step != 1 else None)
+        self._accumulator = local_accumulator(backward_passes_per_step, average_aggregated_gradients)
         self._track_trackable(optimizer, name="_optimizer")
         self._track_trackable(self._aggregator, name="_aggregator")
 

@@ -13,6 +13,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Dict
 
+from hvdx.arguments import integer, real
+
 __all__ = ["PlateauDetector"]
 
 
@@ -30,10 +32,9 @@ class PlateauDetector:
     bad_epochs: int = 0
 
     def __post_init__(self) -> None:
-        if not isinstance(self.patience, int) or isinstance(self.patience, bool) or self.patience < 0:
-            raise ValueError(f"patience must be an int >= 0, got {self.patience!r}")
-        if not (isinstance(self.threshold, (int, float)) and 0.0 <= self.threshold < 1.0):
-            raise ValueError(f"threshold must be a relative improvement in [0, 1), got {self.threshold!r}")
+        self.patience = integer(self.patience, "patience", 0)
+        self.threshold = real(self.threshold, "threshold", 0.0, 1.0, high_open=True,
+                              expected="a relative improvement in [0, 1)")
 
     def update(self, loss: float) -> bool:
         """Feeds one epoch's loss; True when this epoch completes a plateau."""

@@ -36,6 +36,7 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdx.arguments import integer
 from hvdx.topology import set_rank_and_size
 
 __all__ = ["Shares", "element_ranges", "parallel_elementwise", "parallel_map", "partition", "set_rank_and_size"]
@@ -83,8 +84,7 @@ def partition(sizes: Sequence[int], parts: int, overhead: int = OP_OVERHEAD_ELEM
     is then at most 4/3 of the optimum (Graham 1969) and never more than the mean plus one
     tensor. Pure Python on the sizes: the same on every rank.
     """
-    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
-        raise ValueError(f"parts must be a positive int, got {parts!r}")
+    parts = integer(parts, "parts", 1, expected="a positive int")
     if overhead < 0:
         raise ValueError(f"overhead must be >= 0, got {overhead!r}")
     sizes = [int(s) for s in sizes]
@@ -105,10 +105,8 @@ def partition(sizes: Sequence[int], parts: int, overhead: int = OP_OVERHEAD_ELEM
 def element_ranges(length: int, parts: int, align: int = 16) -> List[Tuple[int, int]]:
     """`parts` contiguous ranges covering [0, length), of equal size up to `align` elements
     (range starts are multiples of `align`, so that 64-byte vector loads stay aligned)."""
-    if parts < 1:
-        raise ValueError(f"parts must be >= 1, got {parts!r}")
-    if length < 0:
-        raise ValueError(f"length must be >= 0, got {length!r}")
+    parts = integer(parts, "parts", 1)
+    length = integer(length, "length", 0)
     step = -(-length // parts)
     step = -(-step // align) * align if align > 1 else step
     return [(min(p * step, length), min((p + 1) * step, length)) for p in range(parts)]

@@ -21,6 +21,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
+from hvdx.arguments import is_integer, is_real
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 
 __all__ = ["DistributedGradientTape", "shared_aggregator"]
@@ -31,10 +32,16 @@ _SHARED: Dict[str, GradientAggregator] = {}
 def shared_aggregator(**options) -> GradientAggregator:
     """The process-wide aggregator for these options (tapes made anew every step find last
     step's residuals there)."""
-    def plain(v):
+    def plain(v):  # NumPy numbers as Python's: np.int64(5) finds the aggregator of 5
         if isinstance(v, dict):
             return tuple(sorted((k, plain(x)) for k, x in v.items()))
-        return v if isinstance(v, (str, int, float, bool, type(None))) else f"{type(v).__name__}@{id(v)}"
+        if isinstance(v, (str, bool, type(None))):
+            return v
+        if is_integer(v):
+            return int(v)
+        if is_real(v):
+            return float(v)
+        return f"{type(v).__name__}@{id(v)}"
 
     key = repr(sorted((k, plain(v)) for k, v in options.items()))
     if key not in _SHARED:

@@ -30,6 +30,7 @@ from typing import Dict, Iterator, Optional, Tuple
 import tensorflow as tf
 
 from hvdx import legacy_keras
+from hvdx.arguments import is_real
 
 # What follows subclasses tf.keras' optimizers: Keras 2 only. Every Keras wrapper, method and
 # callback of hvdx imports this module, so each fails here, clearly, under Keras 3.
@@ -186,8 +187,7 @@ class Momentum:
     def __init__(self, optimizer) -> None:
         self._optimizer = optimizer
         number = getattr(optimizer, "momentum", None)
-        self.held = isinstance(optimizer, _TENSOR_MOMENTUM) and isinstance(number, (int, float)) \
-            and not isinstance(number, bool)
+        self.held = isinstance(optimizer, _TENSOR_MOMENTUM) and is_real(number)
         self._variable: Optional[tf.Variable] = None
         self._number = None
 

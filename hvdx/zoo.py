@@ -19,12 +19,15 @@ from typing import Collection, Optional, Sequence, Union
 
 import tensorflow as tf
 
+from hvdx.arguments import integer, is_integer
+
 __all__ = ["cnn", "mlp", "resnet", "resnet50", "transformer", "vgg19"]
 
 Shape = Sequence[Optional[int]]
 
 
 def _reseed(seed: Optional[int]) -> None:
+    seed = integer(seed, "seed", optional=True)
     if seed is not None:
         tf.keras.utils.set_random_seed(seed)
 
@@ -84,7 +87,7 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
     """
     if head not in ("average", "flatten"):
         raise ValueError(f"head={head!r}: pass 'average' (global average pooling) or 'flatten'")
-    steps = [strides] * len(filters) if isinstance(strides, int) else list(strides)
+    steps = [int(strides)] * len(filters) if is_integer(strides) else list(strides)
     if len(steps) != len(filters):
         raise ValueError(f"{len(steps)} strides for {len(filters)} convolutions: pass one int or one per convolution")
     _reseed(seed)

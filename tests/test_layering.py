@@ -13,9 +13,9 @@ from tests.harness import ROOT
 #: The layers, lowest first (docs/design.md). A module belongs to the longest prefix listed.
 LAYERS: List[List[str]] = [
     # foundations: no other hvdx module, or only each other's
-    ["hvdx.version", "hvdx.legacy_keras", "hvdx.ops", "hvdx.shm", "hvdx.agreement", "hvdx.layout", "hvdx.plateau",
-     "hvdx.mpi_defaults", "hvdx.launcher", "hvdx.transport", "hvdx.phases", "hvdx.zoo", "hvdx.checkpoints",
-     "hvdx.accumulation", "hvdx.variables", "hvdx.tensorflow._horovod_api"],
+    ["hvdx.version", "hvdx.arguments", "hvdx.legacy_keras", "hvdx.ops", "hvdx.shm", "hvdx.agreement", "hvdx.layout",
+     "hvdx.plateau", "hvdx.mpi_defaults", "hvdx.launcher", "hvdx.transport", "hvdx.phases", "hvdx.zoo",
+     "hvdx.checkpoints", "hvdx.accumulation", "hvdx.variables", "hvdx.tensorflow._horovod_api"],
     # the run's topology; the launchers (on the segment kit's pid_alive)
     ["hvdx.topology", "hvdx.runner"],
     # on the topology: node-local collectives, the parallel tensor operator, DataCache, a

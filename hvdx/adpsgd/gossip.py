@@ -53,11 +53,18 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 
 from hvdx.adpsgd.graph import Graph
+from hvdx.arguments import integer, real
 from hvdx.transport.base import TransportError
 from hvdx.transport.peer import PeerTransport, encode_notice
 from hvdx.transport.ring import GroupTransport
 
-__all__ = ["Gossip"]
+__all__ = ["Gossip", "check_step_budget"]
+
+
+def check_step_budget(step_budget: Optional[int]) -> Optional[int]:
+    """`step_budget` (steps over all ranks) as a Python int >= 1, or None; ValueError otherwise."""
+    return integer(step_budget, "step_budget", 1, optional=True,
+                   expected="a positive int (steps over all ranks) or None")
 
 
 class Gossip:
@@ -87,14 +94,10 @@ class Gossip:
                  *, seed: Optional[int] = None, timeout: float = 60.0,
                  finish_timeout: Optional[float] = None, switch_interval: Optional[float] = 0.001,
                  step_budget: Optional[int] = None, weights: Optional[Dict[int, float]] = None) -> None:
-        if step_budget is not None and (isinstance(step_budget, bool) or not isinstance(step_budget, (int, np.integer))
-                                        or step_budget < 1):
-            raise ValueError(f"step_budget must be a positive int (steps over all ranks) or None, got {step_budget!r}")
-        if switch_interval is not None and (isinstance(switch_interval, bool)
-                                            or not isinstance(switch_interval, (int, float))
-                                            or not 0 < switch_interval <= 1):
-            raise ValueError(f"switch_interval must be seconds in (0, 1] (e.g. 0.001) or None to leave Python's "
-                             f"alone, got {switch_interval!r}")
+        step_budget = check_step_budget(step_budget)
+        seed = integer(seed, "seed", optional=True)
+        switch_interval = real(switch_interval, "switch_interval", 0, 1, low_open=True, optional=True,
+                               expected="seconds in (0, 1] (e.g. 0.001) or None to leave Python's alone")
         if not isinstance(model, np.ndarray) or model.ndim != 1 or model.dtype not in (np.float32, np.float64):
             raise ValueError(f"model must be a 1-D float32 or float64 numpy array, got "
                              f"{getattr(model, 'dtype', type(model).__name__)} {getattr(model, 'shape', '')}")
@@ -114,7 +117,7 @@ class Gossip:
         self._idle = True
         self._stop = False
         self._inflight: Optional[tuple] = None  # active: (neighbour, time.monotonic()) of the exchange in flight
-        self.step_budget = None if step_budget is None else int(step_budget)
+        self.step_budget = step_budget
         self._known = np.zeros(graph.size, np.int64)  # the latest step count heard of, per rank
         self._known_lock = threading.Lock()
         self._paused_by: Dict[int, Any] = {}   # passive: neighbour -> the pause it announced
@@ -124,7 +127,7 @@ class Gossip:
         self.exchanges = 0                     # exchanges this rank took part in (started or answered)
         self.partners: Dict[int, int] = {p: 0 for p in self.neighbours}
         self._closed = False
-        self._switching: Optional[float] = None if switch_interval is None else float(switch_interval)
+        self._switching: Optional[float] = switch_interval
         if self._switching is not None:
             _shorten_switch_interval(self._switching)
         peers.set_piggyback(self._counts_out, self._counts_in)
@@ -409,10 +412,9 @@ def _check_weights(weights: Optional[Dict[int, float]], neighbours: tuple, rank:
     out = []
     for p in neighbours:
         w = weights[p]
-        if isinstance(w, bool) or not isinstance(w, (int, float, np.floating)) or not 0 < float(w) < float("inf"):
-            raise ValueError(f"rank {rank}'s weight of neighbour {p} must be a positive finite number, got {w!r} "
-                             f"(a zero weight would drop the edge and could cut the graph)")
-        out.append(float(w))
+        out.append(real(w, f"rank {rank}'s weight of neighbour {p}", 0, float("inf"), low_open=True, high_open=True,
+                        expected="a positive finite number (a zero weight would drop the edge and could cut the "
+                                 "graph)"))
     return out
 
 

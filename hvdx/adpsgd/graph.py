@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Dict, FrozenSet, Iterable, List, Sequence, Set, Tuple
 
+from hvdx.arguments import integer
+
 __all__ = ["Graph", "TOPOLOGIES", "build_graph", "register_topology"]
 
 Edges = Iterable[Tuple[int, int]]
@@ -93,8 +95,7 @@ def build_graph(topology: "str | Callable[[int], Edges]", size: int) -> Graph:
     Raises ValueError: an unknown name (listing the known ones), fewer than 2 ranks, an edge
     outside 0..size-1 or a self-loop, a graph that is not connected or not bipartite.
     """
-    if isinstance(size, bool) or not isinstance(size, int):
-        raise ValueError(f"size must be an int, got {size!r}")
+    size = integer(size, "size")
     if size < 2:
         raise ValueError(f"AD-PSGD needs at least 2 ranks to gossip, this job has {size}: launch it with "
                          f"horovodrun -np 2 or more, or train without hvdx.adpsgd")

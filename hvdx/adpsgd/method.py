@@ -34,8 +34,9 @@ from typing import Any, Callable, Dict, Mapping, Optional, Sequence
 import numpy as np
 import tensorflow as tf
 
-from hvdx.adpsgd.gossip import Gossip
+from hvdx.adpsgd.gossip import Gossip, check_step_budget
 from hvdx.adpsgd.graph import Edges, build_graph
+from hvdx.arguments import integer, real
 from hvdx.lifecycle import TrainingMethod
 from hvdx.topology import Topology, initialized, topology as current_topology
 from hvdx.transport.peer import PeerTransport
@@ -106,6 +107,8 @@ class ADPSGD(TrainingMethod):
         if variables is not None:
             self._set_variables(variables)
         self.topology = topology
+        step_budget = check_step_budget(step_budget)
+        seed = integer(seed, "seed", optional=True)
         self.seed, self.timeout, self.finish_timeout, self.name = seed, timeout, finish_timeout, name
         self.step_budget, self.switch_interval = step_budget, switch_interval
         self._budget_total = step_budget        # the whole run's budget (step_budget, or from global_epochs)
@@ -360,26 +363,21 @@ check_optimizer = ADPSGD.check_optimizer
 
 def check_cross_node_weight(weight: Any) -> float:
     """`weight` as a float; ValueError unless it is a positive finite number."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 < weight < float("inf"):
-        raise ValueError(f"cross_node_weight must be a positive number (1.0: a neighbour on another node as likely "
-                         f"as one on this node; 0.25: four times less likely), got {weight!r}")
-    return float(weight)
+    return real(weight, "cross_node_weight", 0, float("inf"), low_open=True, high_open=True, expected=(
+        "a positive number (1.0: a neighbour on another node as likely as one on this node; 0.25: four times less "
+        "likely)"))
 
 
 def check_fit_options(max_seconds: Optional[float], average_every_epoch: bool,
                       global_epochs: Optional[float]) -> None:
     """ValueError for a bad `max_seconds` / `global_epochs`, or for `average_every_epoch` with
     either (it needs the same epochs on every rank). No Horovod needed."""
-    if max_seconds is not None and (isinstance(max_seconds, bool) or not isinstance(max_seconds, (int, float))
-                                    or max_seconds <= 0):
-        raise ValueError(f"max_seconds must be a positive number of seconds or None, got {max_seconds!r}")
+    real(max_seconds, "max_seconds", 0, low_open=True, optional=True, expected="a positive number of seconds or None")
     if max_seconds is not None and average_every_epoch:
         raise ValueError("average_every_epoch needs the same epochs on every rank; with max_seconds the "
                          "ranks end after different epochs: use one or the other")
-    if global_epochs is not None and (isinstance(global_epochs, bool) or not isinstance(global_epochs, (int, float))
-                                      or not global_epochs > 0):
-        raise ValueError(f"global_epochs must be a positive number of epochs over all ranks or None, got "
-                         f"{global_epochs!r}")
+    real(global_epochs, "global_epochs", 0, low_open=True, optional=True,
+         expected="a positive number of epochs over all ranks or None")
     if global_epochs is not None and average_every_epoch:
         raise ValueError("average_every_epoch needs the same epochs on every rank; with global_epochs the fast "
                          "ranks run more epochs than the slow ones: use one or the other")

@@ -32,6 +32,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdx import ops
+from hvdx.arguments import integer, real
 from hvdx.asynchronous.partition import Unit, layer_units, partition
 from hvdx.asynchronous.shared import SharedModel, SharedModelError
 from hvdx.asynchronous.staleness import Staleness, merge
@@ -86,8 +87,9 @@ class SharedModelMethod(TrainingMethod):
 
     def __init__(self, *, average_every: int = 50, staleness_bins: int = 256, timeout: float = 120.0,
                  name: str = "hvdx.asynchronous") -> None:
-        if isinstance(average_every, bool) or not isinstance(average_every, int) or average_every < 1:
-            raise ValueError(f"average_every must be a positive number of steps, got {average_every!r}")
+        average_every = integer(average_every, "average_every", 1, expected="a positive number of steps (an int)")
+        staleness_bins = integer(staleness_bins, "staleness_bins", 2)
+        timeout = real(timeout, "timeout", 0, low_open=True, expected="a positive number of seconds")
         self.average_every, self.staleness_bins, self.timeout, self.name = average_every, staleness_bins, timeout, name
         self.shared: Optional[SharedModel] = None
         self.variables: List[tf.Variable] = []

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Sequence
 
+from hvdx.arguments import integer
 from hvdx.asynchronous.method import SharedModelMethod
 
 __all__ = ["ASSM", "PASSM", "PASSMPlus"]
@@ -61,16 +62,15 @@ class PASSMPlus(PASSM):
 
     def __init__(self, full_epochs: Iterable[int], **kwargs) -> None:
         super().__init__(**kwargs)
-        self.full_epochs = frozenset(int(e) for e in full_epochs)
-        if any(e < 0 for e in self.full_epochs):
-            raise ValueError(f"full_epochs are epoch indices >= 0, got {sorted(self.full_epochs)}")
+        full_epochs = list(full_epochs)
+        self.full_epochs = frozenset(integer(e, "full_epochs", 0, expected=f"epoch indices (ints >= 0): {full_epochs}")
+                                     for e in full_epochs)
 
     @staticmethod
     def paper_schedule(epochs: int, decays: Sequence[int] = ()) -> List[int]:
         """sec. 4's heuristic: ASSM for the first ~25% of `epochs`, and for ~10% of them
         around each learning-rate decay epoch in `decays` (half before, half from it)."""
-        if epochs < 1:
-            raise ValueError(f"epochs must be >= 1, got {epochs}")
+        epochs = integer(epochs, "epochs", 1)
         full = set(range(max(1, round(0.25 * epochs))))
         width = max(1, round(0.10 * epochs))
         for d in decays:

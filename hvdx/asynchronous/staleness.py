@@ -12,6 +12,8 @@ from typing import Dict
 
 import tensorflow as tf
 
+from hvdx.arguments import integer
+
 __all__ = ["Staleness"]
 
 
@@ -20,8 +22,7 @@ class Staleness:
     steps); values >= bins - 1 share the last bin, `max` keeps the largest exactly."""
 
     def __init__(self, bins: int = 256) -> None:
-        if bins < 2:
-            raise ValueError(f"bins must be >= 2, got {bins}")
+        bins = integer(bins, "bins", 2)
         self.bins = bins
         self.counts = tf.Variable(tf.zeros([bins], tf.int64), trainable=False, name="staleness_counts")
         self.max = tf.Variable(tf.constant(0, tf.int64), trainable=False, name="staleness_max")

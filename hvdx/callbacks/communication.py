@@ -12,6 +12,7 @@ from typing import List, Sequence, Tuple, Union
 import tensorflow as tf
 
 from hvdx import comm
+from hvdx.arguments import is_integer
 from hvdx.plateau import PlateauDetector
 
 __all__ = ["CommunicationPolicy", "Phase", "SwitchCommunication", "switch"]
@@ -71,7 +72,7 @@ class CommunicationPolicy(tf.keras.callbacks.Callback):
     def __init__(self, phases: Sequence[Phase], patience: int = 2, threshold: float = 0.05,
                  monitor: str = "loss") -> None:
         super().__init__()
-        phases = [tuple(phase) for phase in phases]
+        phases = [(communication, int(end) if is_integer(end) else end) for communication, end in phases]
         if not phases:
             raise ValueError("CommunicationPolicy needs at least one (communication, end) phase")
         last = -1
@@ -79,7 +80,7 @@ class CommunicationPolicy(tf.keras.callbacks.Callback):
             comm.get(communication) if isinstance(communication, str) else None  # a name that exists
             if end is None and i != len(phases) - 1:
                 raise ValueError(f"phase {i} ({communication!r}) never ends (None) but phases follow it")
-            if isinstance(end, int) and not isinstance(end, bool):
+            if is_integer(end):
                 if end <= last:
                     raise ValueError(f"phase {i} ends at epoch {end}, not after the previous phase's {last}")
                 last = end
@@ -107,7 +108,7 @@ class CommunicationPolicy(tf.keras.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs=None) -> None:
         end = self.phases[self.phase][1]
         while self.phase + 1 < len(self.phases) and (
-                (isinstance(end, int) and epoch >= end) or (end == "plateau" and self._plateaued)):
+                (is_integer(end) and epoch >= end) or (end == "plateau" and self._plateaued)):
             self._start(epoch, self.phase + 1)
             end = self.phases[self.phase][1]
 

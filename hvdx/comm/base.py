@@ -9,13 +9,13 @@ a buffer of their own. Sparse strategies keep error-feedback residuals (`hvdx.co
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdx.arguments import integer, real
 from hvdx.comm import registry
 from hvdx.comm.traits import OptimizerTraits
 from hvdx.agreement import check_agreement
@@ -34,16 +34,13 @@ HOROVOD_OPTIONS = ("op", "process_set", "prescale_factor", "postscale_factor", "
 
 def check_density(density: float) -> float:
     """A density in (0, 1], as a float (NumPy numbers too); ValueError otherwise."""
-    if isinstance(density, bool) or not isinstance(density, numbers.Real) or not 0 < float(density) <= 1:
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}")
-    return float(density)
+    return real(density, "density", 0, 1, low_open=True, expected="a number in (0, 1]")
 
 
 def check_positive_int(value: Any, argument: str) -> int:
-    """An int >= 1 (NumPy integers too), as a Python int; ValueError naming `argument` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{argument} must be an int >= 1, got {value!r}")
-    return int(value)
+    """An int >= 1 (NumPy integers too), as a Python int; ValueError naming `argument` otherwise
+    (`hvdx.arguments.integer`)."""
+    return integer(value, argument, 1)
 
 
 @dataclass

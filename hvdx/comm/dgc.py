@@ -32,11 +32,12 @@ ranks' velocities (the rule is linear), and the mask is the node's selection.
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple
 
 import tensorflow as tf
+
+from hvdx.arguments import integer, is_integer, real
 
 __all__ = ["DensityWarmup", "WARMUP_STAGES", "accumulate", "check_aids", "local_clip", "mask_velocity"]
 
@@ -113,7 +114,7 @@ class DensityWarmup:
     def stage(self, step: Any) -> Any:
         """The stage (an index into `densities`) of a step: int for an int, int32 tensor for a tensor."""
         length = max(1, self.steps // self.stages)
-        if isinstance(step, numbers.Integral):
+        if is_integer(step):
             return self.stages if step >= self.steps else min(step // length, self.stages - 1)
         step = tf.cast(step, tf.int64)
         during = tf.minimum(step // length, self.stages - 1)
@@ -127,23 +128,16 @@ class DensityWarmup:
 def check_aids(momentum: float, momentum_masking: bool, clip_norm: Optional[float], warmup_steps: int,
                warmup_density: float, residual_decay: float, density: float) -> None:
     """Validates the aids' options once, at construction (ValueError naming the fix)."""
-    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum < 1:
-        raise ValueError(f"momentum (DGC's momentum correction) must be a number in [0, 1), got {momentum!r}; "
-                         "0 turns it off")
+    real(momentum, "momentum (DGC's momentum correction)", 0, 1, high_open=True,
+         expected="a number in [0, 1) (0 turns it off)")
     if not isinstance(momentum_masking, bool):
         raise ValueError(f"momentum_masking must be True or False, got {momentum_masking!r}")
-    if clip_norm is not None and (isinstance(clip_norm, bool) or not isinstance(clip_norm, numbers.Real)
-                                  or not clip_norm > 0):
-        raise ValueError(f"clip_norm must be a positive number or None (no clipping), got {clip_norm!r}")
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be an int >= 0 (0: no density warm-up), got {warmup_steps!r}")
-    if isinstance(warmup_density, bool) or not isinstance(warmup_density, numbers.Real) \
-            or not 0 < warmup_density <= 1:
-        raise ValueError(f"warmup_density must be a number in (0, 1], got {warmup_density!r}")
+    real(clip_norm, "clip_norm", 0, low_open=True, optional=True,
+         expected="a positive number or None (no clipping)")
+    integer(warmup_steps, "warmup_steps", 0, expected="an int >= 0 (0: no density warm-up)")
+    warmup_density = real(warmup_density, "warmup_density", 0, 1, low_open=True, expected="a number in (0, 1]")
     if warmup_steps and warmup_density < density:
         raise ValueError(f"warmup_density={warmup_density} is below density={density}: the warm-up starts "
                          "denser than the target (DGC: 0.25)")
-    if isinstance(residual_decay, bool) or not isinstance(residual_decay, numbers.Real) \
-            or not 0 < residual_decay <= 1:
-        raise ValueError(f"residual_decay must be a number in (0, 1] (1: plain error feedback), got "
-                         f"{residual_decay!r}")
+    real(residual_decay, "residual_decay", 0, 1, low_open=True,
+         expected="a number in (0, 1] (1: plain error feedback)")

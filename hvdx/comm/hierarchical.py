@@ -6,6 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdx.arguments import integer
 from hvdx.comm import wire
 from hvdx.comm.base import Aggregated, Strategy
 from hvdx.comm.registry import register
@@ -64,9 +65,8 @@ class Hierarchical(Strategy):
                  node_engine: str = "horovod") -> None:
         super().__init__(topo)
         self.node_engine = check_engine(node_engine)
-        if isinstance(flat_below, bool) or not isinstance(flat_below, int) or flat_below < 0:
-            raise ValueError(f"flat_below must be a number of bytes >= 0 (0: every bucket through 2DTAR), got "
-                             f"{flat_below!r}")
+        flat_below = integer(flat_below, "flat_below", 0,
+                             expected="a number of bytes >= 0 (0: every bucket through 2DTAR)")
         self.wire_dtype = None if wire_dtype is None else wire.check_dtype(wire_dtype)
         self.flat_below = flat_below
 

@@ -18,7 +18,6 @@ by the rules measured with benchmarks/convergence.py (benchmarks/README.md).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 import zlib
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -26,6 +25,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import ops
+from hvdx.arguments import is_real
 from hvdx.comm import dgc, wire
 from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int
 from hvdx.comm.memory import ResidualMemory, Update
@@ -113,7 +113,7 @@ class TopKStrategy(Strategy):
           density (AIDS["warmup_density"], 0.25).
         """
         density = options.get("density", DEFAULT_DENSITY)
-        if isinstance(density, bool) or not isinstance(density, numbers.Real):
+        if not is_real(density):
             return {}  # the constructor rejects it
         density = float(density)
         out: Dict[str, Any] = {}

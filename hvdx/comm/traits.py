@@ -12,11 +12,12 @@ classes; any other optimizer has none (`OptimizerTraits(name=...)`: no aid by de
 """
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
 import tensorflow as tf
+
+from hvdx.arguments import is_real, real
 
 __all__ = ["ADAM_FAMILY", "OptimizerTraits", "TRUST_RATIOS", "traits_of"]
 
@@ -62,17 +63,17 @@ class OptimizerTraits:
     trust_ratio: Optional[str] = None
 
     def __post_init__(self) -> None:
-        if self.momentum is not None and (isinstance(self.momentum, bool)
-                                          or not isinstance(self.momentum, numbers.Real)):
-            raise ValueError(f"OptimizerTraits.momentum must be a number or None, got {self.momentum!r}")
+        object.__setattr__(self, "momentum", real(self.momentum, "OptimizerTraits.momentum", optional=True,
+                                                  expected="a number or None"))
         if self.trust_ratio not in (None, *TRUST_RATIOS):
             raise ValueError(f"OptimizerTraits.trust_ratio must be one of {TRUST_RATIOS} or None, got "
                              f"{self.trust_ratio!r}")
 
 
 def plain_number(value: Any) -> Optional[float]:
-    """`value` as a float where it is a plain int or float (not a bool, tensor or variable), else None."""
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    """`value` as a float where it is a plain number (int, float, NumPy's; not a bool, tensor or variable),
+    else None."""
+    return float(value) if is_real(value) else None
 
 
 def traits_of(optimizer: Any) -> OptimizerTraits:

@@ -17,6 +17,8 @@ from typing import Any, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+from hvdx.arguments import is_integer
+
 __all__ = ["WIRE_DTYPES", "check_dtype", "decode_sent", "float16_exponent", "pack", "packet_length", "to_wire",
            "unpack"]
 
@@ -94,10 +96,11 @@ def unpack(gathered: tf.Tensor, k: Union[int, Sequence[int]], index_dtype: tf.DT
     """Inverse of `pack` for the concatenation of every sender's packet: (float32 values,
     indices of `index_dtype`), senders in order. `k`: pairs per packet, or one count per
     sender where senders send different numbers of pairs."""
-    if not isinstance(k, int):
+    if not is_integer(k):
         lengths = [packet_length(kj, index_dtype, gathered.dtype) for kj in k]
         pairs = [unpack(packet, kj, index_dtype) for packet, kj in zip(tf.split(gathered, lengths), k)]
         return tf.concat([v for v, _ in pairs], 0), tf.concat([i for _, i in pairs], 0)
+    k = int(k)
     wire = gathered.dtype
     per_index = _slots_per_index(index_dtype, wire)
     extra = 1 if wire == tf.float16 else 0

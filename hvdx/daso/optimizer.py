@@ -41,6 +41,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdx.arguments import real
 from hvdx.buckets import AggregationObserver, AggregationRecord
 from hvdx.comm import wire
 from hvdx.daso.schedule import Action, Schedule
@@ -107,19 +108,19 @@ class DASO(DistributedOptimizer, TrainingMethod):
         topo = _get_topology()
         _check_wrapped(optimizer)
         blocking_wire_dtype = wire.check_dtype(blocking_wire_dtype, "blocking_wire_dtype").name
-        if not (isinstance(timeout, (int, float)) and timeout > 0):
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = real(timeout, "timeout", 0, low_open=True, expected="a positive number of seconds")
         schedule = Schedule(total_epochs=total_epochs, warmup_epochs=warmup_epochs, cooldown_epochs=cooldown_epochs,
                             max_global_skips=max_global_skips, num_groups=topo.local_size,
                             plateau=PlateauDetector(patience=plateau_patience, threshold=plateau_threshold))
+        given = schedule  # the arguments, checked and as Python numbers: the config
         if schedule_state is not None:
             schedule = Schedule.from_state(schedule_state)
         super().__init__(optimizer, name=name or f"DASO{type(optimizer).__name__}", communication="allreduce",
                          process_set=topo.local_set)
         self._daso_config = self._no_dependency(dict(
-            total_epochs=total_epochs, warmup_epochs=warmup_epochs, cooldown_epochs=cooldown_epochs,
-            max_global_skips=max_global_skips, plateau_patience=plateau_patience,
-            plateau_threshold=plateau_threshold, blocking_wire_dtype=blocking_wire_dtype, timeout=float(timeout)))
+            total_epochs=given.total_epochs, warmup_epochs=given.warmup_epochs, cooldown_epochs=given.cooldown_epochs,
+            max_global_skips=given.max_global_skips, plateau_patience=given.plateau.patience,
+            plateau_threshold=given.plateau.threshold, blocking_wire_dtype=blocking_wire_dtype, timeout=timeout))
         self._topo = topo
         self.schedule = self._for_topology(schedule)
         self._params: Optional[List[tf.Variable]] = None  # set once: a plain list, not tracked

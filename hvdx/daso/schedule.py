@@ -23,6 +23,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from hvdx.arguments import integer
 from hvdx.plateau import PlateauDetector
 
 __all__ = ["Action", "Schedule", "WARMUP", "CYCLING", "COOLDOWN"]
@@ -47,12 +48,6 @@ class Action:
     blocking_group: Optional[int] = None
 
 
-def _positive_int(name: str, value: Any, minimum: int) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return value
-
-
 @dataclass
 class Schedule:
     """The state machine of one DASO run on `num_groups` groups (ranks per node)."""
@@ -74,11 +69,11 @@ class Schedule:
     pending_step: Optional[int] = None
 
     def __post_init__(self) -> None:
-        _positive_int("total_epochs", self.total_epochs, 1)
-        _positive_int("warmup_epochs", self.warmup_epochs, 0)
-        _positive_int("cooldown_epochs", self.cooldown_epochs, 0)
-        _positive_int("max_global_skips", self.max_global_skips, 1)
-        _positive_int("num_groups", self.num_groups, 1)
+        self.total_epochs = integer(self.total_epochs, "total_epochs", 1)
+        self.warmup_epochs = integer(self.warmup_epochs, "warmup_epochs", 0)
+        self.cooldown_epochs = integer(self.cooldown_epochs, "cooldown_epochs", 0)
+        self.max_global_skips = integer(self.max_global_skips, "max_global_skips", 1)
+        self.num_groups = integer(self.num_groups, "num_groups", 1)
         if self.warmup_epochs + self.cooldown_epochs > self.total_epochs:
             raise ValueError(f"warmup_epochs ({self.warmup_epochs}) + cooldown_epochs ({self.cooldown_epochs}) "
                              f"exceed total_epochs ({self.total_epochs})")
@@ -169,7 +164,7 @@ class Schedule:
 
     def start_epoch(self, epoch: int) -> None:
         """Jumps to `epoch` (Model.fit's initial_epoch on a resumed run); B and W are kept."""
-        _positive_int("epoch", epoch, 0)
+        epoch = integer(epoch, "epoch", 0)
         if self.in_flight:
             raise RuntimeError("drain() the exchange in flight before moving to another epoch")
         if epoch != self.epoch:

@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
+from hvdx.arguments import integer, is_integer
 from hvdx.data import pipeline
 from hvdx.data.catalog import ImageFolder, TFRecordShards
 from hvdx.data.decode import DECODER, normalize_resolution
@@ -96,12 +97,11 @@ class DataCache:
             raise ValueError(f"remainder must be one of {REMAINDERS}, got {remainder!r}")
         if on_error not in ON_ERROR:
             raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
-        if channels not in (1, 3, 4):
-            raise ValueError(f"channels must be 1, 3 or 4, got {channels}")
-        if io_threads < 1:
-            raise ValueError(f"io_threads must be >= 1, got {io_threads}")
-        if lookahead < 1:
-            raise ValueError(f"lookahead must be >= 1, got {lookahead}")
+        if not is_integer(channels) or channels not in (1, 3, 4):
+            raise ValueError(f"channels must be 1, 3 or 4, got {channels!r}")
+        channels = int(channels)
+        io_threads = integer(io_threads, "io_threads", 1)
+        lookahead = integer(lookahead, "lookahead", 1)
         self.resolution = normalize_resolution(resolution)
         self.channels = channels
         self.seed, self.split_seed = int(seed), int(split_seed)
@@ -206,9 +206,8 @@ class DataCache:
         resolution has its own keys in the store and its own slab).
         Raises ValueError for a bad batch_size, epochs or resolution.
         """
-        pipeline.check_batch_size(batch_size)
-        if epochs is not None and epochs < 1:
-            raise ValueError(f"epochs must be >= 1 or None, got {epochs}")
+        batch_size = pipeline.check_batch_size(batch_size)
+        epochs = integer(epochs, "epochs", 1, optional=True)
         res = self.resolution if resolution == "default" else normalize_resolution(resolution)
         return pipeline.dataset(self.reader, batch_size, res, augment=augment, epochs=epochs,
                                 first_epoch=first_epoch, drop_remainder=drop_remainder, with_index=with_index,

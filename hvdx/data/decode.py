@@ -15,6 +15,8 @@ from typing import Optional, Tuple, Union
 import numpy as np
 import tensorflow as tf
 
+from hvdx.arguments import is_integer
+
 __all__ = ["DECODER", "decode_image", "decode_image_eager", "normalize_resolution"]
 
 DECODER = "tf.io.decode_image|jpeg-ratio-1248|resize-bilinear-round|uint8"
@@ -30,7 +32,7 @@ def normalize_resolution(resolution: Union[None, int, Tuple[int, int]], name: st
     """None, an int (square) or (height, width), checked."""
     if resolution is None:
         return None
-    if isinstance(resolution, int):
+    if is_integer(resolution):
         resolution = (resolution, resolution)
     try:
         h, w = (int(v) for v in resolution)

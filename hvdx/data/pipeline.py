@@ -19,22 +19,22 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from hvdx.arguments import integer
 from hvdx.data.decode import Resolution
 from hvdx.data.reader import EpochPlan, Reader
 
 __all__ = ["batch_augment", "check_batch_size", "dataset", "steps_per_epoch"]
 
 
-def check_batch_size(batch_size: int) -> None:
-    """Raises ValueError unless `batch_size` is a positive int."""
-    if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+def check_batch_size(batch_size: int) -> int:
+    """`batch_size` as a Python int; ValueError unless it is a positive int (NumPy's too)."""
+    return integer(batch_size, "batch_size", 1, expected="a positive int")
 
 
 def steps_per_epoch(per_rank: int, batch_size: int, drop_remainder: bool = False) -> int:
     """Batches of `batch_size` in a share of `per_rank` samples (the last one partial unless
     `drop_remainder`). Raises ValueError for a bad batch size."""
-    check_batch_size(batch_size)
+    batch_size = check_batch_size(batch_size)
     return per_rank // batch_size if drop_remainder else math.ceil(per_rank / batch_size)
 
 

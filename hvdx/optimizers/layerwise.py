@@ -38,6 +38,7 @@ import numpy as np
 import tensorflow as tf
 
 from hvdx import pto
+from hvdx.arguments import real
 from hvdx.buckets import AggregationObserver, AggregationRecord, Ranges
 
 __all__ = ["LayerwiseOptimizer", "MODES", "flag", "squared_norm"]
@@ -103,18 +104,9 @@ def flag(value: Any, argument: str) -> bool:
 
 def number(value: Any, argument: str, low: float = 0.0, high: Optional[float] = None, *,
            low_open: bool = False, high_open: bool = False, optional: bool = False) -> Optional[float]:
-    """A real number in the given interval, as a float; ValueError naming `argument` otherwise."""
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value != value:
-        raise ValueError(f"{argument} must be a number, got {value!r}")
-    value = float(value)
-    if value < low or (low_open and value == low) or (high is not None and (
-            value > high or (high_open and value == high))):
-        upper = "inf)" if high is None else f"{high}{')' if high_open else ']'}"
-        interval = f"{'(' if low_open else '['}{low}, {upper}"
-        raise ValueError(f"{argument} must be in {interval}, got {value!r}")
-    return value
+    """A real number (NumPy's too) in the given interval, as a float; ValueError naming
+    `argument` otherwise (`hvdx.arguments.real`, bounded below by 0 unless told)."""
+    return real(value, argument, low, high, low_open=low_open, high_open=high_open, optional=optional)
 
 
 class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):

@@ -55,6 +55,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import numpy as np
 
+from hvdx.arguments import integer, is_integer, real
 from hvdx.transport.base import Request, TransportError, _recv_exact, _tune, listen_address, send_failure, send_loop
 
 __all__ = ["PeerTransport"]
@@ -73,19 +74,19 @@ Handler = Callable[[int, np.ndarray], np.ndarray]
 
 
 def _check_peers(peers: Sequence[int], rank: int, world: Optional[int]) -> Tuple[int, ...]:
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or rank < 0:
-        raise ValueError(f"rank must be a non-negative int, got {rank!r}")
+    rank = integer(rank, "rank", 0, expected="a non-negative int")
     if isinstance(peers, (str, bytes)) or not isinstance(peers, Sequence):
         raise ValueError(f"peers must be a sequence of ranks, got {peers!r}")
     out = []
     for p in peers:
-        if isinstance(p, bool) or not isinstance(p, (int, np.integer)) or p < 0:
+        if not is_integer(p) or p < 0:
             raise ValueError(f"peers holds {p!r}, not a rank (a non-negative int)")
-        if int(p) == int(rank):
+        p = int(p)
+        if p == rank:
             raise ValueError(f"rank {rank} lists itself as its peer")
         if world is not None and p >= world:
             raise ValueError(f"peer {p} is not a rank of this job of {world} ranks")
-        out.append(int(p))
+        out.append(p)
     if len(set(out)) != len(out):
         raise ValueError(f"peers lists a rank twice: {list(peers)}")
     return tuple(sorted(out))
@@ -145,7 +146,7 @@ class PeerTransport:
         hvd = sys.modules.get("horovod.tensorflow")
         if hvd is None or not hvd.is_initialized():
             raise RuntimeError("PeerTransport.create needs Horovod initialized (hvdx.init())")
-        if int(rank) != hvd.rank():
+        if integer(rank, "rank", 0, expected="a non-negative int") != hvd.rank():
             raise ValueError(f"rank {rank} is not this process's Horovod rank {hvd.rank()}")
         return cls._create(peers, rank, name, timeout, world=hvd.size(),
                            allgather=lambda obj: hvd.allgather_object(obj, name=name))
@@ -155,8 +156,7 @@ class PeerTransport:
                 allgather: Callable[[Any], List[Any]]) -> "PeerTransport":
         """`create` with the address exchange given: `allgather(obj)` returns every rank's obj
         by rank (Horovod's allgather_object; tests pass an in-process or file-based one)."""
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = real(timeout, "timeout", 0, low_open=True, expected="a positive number of seconds")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         mine = _check_peers(peers, rank, world)

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hvdx.arguments import integer, is_integer, real
 from hvdx.transport.base import Request, TransportError, _recv_exact, _tune, listen_address, send_failure, send_loop
 
 __all__ = ["GroupTransport", "Request", "TransportError", "listen_address"]
@@ -77,7 +78,7 @@ def _validate_groups(groups: Sequence[Sequence[int]], rank: int,
             raise ValueError(f"groups[{g}] must be a non-empty sequence of ranks, got {members!r}")
         group = []
         for r in members:
-            if isinstance(r, bool) or not isinstance(r, (int, np.integer)) or r < 0:
+            if not is_integer(r) or r < 0:
                 raise ValueError(f"groups[{g}] holds {r!r}, not a rank (a non-negative int)")
             r = int(r)
             if r in seen:
@@ -85,9 +86,8 @@ def _validate_groups(groups: Sequence[Sequence[int]], rank: int,
             seen[r] = g
             group.append(r)
         normalized.append(tuple(group))
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-        raise ValueError(f"rank must be an int, got {rank!r}")
-    if int(rank) not in seen:
+    rank = integer(rank, "rank")
+    if rank not in seen:
         raise ValueError(f"groups do not cover rank {rank}: {normalized}")
     if world is not None and sorted(seen) != list(range(world)):
         missing = sorted(set(range(world)) - set(seen))
@@ -161,7 +161,7 @@ class GroupTransport:
         """
         hvd = sys.modules.get("horovod.tensorflow")  # never initialized if never imported
         if hvd is not None and hvd.is_initialized():
-            if isinstance(rank, (int, np.integer)) and not isinstance(rank, bool) and int(rank) != hvd.rank():
+            if is_integer(rank) and int(rank) != hvd.rank():
                 raise ValueError(f"rank {rank} is not this process's Horovod rank {hvd.rank()}")
             return cls._create(groups, rank, name, timeout, world=hvd.size(),
                                allgather=lambda obj: hvd.allgather_object(obj, name=name))
@@ -172,8 +172,7 @@ class GroupTransport:
                 world: Optional[int], allgather: Optional[Callable[[Any], List[Any]]]) -> "GroupTransport":
         """`create` with the address exchange given: `allgather(obj)` returns every rank's obj
         by rank (Horovod's allgather_object; tests pass an in-process one)."""
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+        timeout = real(timeout, "timeout", 0, low_open=True, expected="a positive number of seconds")
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         all_groups = _validate_groups(groups, rank, world)
