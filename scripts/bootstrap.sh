@@ -13,11 +13,11 @@
 # Every step checks first and does nothing when its result is already in place, so a
 # second run takes seconds.
 #
-# Stacks (docs/design.md, "Stack"): HVDX_STACK=tf2.15 (the default, requirements/default-stack:
-# TensorFlow 2.15 on Python 3.11, venv .venv) or HVDX_STACK=tf2.21 (TensorFlow 2.21 with
-# tf_keras on Python 3.12, venv .venv-tf2.21). `bootstrap.sh --venv` prints the stack's venv
+# Stacks (docs/design.md, "Stack"): HVDX_STACK=tf2.21 (the default, requirements/default-stack:
+# TensorFlow 2.21 with tf_keras on Python 3.12, venv .venv-tf2.21) or HVDX_STACK=tf2.15
+# (TensorFlow 2.15 on Python 3.11, venv .venv). `bootstrap.sh --venv` prints the stack's venv
 # and exits (the Makefile's VENV). Environment overrides:
-#   HVDX_VENV (default .venv for the default stack, else .venv-<stack>),
+#   HVDX_VENV (default: the "# venv:" line of requirements/<stack>.txt, else .venv-<stack>),
 #   HVDX_PYTHON (default: python<X.Y> on PATH, else pyenv's newest <X.Y>),
 #   HVDX_WHEEL_CACHE (default ~/.cache/hvdx/wheels), HVDX_WITH_CUDA (AUTO|ON|OFF),
 #   HVDX_REQUIREMENTS (default requirements/<stack>.txt; scripts/gpu_check.sh: the GPU wheel),
@@ -28,7 +28,10 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 DEFAULT_STACK=$(cat "$ROOT/requirements/default-stack")
 STACK=${HVDX_STACK:-$DEFAULT_STACK}
-if [ "$STACK" = "$DEFAULT_STACK" ]; then VENV=${HVDX_VENV:-$ROOT/.venv}; else VENV=${HVDX_VENV:-$ROOT/.venv-$STACK}; fi
+# A stack's venv: the "# venv: <dir>" line of its requirements file, else .venv-<stack>; it does
+# not depend on which stack is the default, so a checkout keeps its venvs when the default changes.
+NAMED_VENV=$(sed -n 's/^# venv: *\([^ ]*\).*/\1/p' "$ROOT/requirements/$STACK.txt" 2>/dev/null | head -n 1 || true)
+VENV=${HVDX_VENV:-$ROOT/${NAMED_VENV:-.venv-$STACK}}
 if [ "${1:-}" = "--venv" ]; then echo "$VENV"; exit 0; fi
 [ "${1:-}" = "--with-slurm" ] && HVDX_WITH_SLURM=1
 HOROVOD_VERSION=0.28.1
