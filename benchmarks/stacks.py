@@ -9,13 +9,14 @@ the same arguments), each into `<out>/<stack>/<benchmark>/`, then tabulates side
   `unsorted_segment_sum`;
 - train_step.py: each strategy's `model.fit` step speed-up over Horovod's
   (2x2, Gloo, the emulated 1 Gbit/s cluster), median and range of the rounds;
-- convergence.py: test accuracy after the same steps, and points against Horovod.
+- convergence.py: test accuracy after the same steps (mean over seeds), and points against
+  Horovod.
 
 A ratio is read within its own run: both stacks' runs are made back to back, alone on the
 machine (`flock /tmp/hvdx-bench.lock`). Each stack must be bootstrapped first
 (`make bootstrap HVDX_STACK=<stack>`).
 
-    flock /tmp/hvdx-bench.lock python benchmarks/stacks.py            # all three, ~35 min
+    flock /tmp/hvdx-bench.lock python benchmarks/stacks.py            # all three, ~35 min alone
     python benchmarks/stacks.py --only topk --stacks tf2.15,tf2.21
     python benchmarks/stacks.py --tabulate                           # the table from kept runs
 """
@@ -43,8 +44,8 @@ COMMANDS: Dict[str, List[str]] = {
              "--sizes", "1048576", "25000000", "--repeats", "5", "--rounds", "5"],
     "train_step": ["benchmarks/train_step.py", "--topologies", "2x2", "--models", "mlp,cnn",
                    "--optimizers", "none,horovod,allreduce,hierarchical,hitopk", "--rounds", "4", "--steps", "3"],
-    "convergence": ["benchmarks/convergence.py", "--local", "--tasks", "mnist,mlp", "--steps", "200",
-                    "--methods", "horovod,allreduce,hitopk"],
+    "convergence": ["benchmarks/convergence.py", "--local", "--tasks", "mnist", "--steps", "200",
+                    "--methods", "horovod,hitopk", "--seeds", "3"],
 }
 RESULT_FILE = {"topk": "topk.json", "train_step": "train_step.json", "convergence": "convergence.json"}
 
@@ -57,7 +58,7 @@ def venv_python(stack: str) -> Path:
     """
     venv = subprocess.run(["bash", str(ROOT / "scripts" / "bootstrap.sh"), "--venv"], check=True, text=True,
                           capture_output=True, env={**os.environ, "HVDX_STACK": stack}, cwd=ROOT).stdout.strip()
-    python = (ROOT / venv / "bin" / "python").resolve()
+    python = ROOT / venv / "bin" / "python"  # not resolved: the link is what makes it the venv's
     if not python.exists():
         raise SystemExit(f"stack {stack} has no venv at {venv}: run `make bootstrap HVDX_STACK={stack}` first")
     return python
@@ -145,7 +146,7 @@ TABLES = {
              ["input", "ratio"], topk_rows),
     "train_step": ("`model.fit` step, speed-up over Horovod's, median (range) of the rounds",
                    ["model", "optimizer"], train_step_rows),
-    "convergence": ("test accuracy after 200 steps (points vs Horovod), 2x2 over loopback, one seed",
+    "convergence": ("test accuracy after 200 steps, mean of the seeds (points vs Horovod), 2x2 over loopback",
                     ["task", "method"], convergence_rows),
 }
 
