@@ -12,8 +12,8 @@ the same arguments), each into `<out>/<stack>/<benchmark>/`, then tabulates side
 - convergence.py: test accuracy after the same steps (mean over seeds), and points against
   Horovod.
 
-A ratio is read within its own run: both stacks' runs are made back to back, alone on the
-machine (`flock /tmp/hvdx-bench.lock`). Each stack must be bootstrapped first
+A ratio is read within its own run: both stacks' runs are made back to back, the timed ones
+alone on the machine (`flock /tmp/hvdx-bench.lock`). Each stack must be bootstrapped first
 (`make bootstrap HVDX_STACK=<stack>`).
 
     flock /tmp/hvdx-bench.lock python benchmarks/stacks.py            # all three, ~35 min alone
@@ -136,7 +136,9 @@ def convergence_rows(results: Mapping[str, dict], stacks: Sequence[str]) -> List
             cells = []
             for s in stacks:
                 e = results[s]["summary"][task][method]
-                cells.append(f"{e['final_accuracy']:.3f} ({e['gap_points']:+.1f})")
+                spread = (results[s].get("seeds") or {}).get(task, {}).get(method)
+                seeds = f", seeds {spread['min']:.3f}-{spread['max']:.3f}" if spread else ""
+                cells.append(f"{e['final_accuracy']:.3f} ({e['gap_points']:+.1f}{seeds})")
             rows.append([task, method, *cells, ""])
     return rows
 
@@ -167,7 +169,7 @@ def tabulate(out: Path, stacks: Sequence[str], benchmarks: Sequence[str], second
     where = ", ".join(f"{s}: TensorFlow {versions[s]}" for s in stacks) if versions else ", ".join(stacks)
     took = "; ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items())
     head = (f"Measured by `python benchmarks/stacks.py` ({where}); each benchmark ran on both stacks back to back, "
-            f"stacks taking turns, alone on the 2 cores." + (f" Wall time: {took}." if took else "") + "\n")
+            f"stacks taking turns." + (f" Wall time: {took}." if took else "") + "\n")
     return head + "\n" + "\n".join(parts)
 
 
