@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Dict, List, Mapping, Sequence
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import add_output_arguments, markdown_table, readme_path, update_readme
+    from common import ROOT, add_output_arguments, markdown_table, readme_path, update_readme
 except ImportError:
-    from benchmarks.common import add_output_arguments, markdown_table, readme_path, update_readme
+    from benchmarks.common import ROOT, add_output_arguments, markdown_table, readme_path, update_readme
 
-ROOT = Path(__file__).resolve().parent.parent
 STACKS = ("tf2.15", "tf2.21")
 
 # The reduced configurations run on both stacks (the README's full runs take over an hour each).
