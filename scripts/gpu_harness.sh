@@ -14,6 +14,8 @@
 #                    Figure 6: MSTopK vs torch.topk, CuPy argpartition and one read of x,
 #                    d 2^20..2^28, density 0.001 and 0.01; sparse accumulation vs the
 #                    scatter-adds of PyTorch and CuPy at nnz 1e4..1e7;
+#      two-pass/    the MSTopK checks (quick sizes) of a second build whose select takes the
+#                    two-pass path at every d (the path of d >= 2^31);
 #   3. sanitizer.txt compute-sanitizer memcheck and racecheck over the small GPU cases
 #                    (when compute-sanitizer is installed);
 #      run.log       all of the above as it ran.
@@ -86,6 +88,22 @@ PYTHONUNBUFFERED=1 timeout "$T" "$PY" -m scripts.gpu_harness.run --lib "$LIB" --
   2>&1 | tee -a "$LOG"
 rc=${PIPESTATUS[0]}
 [ "$rc" = 0 ] || { log "checks: exit $rc (124: timed out)"; status=1; }
+
+# --- 2b. the two-pass select (MSTopK's path for d >= 2^31) on small inputs ------------------
+if [ -z "${KERNELS[*]}" ] || [ "${KERNELS[1]:-}" = mstopk ]; then
+  T=$(budget 60 100)
+  if [ "$T" -ge 20 ] && "$CMAKE" -S csrc/harness -B "$BUILD-two-pass" -DHVDX_HARNESS_CUDA=ON \
+       -DHVDX_HARNESS_CUDA_ARCHITECTURES="${HVDX_HARNESS_CUDA_ARCHITECTURES:-native}" \
+       -DCMAKE_CUDA_FLAGS=-DHVDX_MSTOPK_TWO_PASS_SELECT > "$OUT_DIR/build-two-pass.log" 2>&1 &&
+     "$CMAKE" --build "$BUILD-two-pass" -j "$(nproc)" >> "$OUT_DIR/build-two-pass.log" 2>&1; then
+    log "MSTopK with the two-pass select at every d: quick parity (at most $T s)"
+    PYTHONUNBUFFERED=1 timeout "$T" "$PY" -m scripts.gpu_harness.run --lib "$BUILD-two-pass/libhvdx_harness.so" \
+      --out "$OUT_DIR/two-pass" --quick --skip-bench --kernels mstopk 2>&1 | tee -a "$LOG" | grep -E "checks:|FAILED"
+    [ "${PIPESTATUS[0]}" = 0 ] || { log "two-pass select: checks failed (results: $OUT_DIR/two-pass)"; status=1; }
+  else
+    log "two-pass select: not built or out of time (log: $OUT_DIR/build-two-pass.log)"; status=1
+  fi
+fi
 
 # --- 3. compute-sanitizer -------------------------------------------------------------------
 SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)

@@ -177,6 +177,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if "sparse_accumulate" in kernels:
                 sparse = bench.bench_sparse(h, 2**22 if args.quick else bench.SPARSE_D,
                                             bench.SPARSE_NNZ[:2] if args.quick else bench.SPARSE_NNZ, log)
+                verdict = bench.goal(topk, sparse)
                 save_bench()
             report.append(bench.markdown(device, topk, dists_rows, sparse, verdict))
             if not bench.plot(args.out / "fig6.png", topk, sparse):
