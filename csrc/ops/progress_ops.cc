@@ -1,0 +1,36 @@
+// Registration of HvdxProgressMark: the watchdog's and the timeline's mark on a step's tensors
+// (csrc/kernels/progress.h, hvdx/watchdog.py).
+#include "absl/status/status.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace hvdx {
+
+using ::tensorflow::shape_inference::InferenceContext;
+
+REGISTER_OP("HvdxProgressMark")
+    .Input("inputs: T")
+    .Input("token: int32")
+    .Output("outputs: T")
+    .Attr("T: list(type) >= 1")
+    .Attr("label: string")
+    .Attr("detail: string = ''")
+    .Attr("noun: string = 'calls'")
+    .Attr("phase: {'enter', 'leave', 'begin', 'end'}")
+    .SetShapeFn([](InferenceContext* c) {
+      for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
+      return ::absl::OkStatus();
+    })
+    .Doc(R"doc(
+outputs = inputs (the same buffers), once all of them exist; records `phase` of the counter
+(label, detail, noun): 'enter' before a collective, 'leave' after it (both counted, for the
+watchdog), 'begin' / 'end' around a span (the timeline only, when it records).
+
+Not stateful on purpose: a stateful op without resource inputs is ordered after every other
+one of the function (automatic control dependencies), which would serialize the buckets'
+collectives. It runs because its outputs are used in place of its inputs. token: any int32
+scalar that is not a constant (in a graph, the read of a variable), so that constant folding
+never runs the mark once, ahead of time, when the inputs are constants; ignored.
+)doc");
+
+}  // namespace hvdx
