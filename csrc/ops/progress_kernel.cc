@@ -18,14 +18,13 @@ using ::tensorflow::OpKernelContext;
 class ProgressMarkOp : public OpKernel {
  public:
   explicit ProgressMarkOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    std::string label, detail, noun, phase;
+    std::string label, detail, phase;
     OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("detail", &detail));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("noun", &noun));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("phase", &phase));
     OP_REQUIRES(ctx, progress::ParsePhase(phase, &phase_),
                 errors::InvalidArgument("unknown progress phase '", phase, "'"));
-    counter_ = progress::Find(label, detail, noun);
+    counter_ = progress::Find(label, detail);
   }
 
   void Compute(OpKernelContext* ctx) override {

@@ -1,5 +1,5 @@
-// Registration of HvdxProgressMark: the watchdog's and the timeline's mark on a step's tensors
-// (csrc/kernels/progress.h, hvdx/watchdog.py).
+// Registration of HvdxProgressMark: the watchdog's mark on a collective call's tensors
+// (csrc/kernels/progress.h, hvdx/progress.py).
 #include "absl/status/status.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -15,16 +15,14 @@ REGISTER_OP("HvdxProgressMark")
     .Attr("T: list(type) >= 1")
     .Attr("label: string")
     .Attr("detail: string = ''")
-    .Attr("noun: string = 'calls'")
-    .Attr("phase: {'enter', 'leave', 'begin', 'end'}")
+    .Attr("phase: {'enter', 'leave'}")
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
       return ::absl::OkStatus();
     })
     .Doc(R"doc(
-outputs = inputs (the same buffers), once all of them exist; records `phase` of the counter
-(label, detail, noun): 'enter' before a collective, 'leave' after it (both counted, for the
-watchdog), 'begin' / 'end' around a span (the timeline only, when it records).
+outputs = inputs (the same buffers), once all of them exist; counts `phase` of the counter
+(label, detail): 'enter' before a collective call, 'leave' after it (hvdx's watchdog).
 
 Not stateful on purpose: a stateful op without resource inputs is ordered after every other
 one of the function (automatic control dependencies), which would serialize the buckets'
