@@ -101,6 +101,15 @@ def _where(rank: int, state: Optional[State], table: Dict[Key, Dict[int, Tuple[i
     return f"rank {rank}: in no hvdx collective, at {where}"
 
 
+def _places(states: Mapping[int, Optional[State]], table: Dict[Key, Dict[int, Tuple[int, int]]]) -> List[str]:
+    """Each rank's place (`_where`), ranks at the same place in one line ("ranks 0, 2, 3: ...")."""
+    by_text: Dict[str, List[int]] = {}
+    for rank in sorted(states):
+        text = _where(rank, states[rank], table).split(": ", 1)[1]
+        by_text.setdefault(text, []).append(rank)
+    return [f"{ranks_text(ranks)}: {text}" for text, ranks in sorted(by_text.items(), key=lambda item: item[1][0])]
+
+
 def stall_report(states: Mapping[int, Optional[State]], size: int, timeout: float, reporter: int) -> str:
     """The watchdog's report of a stall that rank `reporter` found (it waited in a collective
     call for more than `timeout` s without progress): a headline naming the ranks and the
@@ -116,7 +125,7 @@ def stall_report(states: Mapping[int, Optional[State]], size: int, timeout: floa
              f"{float(waited or timeout):.1f} s in {where}, longer than the bound of {timeout:g} s "  # type: ignore[arg-type]
              "(HVDX_STALL_TIMEOUT_SECONDS or hvdx.init(stall_timeout=...)). Ending the job."]
     lines += ["  " + line for line in _disagreements(table, states)]
-    lines += ["  " + _where(rank, states[rank], table) for rank in range(size)]
+    lines += ["  " + line for line in _places(states, table)]
     lines.append("  Every rank must make the same collective calls in the same order: run the same number of "
                  "steps on every rank (the same number of batches, the same strategy calls), and keep a rank's "
                  "time outside hvdx's collectives (a step, an evaluation, a checkpoint) under the bound. "

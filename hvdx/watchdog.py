@@ -228,7 +228,10 @@ class Watchdog:
 
         addresses = [address for rank, address in enumerate(self.peers) if address and rank != self.rank]
         if not parallel:
+            deadline = time.monotonic() + 2.0  # an exit waits no longer for unreachable peers
             for address in addresses:
+                if time.monotonic() > deadline:
+                    return
                 send(address)
             return
         threads = [threading.Thread(target=send, args=(address,), daemon=True) for address in addresses]

@@ -35,6 +35,7 @@ def test_a_stall_report_names_the_rank_the_call_and_the_counts():
     assert "rank 1 waits in call 4; ranks 0, 2 completed 3 calls and are not in it" in report
     assert "Rank 1 ran 4 calls, the others 3" in report
     assert "rank 0: in no hvdx collective, at train.py:40 in main > topology.py:221 in barrier" in report
+    assert "rank 2: in no hvdx collective, at train.py:10 in main" in report
     assert "rank 3: did not answer" in report
     assert "same number of steps on every rank" in report
 
@@ -45,6 +46,14 @@ def test_a_rank_that_stopped_is_named_as_the_one_behind():
     assert "ranks 0, 2 wait in call 3; rank 1 completed 2 calls and is not in it" in report
     assert "Rank 1 ran 2 calls, the others 3" in report
     assert "rank 1: in no hvdx collective, at train.py:12 in main" in report
+
+
+def test_ranks_at_the_same_place_share_a_line():
+    states = {r: _state(r, 3, 3, "train.py:40 in main > topology.py:221 in barrier") for r in (0, 2, 3)}
+    states[1] = _state(1, 4, 3, waited=4.0)
+    report = stall.stall_report(states, 4, 4.0, reporter=1)
+    assert "  ranks 0, 2, 3: in no hvdx collective, at train.py:40 in main > topology.py:221 in barrier" in report
+    assert "  rank 1: waiting for 4.0 s in collective 'hitopk' on buffer 'v0_b0'" in report
 
 
 def test_a_mismatch_report_only_where_the_counts_disagree():
