@@ -154,10 +154,16 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
         mpi_defaults.apply_mpi_defaults()
         hvd.init(comm=comm, process_sets="dynamic")
     rank, size = hvd.rank(), hvd.size()
-    dog = watchdog.Watchdog(bound) if bound > 0 and size > 1 else None
+    dog, address = (watchdog.Watchdog(bound) if bound > 0 and size > 1 else None), None
+    if dog is not None:
+        try:
+            address = dog.listen()
+        except (OSError, RuntimeError) as exc:  # TransportError: a bad $HOROVOD_GLOO_IFACE / $HVDX_TRANSPORT_IFACE
+            warnings.warn(f"hvdx's progress watchdog is off on rank {rank}: it cannot listen ({exc}). Set "
+                          f"${watchdog.ENV}=0 to silence this, or fix the interface.", RuntimeWarning, stacklevel=2)
+            dog = None
     entries = hvd.allgather_object((rank, hvd.local_rank(), hvd.local_size(), _node_key(),
-                                    mpi_defaults.machine_facts(), dog.listen() if dog else None),
-                                   name="hvdx.topology")
+                                    mpi_defaults.machine_facts(), address), name="hvdx.topology")
     message = mpi_defaults.oversubscription_warning([e[4] for e in entries], mpi=hvd.mpi_enabled())
     if message and rank == 0:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
