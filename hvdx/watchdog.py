@@ -163,7 +163,10 @@ class Watchdog:
                 conn, _ = self._server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._answer, args=(conn,), name="hvdx-watchdog-answer", daemon=True).start()
+            try:
+                threading.Thread(target=self._answer, args=(conn,), name="hvdx-watchdog-answer", daemon=True).start()
+            except RuntimeError:  # the interpreter is shutting down: answer here
+                self._answer(conn)
 
     def _answer(self, conn: socket.socket) -> None:
         with conn:
@@ -298,7 +301,12 @@ class Watchdog:
         self._tell_all({"op": "final", "state": self.state(exited=True)})
         time.sleep(0.5)  # the other ranks' own errors arrive at about the same time
         lines = [line.strip() for line in str(error).splitlines() if line.strip()] or [kind.__name__]
-        cause = next((line for line in lines if any(m in line for m in HOROVOD_MISMATCH_MARKERS)), lines[0])
+        cause = lines[0]
+        for line in lines:  # Horovod's own words, without TensorFlow's node prefix
+            found = [line.index(m) for m in HOROVOD_MISMATCH_MARKERS if m in line]
+            if found:
+                cause = line[min(found):]
+                break
         message = stall.mismatch_report(self.gather(), self.size, cause.split(". ")[0][:300])
         if message:
             sys.stderr.write(message)

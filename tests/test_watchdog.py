@@ -229,6 +229,18 @@ def test_horovods_error_after_a_rank_exits_is_explained_in_steps():
 
 
 @pytest.mark.multirank
+def test_horovods_mismatched_data_types_is_explained_in_steps():
+    # eager steps: rank 1's extra gradient allreduce meets rank 0's barrier under Horovod's one eager name
+    job = harness.launch("stall_worker.py", "extra-step", "allreduce", np=2, hosts=harness.hosts(2, 1), timeout=120,
+                         env={watchdog.ENV: str(BOUND), "STALL_EAGER": "1"})
+    out = job.output
+    assert not job.timed_out and job.returncode != 0, out[-4000:]
+    assert "Horovod's error (Mismatched data types: One rank had type" in out, out[-4000:]
+    assert "rank 1 failed in call 4; rank 0 completed 3 calls and is not in it. Rank 1 ran 4 calls, rank 0 3" in out, \
+        out[-4000:]
+
+
+@pytest.mark.multirank
 def test_a_15x_straggler_runs_to_the_end():
     # the fast rank waits about 1.4 s per step for the straggler: 6 waits, each under the
     # bound, together more than it

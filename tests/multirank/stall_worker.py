@@ -8,7 +8,7 @@ Scenarios (the first argument):
 - sleep: rank $STALL_RANK stops issuing collectives after two steps and sleeps, alive;
 - straggler: rank $STALL_RANK is 15x slower than the others per step; every rank runs to the end.
 
-Every rank prints "step <n> done" per step and "finished" at the end; the watchdog's bound
+$STALL_EAGER=1 runs the tape's steps eagerly instead of in a tf.function. Every rank prints "step <n> done" per step and "finished" at the end; the watchdog's bound
 comes from $HVDX_STALL_TIMEOUT_SECONDS (set by the test).
 """
 import os
@@ -23,13 +23,12 @@ STALL_RANK = int(os.environ.get("STALL_RANK", "1"))
 
 
 def model_and_step(communication: str):
-    """A linear model and a tf.function step over hvdx's tape."""
+    """A linear model and a step over hvdx's tape (a tf.function unless $STALL_EAGER)."""
     tf.random.set_seed(0)
     w = tf.Variable(tf.random.normal([16, 4]), name="w")
     b = tf.Variable(tf.zeros([4]), name="b")
     options = {"density": 0.25} if communication == "hitopk" else {}
 
-    @tf.function
     def step(x):
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.square(tf.matmul(x, w) + b))
@@ -39,7 +38,7 @@ def model_and_step(communication: str):
         b.assign_sub(0.01 * grads[1])
         return loss
 
-    return step
+    return step if os.environ.get("STALL_EAGER") else tf.function(step)
 
 
 def main() -> None:
