@@ -7,21 +7,25 @@ e.g. ("hitopk", "grads"). A rank whose counter has entered > left waits in that 
 marks forward their tensors (no copy) and cost two atomic additions per call; they are
 inserted only while `enabled()` (the watchdog turns them on, `hvdx.watchdog`).
 
-`snapshot`, `generation` and `open_calls` read the table through the library's C functions,
-from any thread, while the step runs or waits (the watchdog's thread reads them, never the
-step).
+A collective call made from Python (a transport's exchange: DASO's global synchronisation)
+is counted the same way by `waiting`, in a table of this module beside the library's.
+
+`snapshot`, `generation` and `open_calls` read both tables (the library's through its C
+functions), from any thread, while the step runs or waits (the watchdog's thread reads them,
+never the step).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from hvdx import ops
 
-__all__ = ["Counts", "enable", "enabled", "generation", "mark", "open_calls", "snapshot"]
+__all__ = ["Counts", "enable", "enabled", "generation", "mark", "open_calls", "snapshot", "waiting"]
 
 #: (label, detail) -> (calls entered, calls left).
 Counts = Dict[Tuple[str, str], Tuple[int, int]]
@@ -30,6 +34,10 @@ _enabled = False
 _token: Optional[tf.Variable] = None
 _token_lock = threading.Lock()
 _library: Optional[ctypes.CDLL] = None
+# the calls made from Python (`waiting`): counts, generation, calls entered and not left
+_python_lock = threading.Lock()
+_python_counts: Dict[Tuple[str, str], List[int]] = {}
+_python_state = [0, 0]
 
 
 def enable(on: bool = True) -> None:
@@ -69,6 +77,29 @@ def mark(tensors: Sequence[tf.Tensor], label: str, detail: str, phase: str) -> L
                                             phase=phase))
 
 
+@contextlib.contextmanager
+def waiting(label: str, detail: str) -> Iterator[None]:
+    """Counts the body as one collective call (label, detail) made from Python: entered on
+    entry, left on exit (an exception leaves it too: a failed call is not waited in).
+    Counts nothing while marks are off (`enabled`)."""
+    if not _enabled:
+        yield
+        return
+    _python_record(label, detail, entered=True)
+    try:
+        yield
+    finally:
+        _python_record(label, detail, entered=False)
+
+
+def _python_record(label: str, detail: str, entered: bool) -> None:
+    with _python_lock:
+        counts = _python_counts.setdefault((label, detail), [0, 0])
+        counts[0 if entered else 1] += 1
+        _python_state[0] += 1
+        _python_state[1] += 1 if entered else -1
+
+
 @tf.RegisterGradient("HvdxProgressMark")
 def _mark_grad(op: tf.Operation, *grads: tf.Tensor):
     return list(grads) + [None]
@@ -88,13 +119,13 @@ def _lib() -> ctypes.CDLL:
 
 
 def generation() -> int:
-    """A number every mark advances: two equal readings mean no mark ran in between."""
-    return int(_lib().hvdx_progress_generation())
+    """A number every mark (and `waiting`) advances: two equal readings mean none ran in between."""
+    return int(_lib().hvdx_progress_generation()) + _python_state[0]
 
 
 def open_calls() -> int:
     """Collective calls this process has entered and not left (0: it waits in none)."""
-    return int(_lib().hvdx_progress_open())
+    return int(_lib().hvdx_progress_open()) + _python_state[1]
 
 
 def snapshot() -> Counts:
@@ -110,4 +141,8 @@ def snapshot() -> Counts:
     for line in buf.raw[:n].decode("utf-8", "replace").splitlines():
         label, detail, entered, left = line.split("\t")
         counts[label, detail] = (int(entered), int(left))
+    with _python_lock:
+        for key, (entered, left) in _python_counts.items():
+            previous = counts.get(key, (0, 0))
+            counts[key] = (previous[0] + entered, previous[1] + left)
     return counts
