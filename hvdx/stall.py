@@ -74,7 +74,8 @@ def _disagreements(table: Dict[Key, Dict[int, Tuple[int, int]]], states: Mapping
         outside = {rank: e for rank, e in entered.items() if rank not in inside}
         for done, ranks in _by_value(outside):
             exited = [r for r in ranks if (states.get(r) or {}).get("exited")]
-            state = "exited" if exited and len(exited) == len(ranks) else "are not in it" if len(ranks) > 1 else "is not in it"
+            state = ("exited" if exited and len(exited) == len(ranks)
+                     else "are not in it" if len(ranks) > 1 else "is not in it")
             parts.append(f"{ranks_text(ranks)} completed {done} call{'s' if done != 1 else ''} and {state}")
         line = f"{_call_name(key)}: " + "; ".join(parts)
         groups = _by_value(entered)
@@ -120,9 +121,9 @@ def stall_report(states: Mapping[int, Optional[State]], size: int, timeout: floa
     waiting = [key for key, per_rank in table.items()
                if per_rank.get(reporter, (0, 0))[0] > per_rank.get(reporter, (0, 0))[1]]
     where = ", ".join(f"{_call_name(k)} (call {table[k][reporter][0]})" for k in waiting) or "a collective call"
-    waited = mine.get("waited")
+    waited = float(mine.get("waited") or timeout)  # type: ignore[arg-type]
     lines = [f"hvdx watchdog: the job stopped making progress: rank {reporter} waited "
-             f"{float(waited or timeout):.1f} s in {where}, longer than the bound of {timeout:g} s "  # type: ignore[arg-type]
+             f"{waited:.1f} s in {where}, longer than the bound of {timeout:g} s "
              "(HVDX_STALL_TIMEOUT_SECONDS or hvdx.init(stall_timeout=...)). Ending the job."]
     lines += ["  " + line for line in _disagreements(table, states)]
     lines += ["  " + line for line in _places(states, table)]

@@ -86,19 +86,23 @@ def current() -> Optional["Watchdog"]:
 
 
 def _main_thread_place() -> str:
-    """Where the main thread is: the innermost frames of the user's code and of hvdx (other
-    libraries' and the standard library's left out), innermost last."""
+    """Where the main thread is: the innermost frame of the user's code, then the innermost
+    (at most two) of hvdx's below it; other libraries' and the standard library's left out."""
     frame = sys._current_frames().get(threading.main_thread().ident)  # noqa: SLF001 - a diagnostic
     if frame is None:
         return "unknown"
     skipped = tuple(p for p in {sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("platstdlib")} if p)
-    mine = []
+    user, ours = None, []
     for entry in traceback.extract_stack(frame):
         name = entry.filename
-        ours = f"{os.sep}hvdx{os.sep}" in name and f"{os.sep}hvdx{os.sep}watchdog" not in name
-        if ours or not ("-packages" in name or name.startswith(skipped) or name.startswith("<")):
-            mine.append(f"{os.path.basename(name)}:{entry.lineno} in {entry.name}")
-    return " > ".join(mine[-3:]) or "inside a library"
+        text = f"{os.path.basename(name)}:{entry.lineno} in {entry.name}"
+        if f"{os.sep}hvdx{os.sep}" in name:
+            if f"{os.sep}hvdx{os.sep}watchdog" not in name:
+                ours.append(text)
+        elif not ("-packages" in name or name.startswith(skipped) or name.startswith("<")):
+            user, ours = text, []
+    places = ([user] if user else []) + ours[-2:]
+    return " > ".join(places) or "inside a library"
 
 
 def _request(address: str, message: Dict[str, Any], timeout: float = REQUEST_TIMEOUT,
