@@ -116,6 +116,19 @@ def test_marks_off_leave_the_graph_alone():
     assert not [op for op in graph.get_operations() if op.type == "HvdxProgressMark"]
 
 
+def test_calls_made_from_python_are_counted_beside_the_marks(marks_on):
+    before = progress.snapshot().get(("test", "python"), (0, 0))
+    generation = progress.generation()
+    with progress.waiting("test", "python"):
+        assert progress.open_calls() >= 1
+        assert progress.snapshot()[("test", "python")] == (before[0] + 1, before[1])
+    with pytest.raises(ZeroDivisionError):
+        with progress.waiting("test", "python"):
+            1 / 0  # a failed call is left, not waited in
+    assert progress.snapshot()[("test", "python")] == (before[0] + 2, before[1] + 2)
+    assert progress.generation() == generation + 4 and progress.open_calls() == 0
+
+
 def test_a_strategy_call_is_marked(marks_on):
     import hvdx
 
@@ -215,6 +228,14 @@ def test_a_rank_that_stops_issuing_collectives_is_named():
     out = _stalled("sleep", np=2, hosts=harness.hosts(2, 1), expect_rank=1,
                    call="collective 'hitopk' on buffer", counts="Rank 0 ran 3 calls, rank 1 2")
     assert "rank 1: in no hvdx collective, at stall_worker.py" in out
+
+
+@pytest.mark.multirank
+def test_a_daso_peer_that_stalls_without_dying_is_named():
+    out = _stalled("daso-sleep", np=2, hosts=harness.hosts(2, 1), expect_rank=1,
+                   call="collective 'daso' on buffer 'global synchronisation (blocking)'",
+                   counts="Rank 0 ran 3 calls, rank 1 2")
+    assert "rank 1: in no hvdx collective, at stall_worker.py" in out and "in blocking" in out
 
 
 @pytest.mark.multirank

@@ -6,6 +6,8 @@ Scenarios (the first argument):
 - direct-extra: a strategy called directly, one call more on rank $STALL_RANK;
 - extra-exit <communication>: as extra-step, but the ranks exit without the barrier;
 - sleep: rank $STALL_RANK stops issuing collectives after two steps and sleeps, alive;
+- daso-sleep: DASO's blocking global synchronisation every step (its warm-up); rank
+  $STALL_RANK sleeps after two steps, alive;
 - straggler: rank $STALL_RANK is 15x slower than the others per step; every rank runs to the end.
 
 $STALL_EAGER=1 runs the tape's steps eagerly instead of in a tf.function. Every rank prints "step <n> done" per step and "finished" at the end; the watchdog's bound
@@ -41,9 +43,34 @@ def model_and_step(communication: str):
     return step if os.environ.get("STALL_EAGER") else tf.function(step)
 
 
+def daso_steps(topo) -> None:
+    """DASO in a custom loop, warm-up only (a blocking global synchronisation every step)."""
+    tf.random.set_seed(0)
+    model = tf.keras.Sequential([tf.keras.Input((16,)), tf.keras.layers.Dense(4)])
+    opt = hvdx.DASO(tf.keras.optimizers.SGD(0.01), total_epochs=1, warmup_epochs=1, cooldown_epochs=0)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+    x = tf.random.normal([8, 16], seed=topo.rank)
+    for n in range(STEPS + 2):
+        if topo.rank == STALL_RANK and n == 2:
+            print(f"rank {topo.rank} sleeps", flush=True)
+            time.sleep(3600)
+        step(x)
+        opt.after_step()
+        print(f"rank {topo.rank} step {n + 1} done", flush=True)
+
+
 def main() -> None:
     scenario = sys.argv[1]
     topo = hvdx.init()
+    if scenario == "daso-sleep":
+        daso_steps(topo)
+        return
     x = tf.random.normal([8, 16], seed=topo.rank)
     if scenario == "direct-extra":
         strategy = hvdx.comm.get("hitopk", density=0.25)
