@@ -147,6 +147,7 @@ class Watchdog:
         self._stopped = threading.Event()
         self._ending = threading.Lock()  # held while this rank reports and ends
         self._previous_hook: Optional[Callable] = None
+        self._last_change = time.monotonic()  # when this rank's progress table last changed
 
     # -- the side channel ---------------------------------------------------------------
     def listen(self) -> str:
@@ -259,8 +260,6 @@ class Watchdog:
         sys.excepthook = self._excepthook
         atexit.register(self._leave)
         _current = self
-
-    _last_change = 0.0
 
     def _monitor(self) -> None:
         seen = progress.generation()
