@@ -123,10 +123,16 @@ def _process_set(ranks: Sequence[int], world: int) -> "hvd.ProcessSet":
     return hvd.add_process_set(sorted(ranks))
 
 
-def init(comm: Optional[Sequence[int]] = None) -> Topology:
+def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = None) -> Topology:
     """Initializes Horovod (with dynamic process sets) and hvdx's topology; idempotent.
 
     Collective: every rank must call it. Returns this rank's `Topology`.
+
+    In a job of two or more ranks it starts the progress watchdog (`hvdx.watchdog`): a rank
+    that waits in one of hvdx's collective calls for longer than `stall_timeout` seconds
+    without progress makes every rank report which ranks reached which call, and the job end
+    with a non-zero code. None: $HVDX_STALL_TIMEOUT_SECONDS, else 300 s; 0: off
+    (docs/comm.md, "The progress watchdog"). A bad value raises ValueError.
 
     Under an MPI launcher on a machine with more ranks than cores, Open MPI is first told to
     yield the core while it waits (`hvdx.mpi_defaults.apply_mpi_defaults`; `HVDX_MPI_DEFAULTS=0`
@@ -140,13 +146,24 @@ def init(comm: Optional[Sequence[int]] = None) -> Topology:
     global _topology
     if _topology is not None:
         return _topology
+    from hvdx import watchdog
+
+    bound = watchdog.resolve_timeout(stall_timeout)
     hvd = _horovod()
     if not hvd.is_initialized():
         mpi_defaults.apply_mpi_defaults()
         hvd.init(comm=comm, process_sets="dynamic")
     rank, size = hvd.rank(), hvd.size()
+    dog, address = (watchdog.Watchdog(bound) if bound > 0 and size > 1 else None), None
+    if dog is not None:
+        try:
+            address = dog.listen()
+        except (OSError, RuntimeError) as exc:  # TransportError: a bad $HOROVOD_GLOO_IFACE / $HVDX_TRANSPORT_IFACE
+            warnings.warn(f"hvdx's progress watchdog is off on rank {rank}: it cannot listen ({exc}). Set "
+                          f"${watchdog.ENV}=0 to silence this, or fix the interface.", RuntimeWarning, stacklevel=2)
+            dog = None
     entries = hvd.allgather_object((rank, hvd.local_rank(), hvd.local_size(), _node_key(),
-                                    mpi_defaults.machine_facts()), name="hvdx.topology")
+                                    mpi_defaults.machine_facts(), address), name="hvdx.topology")
     message = mpi_defaults.oversubscription_warning([e[4] for e in entries], mpi=hvd.mpi_enabled())
     if message and rank == 0:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
@@ -169,6 +186,8 @@ def init(comm: Optional[Sequence[int]] = None) -> Topology:
     _topology = Topology(rank=rank, size=size, local_rank=local_rank, local_size=local_size,
                          node=node, num_nodes=len(node_ranks), node_ranks=node_ranks,
                          local_set=sets["local", node], cross_set=sets["cross", local_rank])
+    if dog is not None:
+        dog.start(rank, size, [e[5] for e in entries])
     return _topology
 
 
@@ -212,5 +231,9 @@ def barrier(process_set: Optional["hvd.ProcessSet"] = None) -> None:
 def shutdown() -> None:
     """Shuts Horovod down and forgets the topology (hvdx.init() may be called again)."""
     global _topology
+    from hvdx import watchdog
+
+    if watchdog.current() is not None:
+        watchdog.current().stop()
     _topology = None
     _horovod().shutdown()

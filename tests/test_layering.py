@@ -15,9 +15,10 @@ LAYERS: List[List[str]] = [
     # foundations: no other hvdx module, or only each other's
     ["hvdx.version", "hvdx.arguments", "hvdx.legacy_keras", "hvdx.ops", "hvdx.shm", "hvdx.agreement", "hvdx.layout",
      "hvdx.plateau", "hvdx.mpi_defaults", "hvdx.launcher", "hvdx.transport", "hvdx.phases", "hvdx.zoo",
-     "hvdx.checkpoints", "hvdx.accumulation", "hvdx.variables", "hvdx.tensorflow._horovod_api"],
-    # the run's topology; the launchers (on the segment kit's pid_alive)
-    ["hvdx.topology", "hvdx.runner"],
+     "hvdx.checkpoints", "hvdx.accumulation", "hvdx.variables", "hvdx.tensorflow._horovod_api", "hvdx.progress",
+     "hvdx.stall"],
+    # the run's topology and its progress watchdog; the launchers (on the segment kit's pid_alive)
+    ["hvdx.topology", "hvdx.watchdog", "hvdx.runner"],
     # on the topology: node-local collectives, the parallel tensor operator, DataCache, a
     # phased run's measurements
     ["hvdx.node", "hvdx.pto", "hvdx.data", "hvdx.throughput", "hvdx.history"],

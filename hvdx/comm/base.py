@@ -15,6 +15,7 @@ from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdx import progress
 from hvdx.arguments import integer, real
 from hvdx.comm import registry
 from hvdx.comm.traits import OptimizerTraits
@@ -228,7 +229,11 @@ class Strategy:
         self.agree(name, (int(buffer.shape[0]),), buffer.dtype)
         if buffer.shape[0] == 0:
             return Aggregated(buffer)
-        return self._aggregate(buffer, name, residual_scale)
+        (buffer,) = progress.mark([buffer], self.progress_label, name, "enter")
+        result = self._aggregate(buffer, name, residual_scale)
+        if result.output is not None:
+            (result.output,) = progress.mark([result.output], self.progress_label, name, "leave")
+        return result
 
     @tf.autograph.experimental.do_not_convert
     def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
@@ -253,7 +258,15 @@ class Strategy:
         self.agree(name, sizes, pieces[0].dtype)
         if sum(sizes) == 0:
             return pieces, Aggregated(tf.zeros([0], pieces[0].dtype))
-        return self._aggregate_pieces(pieces, name, residual_scale, grouped=grouped)
+        pieces = progress.mark(pieces, self.progress_label, name, "enter")
+        outputs, result = self._aggregate_pieces(pieces, name, residual_scale, grouped=grouped)
+        return progress.mark(outputs, self.progress_label, name, "leave"), result
+
+    @property
+    def progress_label(self) -> str:
+        """The name of this strategy's collective calls in the watchdog's reports
+        (`hvdx.progress`): its registered name, else its class's."""
+        return self.key or type(self).__name__
 
     # -- rank agreement -----------------------------------------------------------------
     def describe(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> Dict[str, str]:

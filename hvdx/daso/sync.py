@@ -42,6 +42,7 @@ import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
+from hvdx import progress
 from hvdx.comm import wire
 
 from hvdx.topology import Topology
@@ -160,36 +161,37 @@ class ParameterSync:
     # -- blocking ---------------------------------------------------------------------
     def blocking(self, group: int) -> None:
         """Averages in `group` now: 16-bit changes on the wire, float32 master weights."""
-        t0 = time.perf_counter()
-        if self.reference is None:
-            raise RuntimeError("the parameters' reference is not set (broadcast or drain first)")
-        flat = None
-        if self.is_member(group):
-            if self.wire_dtype == tf.float16 and self.group_size > 1:  # scaled per member: numpy
-                change = self._average_float16_changes(self.params.read() - self.reference)
-                flat, finite = self.reference + change, bool(np.isfinite(change).all())
+        with progress.waiting("daso", "global synchronisation (blocking)"):
+            t0 = time.perf_counter()
+            if self.reference is None:
+                raise RuntimeError("the parameters' reference is not set (broadcast or drain first)")
+            flat = None
+            if self.is_member(group):
+                if self.wire_dtype == tf.float16 and self.group_size > 1:  # scaled per member: numpy
+                    change = self._average_float16_changes(self.params.read() - self.reference)
+                    flat, finite = self.reference + change, bool(np.isfinite(change).all())
+                    self.params.write(flat)
+                else:  # bfloat16 / float32: cast and apply in TensorFlow (multi-threaded, one pass each)
+                    reference = tf.constant(self.reference)
+                    change = self._changes(reference).numpy()
+                    if self.group_size == 1:
+                        gathered = change[None]
+                    elif self.wire_dtype == tf.float32:
+                        gathered = self.transport.allreduce_sum(change).wait()[None]
+                    else:
+                        gathered = np.stack(self.transport.allgather(change).wait())
+                    new, finite = self._apply_changes(reference, tf.constant(gathered))
+                    flat, finite = new.numpy(), bool(finite)
+                if not finite:
+                    raise FloatingPointError(
+                        "DASO's global average of the parameter changes is not finite (a rank's update "
+                        "diverged); lower the learning rate or use a LossScaleOptimizer with mixed precision")
+                flat = self._node_update(group, flat)
+            else:
+                flat = self._node_update(group, None)
                 self.params.write(flat)
-            else:  # bfloat16 / float32: cast and apply in TensorFlow (multi-threaded, one pass each)
-                reference = tf.constant(self.reference)
-                change = self._changes(reference).numpy()
-                if self.group_size == 1:
-                    gathered = change[None]
-                elif self.wire_dtype == tf.float32:
-                    gathered = self.transport.allreduce_sum(change).wait()[None]
-                else:
-                    gathered = np.stack(self.transport.allgather(change).wait())
-                new, finite = self._apply_changes(reference, tf.constant(gathered))
-                flat, finite = new.numpy(), bool(finite)
-            if not finite:
-                raise FloatingPointError(
-                    "DASO's global average of the parameter changes is not finite (a rank's update "
-                    "diverged); lower the learning rate or use a LossScaleOptimizer with mixed precision")
-            flat = self._node_update(group, flat)
-        else:
-            flat = self._node_update(group, None)
-            self.params.write(flat)
-        self.reference = flat
-        self.stats.blocking.append(time.perf_counter() - t0)
+            self.reference = flat
+            self.stats.blocking.append(time.perf_counter() - t0)
 
     def _build_blocking(self) -> None:
         """The TensorFlow passes of the averages (traced once per model)."""
@@ -250,23 +252,24 @@ class ParameterSync:
 
     def merge(self, staleness: int) -> None:
         """Eq. 1 on the group's members, then the node update (Figure 4) on every rank."""
-        if self.in_flight is None:
-            raise RuntimeError("no global exchange is in flight")
-        if staleness < 0:
-            raise ValueError(f"staleness must be >= 0 steps, got {staleness}")
-        in_flight, self.in_flight = self.in_flight, None
-        t0 = time.perf_counter()
-        if self.is_member(in_flight.group) and in_flight.request is not None:
-            total = in_flight.request.wait()
-            self.stats.merge_wait.append(time.perf_counter() - t0)
-            if in_flight.request.finished is not None:
-                self.stats.exchange.append(in_flight.request.finished - in_flight.request.started)
-            two_s = 2.0 * staleness
-            flat = self._blend(tf.constant(total), two_s, two_s + self.group_size).numpy()
-            self._node_update(in_flight.group, flat)
-        else:
-            self._receive(in_flight.group)
-        self.stats.merge.append(time.perf_counter() - t0)
+        with progress.waiting("daso", "global synchronisation (merge)"):
+            if self.in_flight is None:
+                raise RuntimeError("no global exchange is in flight")
+            if staleness < 0:
+                raise ValueError(f"staleness must be >= 0 steps, got {staleness}")
+            in_flight, self.in_flight = self.in_flight, None
+            t0 = time.perf_counter()
+            if self.is_member(in_flight.group) and in_flight.request is not None:
+                total = in_flight.request.wait()
+                self.stats.merge_wait.append(time.perf_counter() - t0)
+                if in_flight.request.finished is not None:
+                    self.stats.exchange.append(in_flight.request.finished - in_flight.request.started)
+                two_s = 2.0 * staleness
+                flat = self._blend(tf.constant(total), two_s, two_s + self.group_size).numpy()
+                self._node_update(in_flight.group, flat)
+            else:
+                self._receive(in_flight.group)
+            self.stats.merge.append(time.perf_counter() - t0)
 
     def _receive(self, group: int) -> np.ndarray:
         """Off the group (or with nothing to merge): take the member's parameters."""
@@ -278,14 +281,15 @@ class ParameterSync:
     # -- drain -------------------------------------------------------------------------
     def average(self, group: int) -> None:
         """A float32 average over the nodes, then the node update: all ranks identical."""
-        if self.in_flight is not None:
-            raise RuntimeError("merge the exchange in flight before a full average")
-        t0 = time.perf_counter()
-        if self.is_member(group) and self.group_size > 1:
-            total = self.transport.allreduce_sum(self.params.read()).wait()
-            flat = self._blend(tf.constant(total), 0.0, float(self.group_size)).numpy()
-            self._node_update(group, flat)
-        else:
-            flat = self._receive(group)
-        self.reference = flat
-        self.stats.full.append(time.perf_counter() - t0)
+        with progress.waiting("daso", "global synchronisation (average)"):
+            if self.in_flight is not None:
+                raise RuntimeError("merge the exchange in flight before a full average")
+            t0 = time.perf_counter()
+            if self.is_member(group) and self.group_size > 1:
+                total = self.transport.allreduce_sum(self.params.read()).wait()
+                flat = self._blend(tf.constant(total), 0.0, float(self.group_size)).numpy()
+                self._node_update(group, flat)
+            else:
+                flat = self._receive(group)
+            self.reference = flat
+            self.stats.full.append(time.perf_counter() - t0)
