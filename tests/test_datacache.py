@@ -71,6 +71,14 @@ def direct(path, resolution=RES):
 
 # -- both levels: byte-identical, and the source read once -----------------------------------
 
+def test_seeds_are_integers_numpy_s_included(digits_root, tmp_path):
+    cache = make_cache(digits_root, tmp_path, seed=np.int64(3), split_seed=np.int32(7))
+    assert (cache.seed, cache.split_seed) == (3, 7) and type(cache.seed) is int
+    for bad in (2.5, "3", True, None, -1):
+        with pytest.raises(ValueError, match="seed"):
+            make_cache(digits_root, tmp_path, seed=bad)
+
+
 def test_samples_are_byte_identical_through_both_levels(digits_root, tmp_path):
     cache = make_cache(digits_root, tmp_path)
     ds = cache.dataset(8, with_index=True)

@@ -104,7 +104,7 @@ class DataCache:
         lookahead = integer(lookahead, "lookahead", 1)
         self.resolution = normalize_resolution(resolution)
         self.channels = channels
-        self.seed, self.split_seed = int(seed), int(split_seed)
+        self.seed, self.split_seed = integer(seed, "seed", 0), integer(split_seed, "split_seed", 0)
         self.remainder, self.on_error = remainder, on_error
         self.lookahead = lookahead
         self.placement = placement or Placement.current()
