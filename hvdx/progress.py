@@ -12,7 +12,8 @@ is counted the same way by `waiting`, in a table of this module beside the libra
 
 `snapshot`, `generation` and `open_calls` read both tables (the library's through its C
 functions), from any thread, while the step runs or waits (the watchdog's thread reads them,
-never the step).
+never the step). They count from the last `rebase` (a new membership of the job: the ranks'
+counts restart together, and a call abandoned by the old one is not waited in).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import tensorflow as tf
 
 from hvdx import ops
 
-__all__ = ["Counts", "enable", "enabled", "generation", "mark", "open_calls", "snapshot", "waiting"]
+__all__ = ["Counts", "enable", "enabled", "generation", "mark", "open_calls", "rebase", "snapshot", "waiting"]
 
 #: (label, detail) -> (calls entered, calls left).
 Counts = Dict[Tuple[str, str], Tuple[int, int]]
@@ -38,6 +39,9 @@ _library: Optional[ctypes.CDLL] = None
 _python_lock = threading.Lock()
 _python_counts: Dict[Tuple[str, str], List[int]] = {}
 _python_state = [0, 0]
+# what the counters read at the last `rebase`: subtracted from every reading
+_base_counts: Dict[Tuple[str, str], Tuple[int, int]] = {}
+_base_open = 0
 
 
 def enable(on: bool = True) -> None:
@@ -124,12 +128,27 @@ def generation() -> int:
 
 
 def open_calls() -> int:
-    """Collective calls this process has entered and not left (0: it waits in none)."""
+    """Collective calls this process has entered and not left since the last `rebase` (0: it
+    waits in none)."""
+    return _open_since_start() - _base_open
+
+
+def _open_since_start() -> int:
     return int(_lib().hvdx_progress_open()) + _python_state[1]
 
 
+def rebase() -> None:
+    """Counts restart from here: `snapshot` and `open_calls` read zero for every counter, and a
+    call entered and never left (a step that failed under Elastic Horovod's reset, or in a job
+    shut down in its middle) is no longer waited in. For a new membership of the job
+    (hvdx.shutdown(), Elastic Horovod's reset), on every rank."""
+    global _base_counts, _base_open
+    _base_counts, _base_open = {}, 0
+    _base_counts, _base_open = snapshot(), _open_since_start()
+
+
 def snapshot() -> Counts:
-    """Every counter of this process: (label, detail) -> (entered, left)."""
+    """Every counter of this process since the last `rebase`: (label, detail) -> (entered, left)."""
     lib, size = _lib(), 4096
     while True:
         buf = ctypes.create_string_buffer(size)
@@ -145,4 +164,7 @@ def snapshot() -> Counts:
         for key, (entered, left) in _python_counts.items():
             previous = counts.get(key, (0, 0))
             counts[key] = (previous[0] + entered, previous[1] + left)
-    return counts
+    for key, (entered, left) in _base_counts.items():
+        now = counts.get(key, (0, 0))
+        counts[key] = (now[0] - entered, now[1] - left)
+    return {key: value for key, value in counts.items() if value != (0, 0)}

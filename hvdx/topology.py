@@ -231,9 +231,11 @@ def barrier(process_set: Optional["hvd.ProcessSet"] = None) -> None:
 def shutdown() -> None:
     """Shuts Horovod down and forgets the topology (hvdx.init() may be called again)."""
     global _topology
-    from hvdx import watchdog
+    from hvdx import progress, watchdog
 
     if watchdog.current() is not None:
         watchdog.current().stop()
+    if progress.enabled():
+        progress.rebase()  # a later hvdx.init() is a new membership: counts restart on every rank
     _topology = None
     _horovod().shutdown()

@@ -129,6 +129,22 @@ def test_calls_made_from_python_are_counted_beside_the_marks(marks_on):
     assert progress.generation() == generation + 4 and progress.open_calls() == 0
 
 
+def test_counts_restart_at_a_rebase_and_an_abandoned_call_is_not_waited_in(marks_on):
+    """A new membership (hvdx.shutdown(), Elastic Horovod's reset) rebases the counters: a
+    call entered under the old one and never left no longer counts as waited in."""
+    abandoned = progress.waiting("test", "abandoned")
+    abandoned.__enter__()  # a step that failed inside its collective call
+    assert progress.open_calls() >= 1 and progress.snapshot()[("test", "abandoned")][0] >= 1
+    progress.rebase()
+    assert progress.open_calls() == 0 and ("test", "abandoned") not in progress.snapshot()
+    with progress.waiting("test", "abandoned"):
+        assert progress.snapshot()[("test", "abandoned")] == (1, 0) and progress.open_calls() == 1
+    assert progress.snapshot()[("test", "abandoned")] == (1, 1) and progress.open_calls() == 0
+    abandoned.__exit__(None, None, None)  # left after the rebase: counts below the base
+    progress.rebase()
+    assert progress.open_calls() == 0
+
+
 def test_a_strategy_call_is_marked(marks_on):
     import hvdx
 
