@@ -69,3 +69,36 @@ def test_a_residual_written_under_another_membership_is_read_as_zeros():
     memory.restore({"b0.residual": np.full([3], 7.0, np.float32),
                     "b0.owner": np.array([me.rank, me.size], np.int32), "b0.scale": np.asarray(1.0)})
     assert np.all(memory.read("b0", 3, tf.float32).numpy() == 7.0)
+
+
+# -- the elastic launch: 2 emulated nodes x 2 ranks -> node localhost removed -> 1 x 2 ---------
+
+ELASTIC_TIMEOUT = 300  # seconds: the job is killed (its whole process tree) past this
+
+
+@pytest.mark.multirank
+def test_hitopk_keras_training_survives_a_removed_node(tmp_path):
+    import json
+    import sys
+
+    from tests import harness
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:2\nlocalhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    from hvdx.runner.launch import HOROVODRUN
+
+    command = [str(HOROVODRUN), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
+               "--host-discovery-script", str(discover), sys.executable,
+               str(harness.MULTIRANK / "elastic_digits.py"), "hvdx", "hitopk", str(hosts), "5", "remove"]
+    job = harness.run(command, timeout=ELASTIC_TIMEOUT, env=harness.test_env(str(tmp_path)), cwd=harness.ROOT)
+    failed = sorted({line.split("]")[0][1:] for line in (job.output or "").splitlines()
+                     if line.startswith("[") and "Traceback" in line})
+    assert not job.timed_out, f"the elastic job hung past {ELASTIC_TIMEOUT} s:\n{(job.output or '')[-4000:]}"
+    assert job.returncode == 0, f"ranks {failed} failed (rc {job.returncode}):\n{(job.output or '')[-4000:]}"
+    record = json.loads((tmp_path / "elastic.json").read_text())
+    assert record["sizes"] == [4, 2], record  # 2x2, then 1x2 after the reset
+    assert record["spreads"] == [0.0, 0.0] and record["final_spread"] == 0.0, record  # one model on every rank
+    assert record["size"] == 2 and record["accuracy"] > 0.85, record

@@ -1,12 +1,13 @@
 """Horovod's TF2 Keras elastic example on scikit-learn's digits, run by tests/test_elastic.py
 under `horovodrun --gloo --min-np 2 --max-np 4 --host-discovery-script`.
 
-    elastic_digits.py API COMMUNICATION HOSTS_FILE [EPOCHS]
+    elastic_digits.py API COMMUNICATION HOSTS_FILE [EPOCHS [SCHEDULE]]
 
 API: "horovod" (`import horovod.tensorflow.keras as hvd`) or "hvdx" (`import hvdx.keras as
 hvd`, with `communication=COMMUNICATION`). HOSTS_FILE is what the discovery script prints:
-rank 0 writes "localhost:2" into it at the end of epoch 1 (one node removed) and
-"localhost:2\\n127.0.0.1:2" at the end of epoch 3 (the node back). Every rank prints
+rank 0 writes "127.0.0.1:2" into it at the end of epoch 1 (node localhost removed) and, with
+SCHEDULE "remove,add" (the default; "remove": only the removal), both hosts again at the end
+of epoch 3 (the node back). Every rank prints
 `ELASTIC size=S checksum_spread=X` at every `fit` start (after Horovod's sync: the weights'
 largest difference between ranks) and rank 0 writes its record (sizes seen, spreads, final
 accuracy) to $HVDX_RESULT_DIR/elastic.json.
@@ -19,12 +20,13 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")  # Horovod's Keras needs Keras 2 as tf.keras
+import hvdx  # noqa: E402,F401 - first: tf.keras is Keras 2 on every stack (Horovod's Keras needs it)
 
 import numpy as np  # noqa: E402
 
 API, COMMUNICATION, HOSTS_FILE = sys.argv[1:4]
 EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+SCHEDULE = sys.argv[5].split(",") if len(sys.argv) > 5 else ["remove", "add"]
 BATCH = 32
 STEPS = 12  # per epoch, whatever the size: enough commits for a host change to be seen
 
@@ -65,7 +67,10 @@ class Check(tf.keras.callbacks.Callback):
         if hvd.rank() != 0:
             return
         epoch = state.epoch  # fit's epochs count from this fit's start; the state's from the run's
-        hosts = {1: "127.0.0.1:2\n", 3: "127.0.0.1:2\nlocalhost:2\n"}.get(epoch)
+        changes = {1: ("remove", "127.0.0.1:2\n"), 3: ("add", "127.0.0.1:2\nlocalhost:2\n")}
+        change, hosts = changes.get(epoch, (None, None))
+        if change not in SCHEDULE:
+            return
         if hosts is not None and epoch not in record.setdefault("changed", []):
             record["changed"].append(epoch)
             Path(HOSTS_FILE).write_text(hosts)
