@@ -26,7 +26,7 @@ from . import mpi_defaults
 if TYPE_CHECKING:
     import horovod.tensorflow as hvd
 
-__all__ = ["Topology", "TopologyError", "barrier", "init", "initialized", "set_rank_and_size", "shutdown",
+__all__ = ["Topology", "TopologyError", "barrier", "init", "initialized", "reinit", "set_rank_and_size", "shutdown",
            "topology"]
 
 
@@ -189,6 +189,24 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
     if dog is not None:
         dog.start(rank, size, [e[5] for e in entries])
     return _topology
+
+
+def reinit() -> Topology:
+    """After Horovod re-initialised under new membership (Elastic Horovod's reset: shutdown,
+    then init on the new ranks): forgets the old topology and its process sets and builds
+    them again for the new ranks (`init()`: nodes re-detected, a set equal to the whole
+    world is Horovod's global set). Collective over the new ranks. Returns the new
+    `Topology`; strategies read it at their next trace (`hvdx.comm.base.Strategy.topology`).
+
+    Raises RuntimeError if Horovod is not initialised (call it after Horovod's reset), and
+    TopologyError as `init()` does.
+    """
+    global _topology
+    if not _horovod().is_initialized():
+        raise RuntimeError("hvdx.topology.reinit() rebuilds hvdx's topology after Horovod re-initialised; "
+                           "Horovod is not initialised: call hvd.init() (or hvdx.init()) first")
+    _topology = None
+    return init()
 
 
 def initialized() -> bool:

@@ -46,11 +46,12 @@ def initialized():
 
 NAMESPACES = {
     "hvdx.tensorflow": (horovod_tf, hvdx.tensorflow, {
-        "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape", "init", "keras",
-        "shutdown"}),
-    "hvdx.keras": (horovod_keras, hvdx.keras, {"DistributedOptimizer", "callbacks", "init", "load_model", "shutdown"}),
+        "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape", "elastic", "init",
+        "keras", "shutdown"}),
+    "hvdx.keras": (horovod_keras, hvdx.keras, {"DistributedOptimizer", "callbacks", "elastic", "init", "load_model",
+                                               "shutdown"}),
     "hvdx.tensorflow.keras": (horovod_keras, hvdx.tensorflow.keras, {
-        "DistributedOptimizer", "callbacks", "init", "load_model", "shutdown"}),
+        "DistributedOptimizer", "callbacks", "elastic", "init", "load_model", "shutdown"}),
     "hvdx.keras.callbacks": (horovod_callbacks, hvdx.keras.callbacks, {
         "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
         "MetricAverageCallback"}),
@@ -78,7 +79,14 @@ def test_the_names_issue_19_found_missing_are_there():
     for name in ("Max", "Min", "Product", "cuda_built", "SyncBatchNormalization", "elastic",
                  "PartialDistributedGradientTape"):
         assert hasattr(hvdx.tensorflow, name), name
-    assert hvdx.tensorflow.Max is horovod_tf.Max and hvdx.keras.elastic is horovod_keras.elastic
+    assert hvdx.tensorflow.Max is horovod_tf.Max
+    # hvd.elastic is hvdx's (Horovod's API whose states also reset hvdx): every public name of
+    # Horovod's, its states subclasses of Horovod's
+    assert hvdx.keras.elastic is hvdx.tensorflow.elastic is hvdx.elastic
+    for name in [n for n in dir(horovod_keras.elastic) if not n.startswith("_")
+                 and not isinstance(getattr(horovod_keras.elastic, n), types.ModuleType)]:
+        assert hasattr(hvdx.elastic, name), name
+    assert issubclass(hvdx.keras.elastic.KerasState, horovod_keras.elastic.KerasState)
     assert hvdx.keras.allreduce is horovod_keras.allreduce  # the Keras flavour (values in, values out)
     assert hvdx.tensorflow.keras.DistributedOptimizer is hvdx.DistributedOptimizer
     assert hvdx.tensorflow.keras.callbacks is hvdx.keras.callbacks

@@ -7,13 +7,14 @@ changing its import alone,
 and then runs with dense averaging (what Horovod does), or with a sparse strategy chosen
 in the script (`hvd.DistributedOptimizer(opt, communication="hitopk")`) or from the
 environment ($HVDX_COMMUNICATION=hitopk, $HVDX_DENSITY=0.01). hvdx's own names: init,
-shutdown (`hvdx.init`), DistributedOptimizer (an instance of the wrapped optimizer's class,
+shutdown (`hvdx.init`), elastic (`hvdx.elastic`: Horovod's, resetting hvdx too), DistributedOptimizer (an instance of the wrapped optimizer's class,
 as Horovod's), PartialDistributedOptimizer, callbacks (`hvdx.keras.callbacks`), load_model,
 and horovod.tensorflow's Adasum, allgather_object, broadcast_object, broadcast_variables.
 """
 import horovod.tensorflow.keras as _horovod
 from horovod.tensorflow import Adasum, allgather_object, broadcast_object, broadcast_variables
 
+from hvdx import elastic
 from hvdx.keras import callbacks
 from hvdx.loading import load_model
 from hvdx.optimizer import DistributedOptimizer, PartialDistributedOptimizer
@@ -22,5 +23,5 @@ from hvdx.topology import init, shutdown
 
 _EXPORTED = _horovod_api.reexport(_horovod, globals(), own=(
     "Adasum", "DistributedOptimizer", "PartialDistributedOptimizer", "allgather_object", "broadcast_object",
-    "broadcast_variables", "callbacks", "init", "load_model", "shutdown"))
+    "broadcast_variables", "callbacks", "elastic", "init", "load_model", "shutdown"))
 __getattr__ = _horovod_api.late(_horovod, __name__, exported=_EXPORTED)  # and __all__

@@ -6,7 +6,7 @@ import alone,
 
 `hvd.DistributedGradientTape(tape)` and `hvd.DistributedOptimizer(opt)` then aggregate with
 dense averaging (Horovod's), or with the strategy given to them (communication=...) or in
-$HVDX_COMMUNICATION. hvdx's own names: init, shutdown (`hvdx.init`: Horovod's plus hvdx's
+$HVDX_COMMUNICATION. hvdx's own names: elastic (`hvdx.elastic`), init, shutdown (`hvdx.init`: Horovod's plus hvdx's
 topology), DistributedOptimizer, DistributedGradientTape, PartialDistributedGradientTape,
 PartialDistributedOptimizer, keras (`hvdx.tensorflow.keras` is `hvdx.keras`).
 """
@@ -16,6 +16,7 @@ import horovod.tensorflow as _horovod
 import tensorflow as _tf
 
 from hvdx import comm as _comm
+from hvdx import elastic
 from hvdx import optimizer as _keras_optimizer
 from hvdx.optimizer import PartialDistributedOptimizer
 from hvdx.optimizer_v1 import DistributedOptimizerV1 as _DistributedOptimizerV1
@@ -85,5 +86,5 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
 _LAZY = ("keras",)  # hvdx.tensorflow.keras imports this package: imported on first use
 _EXPORTED = _horovod_api.reexport(_horovod, globals(), lazy=_LAZY, own=(
     "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
-    "init", "shutdown"))
+    "elastic", "init", "shutdown"))
 __getattr__ = _horovod_api.late(_horovod, __name__, lazy=_LAZY, exported=_EXPORTED)  # and __all__

@@ -1,0 +1,108 @@
+"""Elastic Horovod with hvdx: Horovod's `hvd.elastic` (run, commit / restore / sync, the
+Keras callbacks) whose state objects also reset hvdx after a membership change.
+
+    import hvdx.keras as hvd                   # hvd.elastic is this module
+    state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+
+    @hvd.elastic.run
+    def train(state):
+        model.fit(..., callbacks=[hvd.elastic.CommitStateCallback(state), ...])
+
+Launch: `horovodrun --gloo -np 4 --min-np 2 --max-np 4 --host-discovery-script ./hosts.sh
+python train.py` (docs/elastic.md). After Horovod's reset (shutdown, then init on the new
+ranks) and before the state's sync, the state's `reset()` rebuilds hvdx's topology and
+process sets for the new ranks (`hvdx.topology.reinit`) and drops the model's traced Keras
+functions, so the next `fit` traces its step again and the strategies plan for the new
+topology. Error-feedback residuals carry their owner (rank, size): one written under the
+old membership is read as zeros by the new step (`hvdx.comm.memory`), never applied by a
+rank or a layout it was not computed for.
+
+A job launched by MPI cannot be elastic (Horovod supports elastic runs under Gloo only):
+`run` raises `ElasticError` saying how to launch.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import horovod.tensorflow as _hvd
+from horovod.common.elastic import ObjectState, State
+from horovod.tensorflow import elastic as _tf_elastic
+from horovod.tensorflow.keras import elastic as _keras_elastic
+
+from hvdx.topology import initialized, reinit
+
+__all__ = ["CommitStateCallback", "ElasticError", "KerasState", "ObjectState", "State", "TensorFlowKerasState",
+           "TensorFlowState", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "reset_hvdx", "run"]
+
+CommitStateCallback = _keras_elastic.CommitStateCallback
+UpdateBatchStateCallback = _keras_elastic.UpdateBatchStateCallback
+UpdateEpochStateCallback = _keras_elastic.UpdateEpochStateCallback
+
+#: The Keras model functions traced for the old ranks (process sets, slices, owners).
+_TRACED = ("train_function", "test_function", "predict_function")
+
+
+class ElasticError(RuntimeError):
+    """An elastic run where elastic cannot work (e.g. a job launched by MPI)."""
+
+
+def reset_hvdx(model: Optional[Any] = None) -> None:
+    """After Horovod re-initialised on new ranks: rebuilds hvdx's topology and process sets
+    (collective over the new ranks) and drops `model`'s traced Keras functions so that its
+    next `fit` / `evaluate` / `predict` traces again for the new topology. Does nothing to
+    the topology where `hvdx.init()` never ran (a plain Horovod script)."""
+    if initialized():
+        reinit()
+    if model is not None:
+        for name in _TRACED:
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
+
+
+class TensorFlowKerasState(_tf_elastic.TensorFlowKerasState):
+    """Horovod's `TensorFlowKerasState` (model, optimizer, extra attributes) that also resets
+    hvdx after a membership change (`reset_hvdx(model)`)."""
+
+    def reset(self) -> None:
+        reset_hvdx(self.model)
+        super().reset()
+
+
+class KerasState(_keras_elastic.KerasState):
+    """Horovod's Keras `KerasState` that also resets hvdx after a membership change."""
+
+    def reset(self) -> None:
+        reset_hvdx(self.model)
+        super().reset()
+
+
+class TensorFlowState(_tf_elastic.TensorFlowState):
+    """Horovod's `TensorFlowState` (a list of variables) that also resets hvdx's topology
+    after a membership change. A custom loop's `tf.function` step must be created inside the
+    function `run` wraps, so that it is traced again for the new ranks."""
+
+    def reset(self) -> None:
+        reset_hvdx()
+        super().reset()
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's `hvd.elastic.run` (the decorator of the elastic training function), which
+    first checks that the job can be elastic.
+
+    Raises:
+      ElasticError: when called in a job launched by MPI.
+    """
+    elastic = _tf_elastic.run(func)
+
+    @functools.wraps(func)
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if _hvd.is_initialized() and _hvd.mpi_enabled():
+            raise ElasticError(
+                "hvd.elastic.run needs an elastic Gloo launch, and this job was launched by MPI (Horovod "
+                "supports elastic runs under Gloo only). Launch with `horovodrun --gloo -np N --min-np MIN "
+                "--max-np MAX --host-discovery-script SCRIPT python train.py` (docs/elastic.md).")
+        return elastic(state, *args, **kwargs)
+
+    return wrapper

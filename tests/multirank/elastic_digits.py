@@ -1,0 +1,109 @@
+"""Horovod's TF2 Keras elastic example on scikit-learn's digits, run by tests/test_elastic.py
+under `horovodrun --gloo --min-np 2 --max-np 4 --host-discovery-script`.
+
+    elastic_digits.py API COMMUNICATION HOSTS_FILE [EPOCHS [SCHEDULE]]
+
+API: "horovod" (`import horovod.tensorflow.keras as hvd`) or "hvdx" (`import hvdx.keras as
+hvd`, with `communication=COMMUNICATION`). HOSTS_FILE is what the discovery script prints:
+rank 0 writes "127.0.0.1:2" into it at the end of epoch 1 (node localhost removed) and, with
+SCHEDULE "remove,add" (the default; "remove": only the removal), both hosts again at the end
+of epoch 3 (the node back). Every rank prints
+`ELASTIC size=S checksum_spread=X` at every `fit` start (after Horovod's sync: the weights'
+largest difference between ranks) and rank 0 writes its record (sizes seen, spreads, final
+accuracy) to $HVDX_RESULT_DIR/elastic.json.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import hvdx  # noqa: E402,F401 - first: tf.keras is Keras 2 on every stack (Horovod's Keras needs it)
+
+import numpy as np  # noqa: E402
+
+API, COMMUNICATION, HOSTS_FILE = sys.argv[1:4]
+EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 8
+SCHEDULE = sys.argv[5].split(",") if len(sys.argv) > 5 else ["remove", "add"]
+BATCH = 32
+STEPS = 12  # per epoch, whatever the size: enough commits for a host change to be seen
+
+if API == "hvdx":
+    import hvdx.keras as hvd
+else:
+    import horovod.tensorflow.keras as hvd
+import tensorflow as tf  # noqa: E402
+
+from tests.multirank import digits  # noqa: E402
+from tests.multirank.rank import spread  # noqa: E402
+
+hvd.init()
+x_train, x_test, y_train, y_test = digits.split()
+model = digits.mlp(seed=0)
+optimizer = tf.keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9)
+if API == "hvdx":
+    optimizer = hvd.DistributedOptimizer(optimizer, communication=COMMUNICATION)
+else:
+    optimizer = hvd.DistributedOptimizer(optimizer)
+model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+              metrics=["accuracy"])
+model.build((None, 64))
+record = {"sizes": [], "spreads": []}
+
+
+class Check(tf.keras.callbacks.Callback):
+    """At each fit start (after the state's sync): every rank's weights are the same; rank 0
+    changes the discovery script's host list at the end of epochs 1 and 3."""
+
+    def on_train_begin(self, logs=None):
+        s = spread(self.model.get_weights(), f"elastic.{len(record['sizes'])}")
+        record["sizes"].append(hvd.size())
+        record["spreads"].append(s)
+        print(f"ELASTIC rank={hvd.rank()} size={hvd.size()} checksum_spread={s}", flush=True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if hvd.rank() != 0:
+            return
+        epoch = state.epoch  # fit's epochs count from this fit's start; the state's from the run's
+        changes = {1: ("remove", "127.0.0.1:2\n"), 3: ("add", "127.0.0.1:2\nlocalhost:2\n")}
+        change, hosts = changes.get(epoch, (None, None))
+        if change not in SCHEDULE:
+            return
+        if hosts is not None and epoch not in record.setdefault("changed", []):
+            record["changed"].append(epoch)
+            Path(HOSTS_FILE).write_text(hosts)
+
+
+state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+
+
+def on_state_reset():
+    tf.keras.backend.set_value(state.model.optimizer.learning_rate, 0.05 * hvd.size())
+
+
+state.register_reset_callbacks([on_state_reset])
+callbacks = [Check(), hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+             hvd.elastic.UpdateEpochStateCallback(state)]
+rng = np.random.default_rng(0)
+
+
+@hvd.elastic.run
+def train(state):
+    shard = rng.permutation(len(x_train))
+    data = tf.data.Dataset.from_tensor_slices((x_train[shard], y_train[shard])).repeat().shuffle(
+        512, seed=hvd.rank()).batch(BATCH)
+    model.fit(data, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, callbacks=callbacks,
+              verbose=0)
+
+
+train(state)
+_, accuracy = model.evaluate(x_test, y_test, verbose=0)
+final = spread(model.get_weights(), "elastic.final")
+print(f"ELASTIC_DONE rank={hvd.rank()} size={hvd.size()} accuracy={accuracy:.4f} checksum_spread={final}",
+      flush=True)
+if hvd.rank() == 0:
+    record.update(accuracy=float(accuracy), final_spread=final, size=hvd.size())
+    out = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp")) / "elastic.json"
+    out.write_text(json.dumps(record))

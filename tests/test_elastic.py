@@ -1,0 +1,104 @@
+"""hvdx.elastic in one process: Horovod's elastic API through hvdx's namespaces, a reset that
+rebuilds hvdx's topology and drops the traced Keras step, a clear error under MPI, and
+residuals written under another membership read as zeros.
+
+The elastic launch itself (4 -> 2 ranks under horovodrun's host discovery) is
+tests/multirank/elastic_digits.py (docs/elastic.md).
+"""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hvdx
+import hvdx.keras
+import hvdx.tensorflow
+from hvdx import elastic
+from hvdx.topology import reinit, topology
+from hvdx.comm.memory import ResidualMemory
+from hvdx.zoo import mlp
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _init():
+    hvdx.init()
+
+
+def test_hvd_elastic_is_hvdx_elastic_in_both_namespaces():
+    assert hvdx.keras.elastic is elastic and hvdx.tensorflow.elastic is elastic
+    for name in ("run", "KerasState", "TensorFlowKerasState", "TensorFlowState", "CommitStateCallback",
+                 "UpdateBatchStateCallback", "UpdateEpochStateCallback", "ObjectState", "State"):
+        assert hasattr(elastic, name), name
+
+
+def test_reinit_builds_a_new_topology_for_the_current_ranks():
+    before = topology()
+    after = reinit()
+    assert after is topology() and after is not before
+    assert (after.rank, after.size, after.node_ranks) == (before.rank, before.size, before.node_ranks)
+
+
+def test_a_keras_state_reset_rebuilds_the_topology_and_drops_the_traced_step():
+    model = mlp(64, (8,), seed=0)
+    model.compile(optimizer=hvdx.keras.DistributedOptimizer(tf.keras.optimizers.SGD(0.1)),
+                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = np.zeros([4, 64], np.float32), np.zeros([4], np.int64)
+    model.fit(x, y, epochs=1, verbose=0)
+    assert model.train_function is not None
+    state = elastic.KerasState(model, epoch=0)
+    before = topology()
+    state.reset()
+    assert model.train_function is None and topology() is not before
+    model.fit(x, y, epochs=1, verbose=0)  # traced again, for the new topology
+
+
+def test_run_refuses_an_mpi_launch_saying_how_to_launch(monkeypatch):
+    monkeypatch.setattr(elastic._hvd, "mpi_enabled", lambda: True)
+    train = elastic.run(lambda state: "trained")
+    with pytest.raises(elastic.ElasticError, match="horovodrun --gloo .*--min-np"):
+        train(elastic.ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, epoch=0))
+
+
+def test_a_residual_written_under_another_membership_is_read_as_zeros():
+    memory = ResidualMemory("elastic_test")
+    memory.variable("b0", 3)
+    memory.restore({"b0.residual": np.full([3], 7.0, np.float32), "b0.owner": np.array([0, 4], np.int32),
+                    "b0.scale": np.asarray(1.0)})
+    # rank 0 of 4 wrote it; this process is rank 0 of 1 (a smaller world after a reset)
+    assert np.all(memory.read("b0", 3, tf.float32).numpy() == 0.0)
+    me = topology()
+    memory.restore({"b0.residual": np.full([3], 7.0, np.float32),
+                    "b0.owner": np.array([me.rank, me.size], np.int32), "b0.scale": np.asarray(1.0)})
+    assert np.all(memory.read("b0", 3, tf.float32).numpy() == 7.0)
+
+
+# -- the elastic launch: 2 emulated nodes x 2 ranks -> node localhost removed -> 1 x 2 ---------
+
+ELASTIC_TIMEOUT = 300  # seconds: the job is killed (its whole process tree) past this
+
+
+@pytest.mark.multirank
+def test_hitopk_keras_training_survives_a_removed_node(tmp_path):
+    import json
+    import sys
+
+    from tests import harness
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:2\nlocalhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    from hvdx.runner.launch import HOROVODRUN
+
+    command = [str(HOROVODRUN), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
+               "--host-discovery-script", str(discover), sys.executable,
+               str(harness.MULTIRANK / "elastic_digits.py"), "hvdx", "hitopk", str(hosts), "5", "remove"]
+    job = harness.run(command, timeout=ELASTIC_TIMEOUT, env=harness.test_env(str(tmp_path)), cwd=harness.ROOT)
+    failed = sorted({line.split("]")[0][1:] for line in (job.output or "").splitlines()
+                     if line.startswith("[") and "Traceback" in line})
+    assert not job.timed_out, f"the elastic job hung past {ELASTIC_TIMEOUT} s:\n{(job.output or '')[-4000:]}"
+    assert job.returncode == 0, f"ranks {failed} failed (rc {job.returncode}):\n{(job.output or '')[-4000:]}"
+    record = json.loads((tmp_path / "elastic.json").read_text())
+    assert record["sizes"] == [4, 2], record  # 2x2, then 1x2 after the reset
+    assert record["spreads"] == [0.0, 0.0] and record["final_spread"] == 0.0, record  # one model on every rank
+    assert record["size"] == 2 and record["accuracy"] > 0.85, record
