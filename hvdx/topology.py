@@ -66,6 +66,7 @@ class Topology:
 
 
 _topology: Optional[Topology] = None
+_stall_timeout: Optional[float] = None  # the bound hvdx.init() was given, kept for reinit()
 
 
 def _node_key() -> str:
@@ -143,12 +144,13 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
     Uses no Keras: it works where tf.keras is Keras 3 too (docs/keras3.md). Raises
     TopologyError for nodes of different sizes.
     """
-    global _topology
+    global _topology, _stall_timeout
     if _topology is not None:
         return _topology
     from hvdx import watchdog
 
     bound = watchdog.resolve_timeout(stall_timeout)
+    _stall_timeout = stall_timeout
     hvd = _horovod()
     if not hvd.is_initialized():
         mpi_defaults.apply_mpi_defaults()
@@ -200,13 +202,23 @@ def reinit() -> Topology:
 
     Raises RuntimeError if Horovod is not initialised (call it after Horovod's reset), and
     TopologyError as `init()` does.
+
+    The progress watchdog of the old membership stops (its peers are gone), the progress
+    counts restart (a call abandoned by the failed step is not waited in), and a new watchdog
+    starts with the new ranks under the bound `init()` was given.
     """
     global _topology
+    from hvdx import progress, watchdog
+
     if not _horovod().is_initialized():
         raise RuntimeError("hvdx.topology.reinit() rebuilds hvdx's topology after Horovod re-initialised; "
                            "Horovod is not initialised: call hvd.init() (or hvdx.init()) first")
+    if watchdog.current() is not None:
+        watchdog.current().stop()
+    if progress.enabled():
+        progress.rebase()
     _topology = None
-    return init()
+    return init(stall_timeout=_stall_timeout)
 
 
 def initialized() -> bool:
