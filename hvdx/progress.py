@@ -57,14 +57,22 @@ def enabled() -> bool:
 
 
 def _token_value() -> tf.Tensor:
-    """An int32 scalar that is never a constant in a graph (the read of a variable created
-    once, outside any function), so that constant folding never runs a mark ahead of time."""
+    """An int32 scalar that is never a constant in a function (the read of a variable created
+    once, eagerly), so that constant folding never runs a mark ahead of time. Outside a
+    function, and in a function traced inside a TF1 graph (no eager context to keep the
+    variable in: a variable made there dies with that graph), a constant."""
     global _token
+    if not tf.inside_function():
+        return tf.constant(0, tf.int32)
+    with tf.init_scope():
+        eager = tf.executing_eagerly()
+    if not eager:
+        return tf.constant(0, tf.int32)
     with _token_lock:
         if _token is None:
             with tf.init_scope():
                 _token = tf.Variable(0, dtype=tf.int32, trainable=False, name="hvdx_progress_token")
-    return _token.read_value() if tf.inside_function() else tf.constant(0, tf.int32)
+    return _token.read_value()
 
 
 def mark(tensors: Sequence[tf.Tensor], label: str, detail: str, phase: str) -> List[tf.Tensor]:

@@ -109,6 +109,22 @@ def test_marks_count_calls_in_functions_even_on_constants(marks_on):
     assert progress.generation() >= generation + 6 and progress.open_calls() == 0
 
 
+def test_marks_in_a_tf1_graph_leave_later_functions_working(marks_on, monkeypatch):
+    """A strategy called in a TF1 graph first (Horovod's v1 optimizer) must not leave the
+    marks' token in that graph: functions traced afterwards still run."""
+    monkeypatch.setattr(progress, "_token", None)  # as in a fresh process
+    with tf.Graph().as_default():
+        progress.mark([tf.constant([1.0])], "test", "tf1", "enter")
+
+    @tf.function
+    def call():
+        (x,) = progress.mark([tf.constant([1.0])], "test", "tf1", "enter")
+        (y,) = progress.mark([x + 1], "test", "tf1", "leave")
+        return y
+
+    assert call().numpy().tolist() == [2.0]
+
+
 def test_marks_off_leave_the_graph_alone():
     progress.enable(False)
     graph = tf.function(lambda x: progress.mark([x], "test", "off", "enter")[0]).get_concrete_function(
