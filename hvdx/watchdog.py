@@ -115,13 +115,19 @@ def _request(address: str, message: Dict[str, Any], timeout: float = REQUEST_TIM
         sock.sendall(json.dumps(message).encode() + b"\n")
         if not answer:
             return None
-        data = b""
-        while not data.endswith(b"\n"):
-            chunk = sock.recv(1 << 16)
-            if not chunk:
-                break
-            data += chunk
+        data = _read_line(sock)
     return json.loads(data.decode())
+
+
+def _read_line(sock: socket.socket) -> bytes:
+    """The bytes up to and including the first newline, or what came before the peer closed."""
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            break
+        data += chunk
+    return data
 
 
 class Watchdog:
@@ -177,12 +183,9 @@ class Watchdog:
         with conn:
             try:
                 conn.settimeout(REQUEST_TIMEOUT)
-                data = b""
-                while not data.endswith(b"\n"):
-                    chunk = conn.recv(1 << 16)
-                    if not chunk:
-                        return
-                    data += chunk
+                data = _read_line(conn)
+                if not data.endswith(b"\n"):
+                    return  # the peer closed before a whole request
                 message = json.loads(data.decode())
                 op = message.get("op")
                 if op == "state":

@@ -484,20 +484,25 @@ __global__ void __launch_bounds__(kSelectWarps * 32) SelectTile(const T* x, int6
   for (int r = 0; r < kSelectRows; ++r) LoadRow(x, d, base + r * 128, vector, v[r]);
   const float f1 = mstopk::FloatCeil(st->bis.thres1), f2 = mstopk::FloatCeil(st->bis.thres2);
   // Above: |x| >= f1; band: f2 <= |x| < f1 (the -1 past d is neither: f2 >= 0).
-  if (kMode != kWriteScanned) {
-    int na = 0, nb = 0;
+  int na = 0, nb = 0;
 #pragma unroll
-    for (int r = 0; r < kSelectRows; ++r)
+  for (int r = 0; r < kSelectRows; ++r)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        na += v[r][c] >= f1;
-        nb += v[r][c] >= f2 && v[r][c] < f1;
-      }
-    for (int o = 16; o > 0; o /= 2) {
-      na += __shfl_xor_sync(0xFFFFFFFFu, na, o);
-      nb += __shfl_xor_sync(0xFFFFFFFFu, nb, o);
+    for (int c = 0; c < 4; ++c) {
+      na += v[r][c] >= f1;
+      nb += v[r][c] >= f2 && v[r][c] < f1;
     }
-    if (lane == 0) warp_a[warp] = na, warp_b[warp] = nb;
+  for (int o = 16; o > 0; o /= 2) {
+    na += __shfl_xor_sync(0xFFFFFFFFu, na, o);
+    nb += __shfl_xor_sync(0xFFFFFFFFu, nb, o);
+  }
+  if (lane == 0) warp_a[warp] = na, warp_b[warp] = nb;
+  if (kMode == kWriteScanned) {
+    if (threadIdx.x == 0) {
+      s_prefix_a = above[tile];
+      s_prefix_b = band[tile];
+    }
+  } else {
     __syncthreads();
     if (kMode == kCountOnly) {
       if (threadIdx.x == 0) {
@@ -516,24 +521,6 @@ __global__ void __launch_bounds__(kSelectWarps * 32) SelectTile(const T* x, int6
         s_prefix_a = static_cast<int64_t>(prefix >> kBandBits);
         s_prefix_b = static_cast<int64_t>(prefix & ((1ull << kBandBits) - 1));
       }
-    }
-  } else {
-    int na = 0, nb = 0;
-#pragma unroll
-    for (int r = 0; r < kSelectRows; ++r)
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        na += v[r][c] >= f1;
-        nb += v[r][c] >= f2 && v[r][c] < f1;
-      }
-    for (int o = 16; o > 0; o /= 2) {
-      na += __shfl_xor_sync(0xFFFFFFFFu, na, o);
-      nb += __shfl_xor_sync(0xFFFFFFFFu, nb, o);
-    }
-    if (lane == 0) warp_a[warp] = na, warp_b[warp] = nb;
-    if (threadIdx.x == 0) {
-      s_prefix_a = above[tile];
-      s_prefix_b = band[tile];
     }
   }
   __syncthreads();

@@ -97,6 +97,25 @@ class MsTopKRunner:
             raise HarnessError(code, self.h.last_message)
 
 
+class SparseRunner:
+    """Sparse accumulation of `values` at int32 `idx32` into d zeros through the harness,
+    buffers allocated once."""
+
+    def __init__(self, h: Harness, values, idx32, d: int) -> None:
+        import torch
+        self.h, self.values, self.idx32, self.d, self.nnz = h, values, idx32, d, int(values.numel())
+        self.out = torch.empty(d, device=values.device)
+        self.ws = torch.empty(max(1, h.sparse_accumulate_gpu_workspace_bytes(self.nnz, d, 32)), dtype=torch.uint8,
+                              device=values.device)
+        self.stream = int(torch.cuda.current_stream().cuda_stream)
+
+    def __call__(self) -> None:
+        code = self.h.sparse_accumulate_gpu_raw(self.values.data_ptr(), self.idx32.data_ptr(), 32, self.nnz, None,
+                                                self.out.data_ptr(), self.d, self.ws.data_ptr(), self.stream)
+        if code != 0:
+            raise HarnessError(code, self.h.last_message)
+
+
 def bench_topk(h: Harness, sizes: Sequence[int], densities: Sequence[float], log: Callable[[str], None]) -> List[dict]:
     """One row per (d, density): milliseconds of each method and the ratios."""
     import torch
@@ -178,19 +197,8 @@ def bench_sparse(h: Harness, d: int, nnzs: Sequence[int], log: Callable[[str], N
     for nnz in nnzs:
         values = torch.randn(nnz, device="cuda", generator=gen)
         idx64 = torch.randint(0, d, (nnz,), device="cuda", generator=gen)
-        idx32 = idx64.to(torch.int32)
-        out = torch.empty(d, device="cuda")
-        ws = torch.empty(max(1, h.sparse_accumulate_gpu_workspace_bytes(nnz, d, 32)), dtype=torch.uint8, device="cuda")
-        stream = int(torch.cuda.current_stream().cuda_stream)
-
-        def hvdx_accumulate() -> None:
-            code = h.sparse_accumulate_gpu_raw(values.data_ptr(), idx32.data_ptr(), 32, nnz, None, out.data_ptr(), d,
-                                               ws.data_ptr(), stream)
-            if code != 0:
-                raise HarnessError(code, h.last_message)
-
         methods = {
-            "hvdx_sparse_accumulate": hvdx_accumulate,
+            "hvdx_sparse_accumulate": SparseRunner(h, values, idx64.to(torch.int32), d),
             "torch_index_add": lambda: torch.zeros(d, device="cuda").index_add_(0, idx64, values),
             "torch_scatter_add": lambda: torch.zeros(d, device="cuda").scatter_add_(0, idx64, values),
             "torch_index_put_accumulate": lambda: torch.zeros(d, device="cuda").index_put_((idx64,), values,

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
 from scripts.gpu_harness import bench
-from scripts.gpu_harness.lib import Harness, HarnessError
+from scripts.gpu_harness.lib import Harness
 
 
 def kernel_sequence(fn: Callable[[], None]) -> List[dict]:
@@ -83,16 +83,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for nnz in (10_000, 1_000_000, 10_000_000):
         values = torch.randn(nnz, device="cuda", generator=gen)
         idx32 = torch.randint(0, d, (nnz,), device="cuda", generator=gen, dtype=torch.int32)
-        out = torch.empty(d, device="cuda")
-        ws = torch.empty(max(1, h.sparse_accumulate_gpu_workspace_bytes(nnz, d, 32)), dtype=torch.uint8, device="cuda")
-        stream = int(torch.cuda.current_stream().cuda_stream)
-
-        def accumulate() -> None:
-            code = h.sparse_accumulate_gpu_raw(values.data_ptr(), idx32.data_ptr(), 32, nnz, None, out.data_ptr(), d,
-                                               ws.data_ptr(), stream)
-            if code != 0:
-                raise HarnessError(code, h.last_message)
-
+        accumulate = bench.SparseRunner(h, values, idx32, d)
         idx64 = idx32.long()
         result["sparse"][str(nnz)] = {
             "total_ms": bench.cuda_median_ms(accumulate)["ms"],
