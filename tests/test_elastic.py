@@ -51,6 +51,17 @@ def test_a_keras_state_reset_rebuilds_the_topology_and_drops_the_traced_step():
     model.fit(x, y, epochs=1, verbose=0)  # traced again, for the new topology
 
 
+def test_a_reset_forgets_the_layouts_the_old_ranks_agreed_on():
+    """Layouts agreed by the ranks of the old membership are checked again by the new ones."""
+    strategy = hvdx.comm.Allreduce()
+    strategy.agree("grads", [3, 4], tf.float32)
+    assert ("grads", (3, 4), "float32") in strategy._agreed_layouts()
+    reinit()
+    assert not strategy._agreed_layouts()
+    strategy.agree("grads", [3, 4], tf.float32)
+    assert ("grads", (3, 4), "float32") in strategy._agreed_layouts()
+
+
 def test_run_refuses_an_mpi_launch_saying_how_to_launch(monkeypatch):
     monkeypatch.setattr(elastic._hvd, "mpi_enabled", lambda: True)
     train = elastic.run(lambda state: "trained")

@@ -23,7 +23,7 @@ from hvdx.agreement import check_agreement
 # the node-local collectives, below the strategies; re-exported here, where they were
 from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scatter,  # noqa: F401
                                    node_reduce_scatter_parts, node_slices, padded_length)
-from hvdx.topology import Topology, set_rank_and_size, topology
+from hvdx.topology import Topology, initialized, set_rank_and_size, topology
 
 __all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density",
            "check_positive_int", "get", "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
@@ -126,6 +126,7 @@ class Strategy:
     def __init__(self, topo: Optional[Topology] = None) -> None:
         self._topo = topo
         self._agreed: Set[Layout] = set()
+        self._agreed_under: Optional[Topology] = None  # the membership the layouts were agreed by
 
     @classmethod
     def from_options(cls, *, strict: bool = True, **options: Any) -> "Strategy":
@@ -285,7 +286,7 @@ class Strategy:
           hvdx.RankMismatchError: on every rank, naming the ranks and what differs.
         """
         layout: Layout = (name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name)
-        if layout in self._agreed:
+        if layout in self._agreed_layouts():
             return
         check_agreement(self.describe(name, sizes, dtype), f"a call of a strategy on buffer {name!r}",
                         process_set=self.process_set or hvd.global_process_set)
@@ -294,7 +295,15 @@ class Strategy:
     def agreed(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> None:
         """Records a layout that the caller has checked itself (the aggregator checks a
         whole step's layout in one collective, bucket layouts included): no second check."""
-        self._agreed.add((name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name))
+        self._agreed_layouts().add((name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name))
+
+    def _agreed_layouts(self) -> Set[Layout]:
+        """The layouts the ranks of the current topology agreed on: none after a new
+        membership (Elastic Horovod's reset, `hvdx.topology.reinit`), whose ranks check again."""
+        current = self._topo or (topology() if initialized() else None)
+        if current is not self._agreed_under:
+            self._agreed, self._agreed_under = set(), current
+        return self._agreed
 
     # -- what a strategy implements -----------------------------------------------------
     def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
