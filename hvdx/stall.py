@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["State", "calls", "mismatch_report", "ranks_text", "stall_report"]
+__all__ = ["State", "calls", "inside", "mismatch_report", "ranks_text", "stall_report"]
 
 State = Mapping[str, object]
 Key = Tuple[str, str]
@@ -41,6 +41,12 @@ def calls(states: Mapping[int, Optional[State]]) -> Dict[Key, Dict[int, Tuple[in
     answered = {rank: _counts(state) for rank, state in states.items() if state is not None}
     keys = sorted({key for counts in answered.values() for key in counts})
     return {key: {rank: counts.get(key, (0, 0)) for rank, counts in answered.items()} for key in keys}
+
+
+def inside(table: Mapping[Key, Mapping[int, Tuple[int, int]]], rank: int) -> List[Key]:
+    """The collective calls `rank` is inside (began more than it completed) in `calls`' table."""
+    return [key for key, per_rank in table.items()
+            if per_rank.get(rank, (0, 0))[0] > per_rank.get(rank, (0, 0))[1]]
 
 
 def _call_name(key: Key) -> str:
@@ -91,14 +97,14 @@ def _disagreements(table: Dict[Key, Dict[int, Tuple[int, int]]], states: Mapping
 def _where(rank: int, state: Optional[State], table: Dict[Key, Dict[int, Tuple[int, int]]]) -> str:
     if state is None:
         return f"rank {rank}: did not answer (it exited or died, or its process is stopped)"
-    inside = [key for key, per_rank in table.items() if per_rank.get(rank, (0, 0))[0] > per_rank.get(rank, (0, 0))[1]]
+    waiting_in = inside(table, rank)
     where = state.get("where") or "unknown"
     if state.get("exited"):
         return f"rank {rank}: exited (last at {where})"
-    if inside:
+    if waiting_in:
         waited = state.get("waited")
         how_long = f" for {float(waited):.1f} s" if waited is not None else ""  # type: ignore[arg-type]
-        return f"rank {rank}: waiting{how_long} in {', '.join(_call_name(k) for k in inside)}, at {where}"
+        return f"rank {rank}: waiting{how_long} in {', '.join(_call_name(k) for k in waiting_in)}, at {where}"
     return f"rank {rank}: in no hvdx collective, at {where}"
 
 
@@ -118,9 +124,8 @@ def stall_report(states: Mapping[int, Optional[State]], size: int, timeout: floa
     states = {rank: states.get(rank) for rank in range(size)}
     table = calls(states)
     mine = states.get(reporter) or {}
-    waiting = [key for key, per_rank in table.items()
-               if per_rank.get(reporter, (0, 0))[0] > per_rank.get(reporter, (0, 0))[1]]
-    where = ", ".join(f"{_call_name(k)} (call {table[k][reporter][0]})" for k in waiting) or "a collective call"
+    where = ", ".join(f"{_call_name(k)} (call {table[k][reporter][0]})" for k in inside(table, reporter)) \
+        or "a collective call"
     waited = float(mine.get("waited") or timeout)  # type: ignore[arg-type]
     lines = [f"hvdx watchdog: the job stopped making progress: rank {reporter} waited "
              f"{waited:.1f} s in {where}, longer than the bound of {timeout:g} s "

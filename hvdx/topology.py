@@ -207,18 +207,25 @@ def reinit() -> Topology:
     counts restart (a call abandoned by the failed step is not waited in), and a new watchdog
     starts with the new ranks under the bound `init()` was given.
     """
-    global _topology
-    from hvdx import progress, watchdog
-
     if not _horovod().is_initialized():
         raise RuntimeError("hvdx.topology.reinit() rebuilds hvdx's topology after Horovod re-initialised; "
                            "Horovod is not initialised: call hvd.init() (or hvdx.init()) first")
+    _forget_membership()
+    return init(stall_timeout=_stall_timeout)
+
+
+def _forget_membership() -> None:
+    """Forgets the job's membership (before a new one): its watchdog stops (its peers are
+    gone), the progress counts restart on every rank (a call abandoned by a failed step is not
+    waited in), and the topology is dropped."""
+    global _topology
+    from hvdx import progress, watchdog
+
     if watchdog.current() is not None:
         watchdog.current().stop()
     if progress.enabled():
         progress.rebase()
     _topology = None
-    return init(stall_timeout=_stall_timeout)
 
 
 def initialized() -> bool:
@@ -260,12 +267,5 @@ def barrier(process_set: Optional["hvd.ProcessSet"] = None) -> None:
 
 def shutdown() -> None:
     """Shuts Horovod down and forgets the topology (hvdx.init() may be called again)."""
-    global _topology
-    from hvdx import progress, watchdog
-
-    if watchdog.current() is not None:
-        watchdog.current().stop()
-    if progress.enabled():
-        progress.rebase()  # a later hvdx.init() is a new membership: counts restart on every rank
-    _topology = None
+    _forget_membership()  # a later hvdx.init() is a new membership
     _horovod().shutdown()

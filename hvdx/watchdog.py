@@ -289,10 +289,9 @@ class Watchdog:
         with self._ending:
             state = self.state()
             table = stall.calls({self.rank: state})
-            inside = [f"{label!r} on {detail!r} (call {table[label, detail][self.rank][0]})"
-                      for (label, detail), per_rank in table.items()
-                      if per_rank[self.rank][0] > per_rank[self.rank][1]]
-            place = f"waiting in {', '.join(inside)}" if inside else "in no hvdx collective"
+            waiting_in = [f"{label!r} on {detail!r} (call {table[label, detail][self.rank][0]})"
+                          for label, detail in stall.inside(table, self.rank)]
+            place = f"waiting in {', '.join(waiting_in)}" if waiting_in else "in no hvdx collective"
             sys.stderr.write(f"hvdx watchdog: rank {self.rank} ends because rank {by} found the job stalled; "
                              f"rank {self.rank} was {place}, at {state['where']} (rank {by}'s report says more)\n")
             sys.stderr.flush()

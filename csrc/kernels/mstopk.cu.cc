@@ -579,9 +579,9 @@ inline int GridFor(int64_t n) {
 }
 
 // What this device allows CountHist: the most rounds per pass (2^m bins of shared memory)
-// and its grid (thread blocks resident at once).
+// and its grid (one thread block per multiprocessor: the bins take its shared memory).
 struct CountPlan {
-  int max_rounds, blocks_per_sm, sms;
+  int max_rounds, sms;
 };
 
 Status PlanCount(CountPlan* plan) {
@@ -595,7 +595,6 @@ Status PlanCount(CountPlan* plan) {
   while (m > 8 && (4 << m) > optin) --m;
   plan->max_rounds = m;
   plan->sms = std::max(1, sms);
-  plan->blocks_per_sm = 1;
   return OkStatus();
 }
 
@@ -629,7 +628,7 @@ struct MsTopK<GpuDevice, T, Tidx> {
     }
     const int64_t per_block = int64_t{kCountThreads} * 16;  // elements worth a thread block
     const int count_grid =
-        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(plan.sms * plan.blocks_per_sm, (d + per_block - 1) / per_block)));
+        static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(plan.sms, (d + per_block - 1) / per_block)));
     const int rounds = std::max(num_samplings, 0);
     for (int done = 0; done < rounds;) {
       const int m = std::min(plan.max_rounds, rounds - done);
