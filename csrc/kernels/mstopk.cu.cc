@@ -435,17 +435,27 @@ constexpr int kSelectWarps = 8;                     // warps of SelectTile
 constexpr int kSelectRows = 16;                     // rows of 128 elements (4 per lane) per warp
 constexpr int64_t kSelectTile = kSelectWarps * kSelectRows * 128;  // elements per thread block
 
-// 4 consecutive elements of a row from element i on, as magnitudes; past d: -1 (never selected).
+// SelectTile holds float elements themselves in registers (and writes the selected ones from
+// there: a reload from x, evicted by the streaming loads, stalls each row on memory latency);
+// other types as magnitudes (their values are reloaded: a float holds neither a double nor,
+// bit for bit, every NaN of a half).
+template <typename T>
+constexpr bool kHoldsValues = std::is_same<T, float>::value;
+
+// 4 consecutive elements of a row from element i on: the values (kHoldsValues; past d: 0, see
+// SelectTile's `valid`) or their magnitudes (past d: -1, never selected).
 template <typename T>
 __device__ inline void LoadRow(const T* x, int64_t d, int64_t i, bool vector, float (&v)[4]) {
-  if constexpr (std::is_same<T, float>::value) {
+  if constexpr (kHoldsValues<T>) {
     if (vector) {
       const float4 q = __ldcs(reinterpret_cast<const float4*>(x + i));
-      v[0] = Mag(q.x), v[1] = Mag(q.y), v[2] = Mag(q.z), v[3] = Mag(q.w);
+      v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
       return;
     }
+    for (int c = 0; c < 4; ++c) v[c] = i + c < d ? x[i + c] : 0.0f;
+  } else {
+    for (int c = 0; c < 4; ++c) v[c] = i + c < d ? Mag(static_cast<float>(x[i + c])) : -1.0f;
   }
-  for (int c = 0; c < 4; ++c) v[c] = i + c < d ? Mag(static_cast<float>(x[i + c])) : -1.0f;
 }
 
 // How SelectTile finds where its tile's selected elements go.
@@ -479,18 +489,26 @@ __global__ void __launch_bounds__(kSelectWarps * 32) SelectTile(const T* x, int6
   bool vector = false;
   if constexpr (std::is_same<T, float>::value)
     vector = (reinterpret_cast<uintptr_t>(x) & 15) == 0 && (tile + 1) * kSelectTile <= d;
-  float v[kSelectRows][4];  // magnitudes
+  float v[kSelectRows][4];  // LoadRow: values or magnitudes
 #pragma unroll
   for (int r = 0; r < kSelectRows; ++r) LoadRow(x, d, base + r * 128, vector, v[r]);
+  const bool full = (tile + 1) * kSelectTile <= d;
+  const int64_t left = d - base;  // this lane's element r * 128 + c exists when below `left`
+  // The magnitude of element (r, c); past d: -1, neither above nor in the band (f2 >= 0).
+  auto mag = [&](int r, int c) -> float {
+    if constexpr (kHoldsValues<T>) return full || r * 128 + c < left ? Mag(v[r][c]) : -1.0f;
+    else return v[r][c];
+  };
   const float f1 = mstopk::FloatCeil(st->bis.thres1), f2 = mstopk::FloatCeil(st->bis.thres2);
-  // Above: |x| >= f1; band: f2 <= |x| < f1 (the -1 past d is neither: f2 >= 0).
+  // Above: |x| >= f1; band: f2 <= |x| < f1.
   int na = 0, nb = 0;
 #pragma unroll
   for (int r = 0; r < kSelectRows; ++r)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      na += v[r][c] >= f1;
-      nb += v[r][c] >= f2 && v[r][c] < f1;
+      const float a = mag(r, c);
+      na += a >= f1;
+      nb += a >= f2 && a < f1;
     }
   for (int o = 16; o > 0; o /= 2) {
     na += __shfl_xor_sync(0xFFFFFFFFu, na, o);
@@ -533,7 +551,7 @@ __global__ void __launch_bounds__(kSelectWarps * 32) SelectTile(const T* x, int6
     unsigned ba[4], bb[4], any = 0;
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const float a = v[r][c];
+      const float a = mag(r, c);
       ba[c] = __ballot_sync(0xFFFFFFFFu, a >= f1);
       bb[c] = __ballot_sync(0xFFFFFFFFu, a >= f2 && a < f1);
       any |= ba[c] | bb[c];
@@ -555,7 +573,8 @@ __global__ void __launch_bounds__(kSelectWarps * 32) SelectTile(const T* x, int6
       if (pos >= 0) {
         const int64_t i = base + r * 128 + c;
         indices[pos] = static_cast<Tidx>(i);
-        values[pos] = x[i];
+        if constexpr (kHoldsValues<T>) values[pos] = v[r][c];
+        else values[pos] = x[i];
       }
     }
   }
