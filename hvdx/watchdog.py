@@ -9,7 +9,9 @@ bound, `$HVDX_STALL_TIMEOUT_SECONDS`, default `DEFAULT_TIMEOUT`; 0 turns it off)
   listens on a TCP port of its own (`hvdx.transport.base.listen_address`), learned by the
   others through `hvdx.init()`'s one all-gather, and answers on a thread of its own:
   "state" (its counters and where its main thread is), "final" (a peer's state as it
-  exits, kept), "abort" (another rank ended the job: report and exit);
+  exits, kept), "abort" (another rank ended the job: report, acknowledge, and exit once the
+  reporting rank hangs up, so that no rank's exit tears down Horovod's connections of a rank
+  that has not yet said why it ends);
 - a monitor thread that polls two numbers of the progress table every `poll` seconds; when
   this rank has been inside a collective call and no mark has run for longer than the
   bound, it asks every rank for its state, prints the report (`hvdx.stall.stall_report`) on
@@ -54,6 +56,9 @@ HOROVOD_MISMATCH_MARKERS = ("Mismatched", "Process set does not exist", "has not
                             "shut down", "HorovodInternalError")
 #: Seconds a side-channel request waits for a peer (connect, send, answer).
 REQUEST_TIMEOUT = 3.0
+#: Seconds a rank that ends the job waits for the others to acknowledge (to have written why
+#: they end) before it exits.
+ABORT_WAIT = 5.0
 
 _current: Optional["Watchdog"] = None
 
@@ -193,7 +198,7 @@ class Watchdog:
                 elif op == "final":
                     self.finals[int(message["state"]["rank"])] = message["state"]
                 elif op == "abort":
-                    self._aborted(int(message.get("rank", -1)))
+                    self._aborted(int(message.get("rank", -1)), conn)
             except (OSError, ValueError, KeyError):
                 return  # a peer that went away mid-request: nothing to answer
 
@@ -282,10 +287,44 @@ class Watchdog:
             report = stall.stall_report(self.gather(), self.size, self.timeout, self.rank)
             sys.stderr.write(report)
             sys.stderr.flush()
-            self._tell_all({"op": "abort", "rank": self.rank})
+            self._abort_all()
             self._exit(EXIT_CODE)
 
-    def _aborted(self, by: int) -> None:
+    def _abort_all(self) -> None:
+        """Tells every other rank to end and waits (at most ABORT_WAIT seconds) until each has
+        acknowledged, i.e. written why it ends; only then hangs up on all of them at once, the
+        signal for them to exit. (A rank that exited first would close Horovod's connections,
+        and Gloo aborts the ranks that had not yet written their line.)"""
+        deadline = time.monotonic() + ABORT_WAIT
+        sockets: List[socket.socket] = []
+        lock = threading.Lock()
+
+        def abort(address: str) -> None:
+            try:
+                host, port = address.rsplit(":", 1)
+                sock = socket.create_connection((host, int(port)), timeout=1.0)
+            except OSError:
+                return
+            with lock:
+                sockets.append(sock)
+            try:
+                sock.settimeout(max(0.1, deadline - time.monotonic()))
+                sock.sendall(json.dumps({"op": "abort", "rank": self.rank}).encode() + b"\n")
+                _read_line(sock)  # the acknowledgement
+            except OSError:
+                pass
+
+        threads = [threading.Thread(target=abort, args=(address,), daemon=True)
+                   for rank, address in enumerate(self.peers) if address and rank != self.rank]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()) + 0.1)
+        with lock:
+            for sock in sockets:
+                sock.close()
+
+    def _aborted(self, by: int, conn: Optional[socket.socket] = None) -> None:
         with self._ending:
             state = self.state()
             table = stall.calls({self.rank: state})
@@ -295,6 +334,13 @@ class Watchdog:
             sys.stderr.write(f"hvdx watchdog: rank {self.rank} ends because rank {by} found the job stalled; "
                              f"rank {self.rank} was {place}, at {state['where']} (rank {by}'s report says more)\n")
             sys.stderr.flush()
+            if conn is not None:  # acknowledged; exit when the reporting rank hangs up
+                try:
+                    conn.sendall(b'{"ok": true}\n')
+                    conn.settimeout(ABORT_WAIT + 1.0)
+                    _read_line(conn)
+                except OSError:
+                    pass
             self._exit(EXIT_CODE)
 
     # -- errors and exits ---------------------------------------------------------------
