@@ -77,7 +77,8 @@ def _token_value() -> tf.Tensor:
 
 def mark(tensors: Sequence[tf.Tensor], label: str, detail: str, phase: str) -> List[tf.Tensor]:
     """`tensors`, passed through a mark of `phase` ("enter" before the call's collectives,
-    "leave" after them) on the counter (label, detail); `tensors` unchanged when marks are
+    "leave" after them; "begin" / "end": a span of the timeline, counted nowhere,
+    `hvdx.timeline.span`) on the counter (label, detail); `tensors` unchanged when marks are
     off (`enabled`) or there are none.
 
     Use the returned tensors in place of `tensors`: the mark runs because they are used.
@@ -97,9 +98,12 @@ def waiting(label: str, detail: str) -> Iterator[None]:
     if not _enabled:
         yield
         return
+    from hvdx import timeline
+
     _python_record(label, detail, entered=True)
     try:
-        yield
+        with timeline.python_span(label, detail):
+            yield
     finally:
         _python_record(label, detail, entered=False)
 

@@ -190,6 +190,9 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
                          local_set=sets["local", node], cross_set=sets["cross", local_rank])
     if dog is not None:
         dog.start(rank, size, [e[5] for e in entries])
+    from hvdx import timeline
+
+    timeline.start(rank)  # hvdx's spans in Horovod's timeline, when that is on
     return _topology
 
 
@@ -267,5 +270,8 @@ def barrier(process_set: Optional["hvd.ProcessSet"] = None) -> None:
 
 def shutdown() -> None:
     """Shuts Horovod down and forgets the topology (hvdx.init() may be called again)."""
+    from hvdx import timeline
+
     _forget_membership()  # a later hvdx.init() is a new membership
     _horovod().shutdown()
+    timeline.write()  # after Horovod's timeline closed

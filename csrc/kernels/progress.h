@@ -19,8 +19,9 @@
 namespace hvdx {
 namespace progress {
 
-// enter: before a collective call's first collective; leave: after its last.
-enum class Phase : int { kEnter = 0, kLeave = 1 };
+// enter: before a collective call's first collective; leave: after its last. begin / end:
+// the bounds of a span of the timeline inside a call (counted nowhere, only recorded).
+enum class Phase : int { kEnter = 0, kLeave = 1, kBegin = 2, kEnd = 3 };
 
 struct Counter {
   std::string label, detail;
@@ -31,10 +32,11 @@ struct Counter {
 // The counter of (label, detail), created on first use; its address never changes.
 Counter* Find(const std::string& label, const std::string& detail);
 
-// Counts an enter or a leave of `counter`.
+// Counts an enter or a leave of `counter` (begin / end: nothing); while the timeline records,
+// also appends (counter, phase, now) to its event buffer.
 void Record(Counter* counter, Phase phase);
 
-// Whether `name` is "enter" or "leave"; sets *phase.
+// Whether `name` is "enter", "leave", "begin" or "end"; sets *phase.
 bool ParsePhase(const std::string& name, Phase* phase);
 
 }  // namespace progress
@@ -48,6 +50,15 @@ int64_t hvdx_progress_snapshot(char* buf, int64_t size);
 int64_t hvdx_progress_generation();
 // Calls entered and not yet left, over every counter.
 int64_t hvdx_progress_open();
+// The timeline's recording (hvdx/timeline.py): on (1) or off (0); every mark run while on is
+// kept (at most 2^22 events; later ones are counted as dropped). Returns the previous state.
+int hvdx_timeline_record(int on);
+// The recorded events, oldest first, as lines "label\tdetail\tphase\tmicroseconds since the
+// epoch\tthread\n" into buf (size bytes), removed from the buffer. Returns the bytes written,
+// or, when they do not fit, minus the bytes needed (nothing written, nothing removed).
+int64_t hvdx_timeline_drain(char* buf, int64_t size);
+// Events not kept since the start because the buffer was full.
+int64_t hvdx_timeline_dropped();
 }
 
 #endif  // HVDX_KERNELS_PROGRESS_H_

@@ -15,14 +15,16 @@ REGISTER_OP("HvdxProgressMark")
     .Attr("T: list(type) >= 1")
     .Attr("label: string")
     .Attr("detail: string = ''")
-    .Attr("phase: {'enter', 'leave'}")
+    .Attr("phase: {'enter', 'leave', 'begin', 'end'}")
     .SetShapeFn([](InferenceContext* c) {
       for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->input(i));
       return ::absl::OkStatus();
     })
     .Doc(R"doc(
 outputs = inputs (the same buffers), once all of them exist; counts `phase` of the counter
-(label, detail): 'enter' before a collective call, 'leave' after it (hvdx's watchdog).
+(label, detail): 'enter' before a collective call, 'leave' after it (hvdx's watchdog);
+'begin' / 'end' count nothing and bound a span of the timeline (hvdx/timeline.py). Every mark
+is recorded with its time while the timeline records (hvdx_timeline_record).
 
 Not stateful on purpose: a stateful op without resource inputs is ordered after every other
 one of the function (automatic control dependencies), which would serialize the buckets'

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 
+from hvdx import timeline
 from hvdx.adpsgd.graph import Graph
 from hvdx.arguments import integer, real
 from hvdx.transport.base import TransportError
@@ -117,6 +118,7 @@ class Gossip:
         self._idle = True
         self._stop = False
         self._inflight: Optional[tuple] = None  # active: (neighbour, time.monotonic()) of the exchange in flight
+        self._exchange_began: Optional[tuple] = None  # (neighbour, hvdx.timeline.now_us()) of the last exchange
         self.step_budget = step_budget
         self._known = np.zeros(graph.size, np.int64)  # the latest step count heard of, per rank
         self._known_lock = threading.Lock()
@@ -333,12 +335,16 @@ class Gossip:
             peer = self._rng.choices(self.neighbours, self.weights)[0]
         snapshot = self.model()
         self._inflight = (peer, time.monotonic())
+        self._exchange_began = (peer, timeline.now_us())
         request = self.peers.exchange(peer, snapshot, lambda theirs: self._merge(snapshot, theirs, peer), direct=True)
         request.add_done_callback(self._exchange_done)
 
     def _exchange_done(self, request: Any) -> None:
         """An exchange ended (answered, or failed): the next one starts at once if a step was
         made meanwhile (on this thread, the service thread as a rule), else the rank is idle."""
+        began = self._exchange_began
+        if began is not None:
+            timeline.record("adpsgd", "gossip", f"exchange with rank {began[0]}", began[1], timeline.now_us())
         with self._cv:
             self._inflight = None
             self._idle = True

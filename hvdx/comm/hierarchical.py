@@ -6,6 +6,7 @@ from typing import List, Optional, Sequence, Tuple
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
+from hvdx import timeline
 from hvdx.arguments import integer
 from hvdx.comm import wire
 from hvdx.comm.base import Aggregated, Strategy
@@ -99,13 +100,20 @@ class Hierarchical(Strategy):
         topo = self.topology
         d = int(buffer.shape[0])
         offset, length = node_slices(d, topo.local_size)[topo.local_set.rank()]
+        label = self.progress_label
         sent = buffer if self.wire_dtype is None else tf.cast(buffer, self.wire_dtype)
+        (sent,) = timeline.span([sent], label, name, "intra_reduce_scatter", "begin")
         mine = node_reduce_scatter(sent, topo, f"hvdx.2dtar.rs.{name}", self.node_engine)
+        (mine,) = timeline.span([mine], label, name, "intra_reduce_scatter", "end")
+        (mine,) = timeline.span([mine], label, name, "inter_allreduce", "begin")
         total = hvd.allreduce(tf.ensure_shape(mine, [length]), op=hvd.Sum, process_set=topo.cross_set,
                               name=f"hvdx.2dtar.ar.{name}")
+        (total,) = timeline.span([total], label, name, "inter_allreduce", "end")
         averaged = tf.cast(total, buffer.dtype) / tf.cast(topo.size, buffer.dtype)
+        (averaged,) = timeline.span([averaged], label, name, "intra_allgather", "begin")
         gathered = node_allgather(tf.cast(averaged, sent.dtype), topo, f"hvdx.2dtar.ag.{name}",
                                   self.node_engine)  # slices of different lengths: fine
+        (gathered,) = timeline.span([gathered], label, name, "intra_allgather", "end")
         # [:d] drops a small buffer's padding; otherwise it is the whole tensor (no copy).
         output = tf.reshape(tf.cast(gathered[:d], buffer.dtype), [d])
         return Aggregated(output, local_slice=(averaged, offset))

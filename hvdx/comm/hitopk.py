@@ -6,7 +6,7 @@ from typing import Dict, Optional
 
 import tensorflow as tf
 
-from hvdx import ops
+from hvdx import ops, timeline
 from hvdx.comm.base import Aggregated
 from hvdx.comm.registry import register
 from hvdx.comm.sparse import TopKStrategy
@@ -71,15 +71,23 @@ class HiTopK(TopKStrategy):
         slices = node_slices(d, n)
         offset, slice_length = slices[topo.local_set.rank()]  # this rank's slice of the d-vector
         clock = _StepClock(self.record_times)
+        label = self.progress_label
+        (buffer,) = timeline.span([buffer], label, name, "reduce_scatter", "begin")
         parts = node_reduce_scatter_parts(buffer, topo, f"hvdx.hitopk.rs.{name}", self.node_engine)
+        parts = timeline.span(parts, label, name, "reduce_scatter", "end")
         clock.lap("reduce_scatter")  # (the n parts are added to the residual in the next step)
+        parts = timeline.span(parts, label, name, "mstopk + error feedback", "begin")
         values, indices, k, updates = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name,
                                                    residual_scale, stored=self.residual_length(d))
+        values, indices = timeline.span([values, indices], label, name, "mstopk + error feedback", "end")
         clock.lap("mstopk")
         # The cross set's members hold the same slice (same k); the node's hold slices of
         # different lengths (the last is shorter), so each sends its own m k pairs.
+        values, indices = timeline.span([values, indices], label, name, "inter_allgather", "begin")
         values, indices = self._exchange(values, indices, k, topo.cross_set, f"hvdx.hitopk.ag.{name}")
+        values, indices = timeline.span([values, indices], label, name, "inter_allgather", "end")
         clock.lap("inter_allgather")
+        values, indices = timeline.span([values, indices], label, name, "intra_allgather + accumulate", "begin")
         node_k = [topo.num_nodes * self.k(length) for _, length in slices]
         values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype),
                                          node_k if len(set(node_k)) > 1 else node_k[0],
@@ -90,6 +98,7 @@ class HiTopK(TopKStrategy):
         total = ops.sparse_accumulate(values, indices, padded)
         if padded != d:  # a small buffer's padding (zeros) may be selected when few entries are nonzero
             total = total[:d]
+        (total,) = timeline.span([total], label, name, "intra_allgather + accumulate", "end")
         clock.lap("intra_allgather")
         if self.record_times:
             self.last_times = clock.times

@@ -19,6 +19,7 @@ from typing import Callable, Dict, Optional, Tuple
 import numpy as np
 import tensorflow as tf
 
+from hvdx import timeline
 from hvdx.arguments import integer
 from hvdx.data.decode import Resolution
 from hvdx.data.reader import EpochPlan, Reader
@@ -91,7 +92,8 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
     def slab_step(state: np.ndarray, step: np.ndarray):
         epoch, samples, in_slab, slots = batch_of(state, step)
         if not in_slab:
-            samples = reader.fill_slab(samples, resolution, slab)
+            with timeline.python_span("datacache", "slab", "fill a batch (decode or copy in)"):
+                samples = reader.fill_slab(samples, resolution, slab)
             slots = slab.slots(samples)
         finish(epoch)
         # the slab's arrays are zero-copy views of the node's mapping: TensorFlow takes them

@@ -8,7 +8,9 @@ Scenarios (the first argument):
 - sleep: rank $STALL_RANK stops issuing collectives after two steps and sleeps, alive;
 - daso-sleep: DASO's blocking global synchronisation every step (its warm-up); rank
   $STALL_RANK sleeps after two steps, alive;
-- straggler: rank $STALL_RANK is 15x slower than the others per step; every rank runs to the end.
+- straggler: rank $STALL_RANK is 15x slower than the others per step; every rank runs to the end;
+- timeline: every rank runs the tape's steps, then DASO's, to the end (under $HOROVOD_TIMELINE:
+  hvdx's spans in Horovod's timeline, tests/test_timeline.py).
 
 $STALL_EAGER=1 runs the tape's steps eagerly instead of in a tf.function. Every rank prints "step <n> done" per step and "finished" at the end; the watchdog's bound
 comes from $HVDX_STALL_TIMEOUT_SECONDS (set by the test).
@@ -43,8 +45,9 @@ def model_and_step(communication: str):
     return step if os.environ.get("STALL_EAGER") else tf.function(step)
 
 
-def daso_steps(topo) -> None:
-    """DASO in a custom loop, warm-up only (a blocking global synchronisation every step)."""
+def daso_steps(topo, sleeper: int = STALL_RANK) -> None:
+    """DASO in a custom loop, warm-up only (a blocking global synchronisation every step);
+    rank `sleeper` sleeps after two steps."""
     tf.random.set_seed(0)
     model = tf.keras.Sequential([tf.keras.Input((16,)), tf.keras.layers.Dense(4)])
     opt = hvdx.DASO(tf.keras.optimizers.SGD(0.01), total_epochs=1, warmup_epochs=1, cooldown_epochs=0)
@@ -57,7 +60,7 @@ def daso_steps(topo) -> None:
 
     x = tf.random.normal([8, 16], seed=topo.rank)
     for n in range(STEPS + 2):
-        if topo.rank == STALL_RANK and n == 2:
+        if topo.rank == sleeper and n == 2:
             print(f"rank {topo.rank} sleeps", flush=True)
             time.sleep(3600)
         step(x)
@@ -90,6 +93,8 @@ def main() -> None:
             time.sleep(float(os.environ.get("STRAGGLER_STEP", "0.4")) * (15 if topo.rank == STALL_RANK else 1))
         call()
         print(f"rank {topo.rank} step {n + 1} done", flush=True)
+    if scenario == "timeline":
+        daso_steps(topo, sleeper=-1)
     if scenario != "extra-exit":
         hvdx.barrier()
     print(f"rank {topo.rank} finished", flush=True)
