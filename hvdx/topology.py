@@ -67,6 +67,7 @@ class Topology:
 
 _topology: Optional[Topology] = None
 _stall_timeout: Optional[float] = None  # the bound hvdx.init() was given, kept for reinit()
+_uneven_nodes: Optional[str] = None  # the uneven_nodes hvdx.init() was given, kept for reinit()
 
 
 def _node_key() -> str:
@@ -75,12 +76,29 @@ def _node_key() -> str:
     return os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
 
 
-def _group_nodes(entries: Sequence[Tuple[int, int, int, str]]) -> Tuple[Tuple[int, ...], ...]:
+#: What `init()` does with nodes of different sizes: "error" (TopologyError) or "flat" (every
+#: rank taken as a node of its own, with one warning); $HVDX_UNEVEN_NODES, else "flat" in an
+#: elastic job (Horovod's $HOROVOD_ELASTIC=1: a node that lost a rank must not stop it), else "error".
+UNEVEN_NODES_ENV = "HVDX_UNEVEN_NODES"
+
+
+def _resolve_uneven(uneven_nodes: Optional[str]) -> str:
+    value = uneven_nodes if uneven_nodes is not None else os.environ.get(UNEVEN_NODES_ENV, "").strip()
+    if not value:
+        value = "flat" if os.environ.get("HOROVOD_ELASTIC", "0").strip() == "1" else "error"
+    if value not in ("error", "flat"):
+        raise ValueError(f"uneven_nodes (or ${UNEVEN_NODES_ENV}) is 'error' or 'flat', got {value!r}")
+    return value
+
+
+def _group_nodes(entries: Sequence[Tuple[int, int, int, str]], uneven: str = "error"
+                 ) -> Tuple[Tuple[int, ...], ...]:
     """Global ranks of each node, ordered by local rank; nodes ordered by their lowest rank.
 
-    `entries` holds (rank, local_rank, local_size, node key) of every rank. Raises
-    TopologyError, with the same text on every rank, if the nodes are not homogeneous or
-    the keys disagree with Horovod's local ranks.
+    `entries` holds (rank, local_rank, local_size, node key) of every rank. Nodes of
+    different sizes: with `uneven` "flat", one node per rank (the strategies' node steps
+    become no-ops: flat over all ranks); with "error", TopologyError. Raises TopologyError,
+    with the same text on every rank, if the keys disagree with Horovod's local ranks.
     """
     by_key: dict = {}
     for rank, local_rank, local_size, key in sorted(entries):
@@ -88,11 +106,14 @@ def _group_nodes(entries: Sequence[Tuple[int, int, int, str]]) -> Tuple[Tuple[in
     nodes = sorted(by_key.items(), key=lambda item: min(r for _, r, _ in item[1]))
     sizes = {len(members) for _, members in nodes}
     if len(sizes) > 1:
-        layout = ", ".join(f"{key}: {len(m)} rank(s) {sorted(r for _, r, _ in m)}" for key, m in nodes)
+        layout = _layout(entries)
+        if uneven == "flat":
+            return tuple((rank,) for rank, _, _, _ in sorted(entries))
         raise TopologyError(
             "hvdx needs homogeneous nodes (the same number of ranks on every node), got "
             f"{layout}. Launch as many processes on every host, e.g. "
-            "`horovodrun -np 4 -H host1:2,host2:2`.")
+            "`horovodrun -np 4 -H host1:2,host2:2`, or run flat over all ranks with "
+            f"hvdx.init(uneven_nodes='flat') / ${UNEVEN_NODES_ENV}=flat (the default in an elastic job).")
     node_ranks = []
     for key, members in nodes:
         local_ranks = sorted(lr for lr, _, _ in members)
@@ -110,6 +131,14 @@ def _group_nodes(entries: Sequence[Tuple[int, int, int, str]]) -> Tuple[Tuple[in
     return tuple(node_ranks)
 
 
+def _layout(entries: Sequence[Tuple[int, int, int, str]]) -> str:
+    """"node: n rank(s) [ranks]" per node, nodes by their lowest rank."""
+    by_key: dict = {}
+    for rank, _, _, key in sorted(entries):
+        by_key.setdefault(key, []).append(rank)
+    return ", ".join(f"{key}: {len(r)} rank(s) {r}" for key, r in sorted(by_key.items(), key=lambda i: min(i[1])))
+
+
 def _horovod() -> Any:
     """`horovod.tensorflow`, imported on first use (it imports TensorFlow)."""
     import horovod.tensorflow as hvd
@@ -124,7 +153,8 @@ def _process_set(ranks: Sequence[int], world: int) -> "hvd.ProcessSet":
     return hvd.add_process_set(sorted(ranks))
 
 
-def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = None) -> Topology:
+def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = None,
+         uneven_nodes: Optional[str] = None) -> Topology:
     """Initializes Horovod (with dynamic process sets) and hvdx's topology; idempotent.
 
     Collective: every rank must call it. Returns this rank's `Topology`.
@@ -141,16 +171,22 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
     or emulated nodes sharing one machine), rank 0 warns with the flags to pass instead
     (`hvdx.mpi_defaults.oversubscription_warning`, a RuntimeWarning).
 
+    Nodes of different sizes (`uneven_nodes`): "error" raises TopologyError; "flat" takes
+    every rank as a node of its own (hierarchical strategies run flat over all ranks; rank 0
+    warns once) until a later init (Elastic Horovod's reset) finds even nodes again. None:
+    $HVDX_UNEVEN_NODES, else "flat" in an elastic job ($HOROVOD_ELASTIC=1), else "error".
+
     Uses no Keras: it works where tf.keras is Keras 3 too (docs/keras3.md). Raises
-    TopologyError for nodes of different sizes.
+    TopologyError for nodes of different sizes under "error", ValueError for a bad option.
     """
-    global _topology, _stall_timeout
+    global _topology, _stall_timeout, _uneven_nodes
     if _topology is not None:
         return _topology
     from hvdx import watchdog
 
     bound = watchdog.resolve_timeout(stall_timeout)
-    _stall_timeout = stall_timeout
+    uneven = _resolve_uneven(uneven_nodes)
+    _stall_timeout, _uneven_nodes = stall_timeout, uneven_nodes
     hvd = _horovod()
     if not hvd.is_initialized():
         mpi_defaults.apply_mpi_defaults()
@@ -169,7 +205,12 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
     message = mpi_defaults.oversubscription_warning([e[4] for e in entries], mpi=hvd.mpi_enabled())
     if message and rank == 0:
         warnings.warn(message, RuntimeWarning, stacklevel=2)
-    node_ranks = _group_nodes([e[:4] for e in entries])
+    node_ranks = _group_nodes([e[:4] for e in entries], uneven)
+    if len(node_ranks) == size and size > 1 and len({e[3] for e in entries}) < size and rank == 0:
+        warnings.warn(f"hvdx: the nodes have different numbers of ranks "
+                      f"({_layout([e[:4] for e in entries])}); every rank runs as a node of its own (flat "
+                      "over all ranks: HiTopK and 2DTAR without their node-local steps) until the nodes are "
+                      "even again (uneven_nodes='flat')", RuntimeWarning, stacklevel=2)
     local_size = len(node_ranks[0])
     node = next(i for i, ranks in enumerate(node_ranks) if rank in ranks)
     sets = {}
@@ -214,7 +255,7 @@ def reinit() -> Topology:
         raise RuntimeError("hvdx.topology.reinit() rebuilds hvdx's topology after Horovod re-initialised; "
                            "Horovod is not initialised: call hvd.init() (or hvdx.init()) first")
     _forget_membership()
-    return init(stall_timeout=_stall_timeout)
+    return init(stall_timeout=_stall_timeout, uneven_nodes=_uneven_nodes)
 
 
 def _forget_membership() -> None:

@@ -87,8 +87,9 @@ def test_a_residual_written_under_another_membership_is_read_as_zeros():
 ELASTIC_TIMEOUT = 300  # seconds: the job is killed (its whole process tree) past this
 
 
-@pytest.mark.multirank
-def test_hitopk_keras_training_survives_a_removed_node(tmp_path):
+def _elastic_digits(tmp_path, communication: str, schedule: str):
+    """Runs tests/multirank/elastic_digits.py on 2x2 under a discovery script; returns (the job,
+    rank 0's record) after checking that it ended in time and rc 0."""
     import json
     import sys
 
@@ -103,13 +104,31 @@ def test_hitopk_keras_training_survives_a_removed_node(tmp_path):
 
     command = [str(HOROVODRUN), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
                "--host-discovery-script", str(discover), sys.executable,
-               str(harness.MULTIRANK / "elastic_digits.py"), "hvdx", "hitopk", str(hosts), "5", "remove"]
+               str(harness.MULTIRANK / "elastic_digits.py"), "hvdx", communication, str(hosts), "5", schedule]
     job = harness.run(command, timeout=ELASTIC_TIMEOUT, env=harness.test_env(str(tmp_path)), cwd=harness.ROOT)
     failed = sorted({line.split("]")[0][1:] for line in (job.output or "").splitlines()
                      if line.startswith("[") and "Traceback" in line})
     assert not job.timed_out, f"the elastic job hung past {ELASTIC_TIMEOUT} s:\n{(job.output or '')[-4000:]}"
     assert job.returncode == 0, f"ranks {failed} failed (rc {job.returncode}):\n{(job.output or '')[-4000:]}"
-    record = json.loads((tmp_path / "elastic.json").read_text())
+    return job, json.loads((tmp_path / "elastic.json").read_text())
+
+
+@pytest.mark.multirank
+def test_hitopk_keras_training_survives_a_removed_node(tmp_path):
+    job, record = _elastic_digits(tmp_path, "hitopk", "remove")
     assert record["sizes"] == [4, 2], record  # 2x2, then 1x2 after the reset
     assert record["spreads"] == [0.0, 0.0] and record["final_spread"] == 0.0, record  # one model on every rank
     assert record["size"] == 2 and record["accuracy"] > 0.85, record
+
+
+@pytest.mark.multirank
+def test_hitopk_keras_training_runs_flat_when_a_node_loses_one_rank(tmp_path):
+    """2x2 -> nodes of 2 and 1 ranks: hvdx runs flat (every rank a node of its own, one
+    warning), HiTopK's residuals of the old slices start from zero, and the job ends."""
+    job, record = _elastic_digits(tmp_path, "hitopk", "shrink")
+    assert record["sizes"] == [4, 3], record
+    assert record["spreads"] == [0.0, 0.0] and record["final_spread"] == 0.0, record
+    assert record["size"] == 3 and record["accuracy"] > 0.8, record  # it learns (chance: 0.1; 0.85-0.9 seen)
+    assert "every rank runs as a node of its own" in job.output, job.output[-4000:]
+    assert "the layout now needs" in job.output  # the 2x2 slices' residuals, dropped with a warning
+

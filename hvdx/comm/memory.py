@@ -68,8 +68,17 @@ class ResidualMemory(tf.Module):
         return np.array([topo.rank, topo.size], np.int32)
 
     def variable(self, name: str, length: int, dtype: tf.DType = tf.float32) -> tf.Variable:
-        """The residual of buffer `name`, created (zeros, owned by this rank) if new."""
+        """The residual of buffer `name`, created (zeros, owned by this rank) if new, or made
+        again (zeros, with a warning on stderr naming it) when the layout now needs another
+        length: a new membership (Elastic Horovod's reset, nodes that run flat) slices the
+        buffer differently, and a residual of the old slices is never applied to the new."""
         residual = self._residuals.get(name)
+        if residual is not None and residual.shape[0] != length:
+            sys.stderr.write(f"hvdx warning: the {self._owner_name} residual {name!r} held {residual.shape[0]} "
+                             f"elements and the layout now needs {length} (the ranks or nodes changed); it starts "
+                             "from zero\n")
+            self._residuals.pop(name)
+            residual = None
         if residual is None:
             value, owner, scale = np.zeros([length], dtype.as_numpy_dtype), self._me(), 1.0
             pending = self._pending.pop(name, None)
@@ -81,8 +90,6 @@ class ResidualMemory(tf.Module):
                 self._owners[name] = tf.Variable(owner, trainable=False, name=f"{prefix}_owner")
                 self._scales[name] = tf.Variable(scale, dtype=tf.float32, trainable=False, name=f"{prefix}_scale")
             self._residuals[name] = residual
-        elif residual.shape[0] != length:
-            raise ValueError(f"buffer {name!r} changed length from {residual.shape[0]} to {length}")
         return residual
 
     def counter(self, name: str) -> tf.Variable:

@@ -3,6 +3,8 @@
 horovodrun places ranks host by host, so rank r runs on node r // n as local rank r % n.
 On nodes of different sizes, every rank must instead get hvdx's TopologyError ("heterogeneous").
 """
+import importlib
+
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
@@ -46,4 +48,31 @@ def expect_heterogeneous() -> dict:
     raise AssertionError("hvdx.init() accepted nodes of different sizes")
 
 
-CHECKS = {"check": check, "heterogeneous": expect_heterogeneous}
+def uneven_flat() -> dict:
+    """After the error (same launch): hvdx.init(uneven_nodes="flat") takes every rank as a node
+    of its own, warns on rank 0, and HiTopK and 2DTAR average over all ranks."""
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        topo = hvdx.init(uneven_nodes="flat")
+    rank, size = topo.rank, topo.size
+    assert (topo.num_nodes, topo.local_size, topo.node_ranks) == (size, 1, tuple((r,) for r in range(size))), topo
+    assert topo.cross_set is hvd.global_process_set
+    warned = [str(w.message) for w in caught if "different numbers of ranks" in str(w.message)]
+    assert len(warned) == (rank == 0), warned
+    x = tf.constant(np.arange(12, dtype=np.float32) * (rank + 1))
+    mean = np.arange(12, dtype=np.float32) * np.mean(np.arange(1, size + 1))
+    out = {}
+    for name, options in (("hierarchical", {}), ("hitopk", {"density": 1.0})):
+        got = hvdx.comm.get(name, **options)(x, f"uneven.{name}").numpy()
+        assert np.allclose(got, mean), (name, got, mean)
+        out[name] = got.tolist()
+    hvdx.barrier()
+    importlib.import_module("hvdx.topology")._forget_membership()  # a later check's hvdx.init() looks again
+    return {"warned": warned, **out}
+
+
+CHECKS = {"check": check, "heterogeneous": expect_heterogeneous, "uneven_flat": uneven_flat}

@@ -7,7 +7,9 @@ API: "horovod" (`import horovod.tensorflow.keras as hvd`) or "hvdx" (`import hvd
 hvd`, with `communication=COMMUNICATION`). HOSTS_FILE is what the discovery script prints:
 rank 0 writes "127.0.0.1:2" into it at the end of epoch 1 (node localhost removed) and, with
 SCHEDULE "remove,add" (the default; "remove": only the removal), both hosts again at the end
-of epoch 3 (the node back). Every rank prints
+of epoch 3 (the node back); SCHEDULE "shrink": localhost keeps one of its two ranks at the end
+of epoch 1 (nodes of 2 and 1 ranks: hvdx runs flat, `hvdx.init(uneven_nodes=)`); "kill": rank 3
+SIGKILLs itself at the end of epoch 1 (a preempted process; the host list stays). Every rank prints
 `ELASTIC size=S checksum_spread=X` at every `fit` start (after Horovod's sync: the weights'
 largest difference between ranks) and rank 0 writes its record (sizes seen, spreads, final
 accuracy) to $HVDX_RESULT_DIR/elastic.json.
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -29,6 +33,7 @@ EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 8
 SCHEDULE = sys.argv[5].split(",") if len(sys.argv) > 5 else ["remove", "add"]
 BATCH = 32
 STEPS = 12  # per epoch, whatever the size: enough commits for a host change to be seen
+HOST_CHANGE_WAIT = 5.0  # seconds rank 0 waits after changing the host list
 
 if API == "hvdx":
     import hvdx.keras as hvd
@@ -64,16 +69,24 @@ class Check(tf.keras.callbacks.Callback):
         print(f"ELASTIC rank={hvd.rank()} size={hvd.size()} checksum_spread={s}", flush=True)
 
     def on_epoch_end(self, epoch, logs=None):
+        if "kill" in SCHEDULE and state.epoch == 1 and hvd.size() == 4 and hvd.rank() == 3:
+            print(f"ELASTIC rank={hvd.rank()} kills itself (SIGKILL)", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if hvd.rank() != 0:
             return
         epoch = state.epoch  # fit's epochs count from this fit's start; the state's from the run's
-        changes = {1: ("remove", "127.0.0.1:2\n"), 3: ("add", "127.0.0.1:2\nlocalhost:2\n")}
-        change, hosts = changes.get(epoch, (None, None))
-        if change not in SCHEDULE:
+        changes = {1: [("remove", "127.0.0.1:2\n"), ("shrink", "127.0.0.1:2\nlocalhost:1\n")],
+                   3: [("add", "127.0.0.1:2\nlocalhost:2\n")]}
+        change, hosts = next(((c, h) for c, h in changes.get(epoch, []) if c in SCHEDULE), (None, None))
+        if change is None:
             return
         if hosts is not None and epoch not in record.setdefault("changed", []):
             record["changed"].append(epoch)
             Path(HOSTS_FILE).write_text(hosts)
+            # Horovod's driver polls the discovery script about once a second and the workers
+            # see its notice at their next commit: without this wait a fast job could end
+            # before it (the other ranks wait for this one in the next step's collective).
+            time.sleep(HOST_CHANGE_WAIT)
 
 
 state = hvd.elastic.KerasState(model, batch=0, epoch=0)
