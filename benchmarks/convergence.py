@@ -22,7 +22,9 @@ clipping at --clip-norm), `warmup` (density warm-up from 25 % over --warmup-step
 (LARS' trust ratio applied to each rank's gradient before the strategy: local_trust_ratio),
 `layer` (one bucket per gradient, bucket_bytes=1: the density applies to each layer).
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
-mean and the range of the final accuracy.
+mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
+rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
+steps, then constant), as Horovod's Keras MNIST example runs.
 The methods take turns: every --eval-every steps each method trains that many steps, then
 its test accuracy is taken (outside the timed part), so a slow spell of the machine hits
 all of them alike. Wall times are only results when the machine runs nothing else.
@@ -178,6 +180,14 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
     return options
 
 
+def warmed_rate(rate: float, step: int, warmup_steps: int, size: int) -> float:
+    """Horovod's `LearningRateWarmupCallback`: rate / size * (t (size - 1) + 1) at the fraction
+    t = step / warmup_steps of the warm-up, then `rate`."""
+    if step >= warmup_steps:
+        return rate
+    return rate / size * (step / warmup_steps * (size - 1) + 1)
+
+
 # -- the ranks -------------------------------------------------------------------------------
 def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
     """Every method of the task, taking turns every --eval-every steps. Returns per method
@@ -213,13 +223,17 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
         model.fit(data, steps_per_epoch=1, epochs=1, verbose=0,  # builds and broadcasts the initial state
                   callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
         runs[method] = {"model": model, "iterator": iter(data), "train": model.make_train_function(),
-                        "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1}
+                        "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
+                        "rate": float(tf.keras.backend.get_value(inner.learning_rate))}
     for chunk in range(-(-(args.steps - 1) // args.eval_every)):
         for method, run in runs.items():
             n = min(args.eval_every, args.steps - run["done"])
             hvdx.barrier()
             start = time.perf_counter()
-            for _ in range(n):
+            for i in range(n):
+                if args.lr_warmup_steps:
+                    run["model"].optimizer.learning_rate.assign(
+                        warmed_rate(run["rate"], run["done"] + i, args.lr_warmup_steps, hvd.size()))
                 logs = run["train"](run["iterator"])
             float(logs["loss"])  # waits for the last step
             run["clock"] += common.slowest(time.perf_counter() - start, f"conv.{task}.{method}.{args.seed}.{chunk}")
@@ -381,6 +395,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--clip-norm", type=float, default=5.0)
     parser.add_argument("--warmup-steps", type=int, default=0, help="density warm-up steps (0: steps / 5)")
     parser.add_argument("--mlp-scale", type=float, default=0.5, help="width of the MLP (1: train_step.py's)")
+    parser.add_argument("--lr-warmup-steps", type=int, default=0,
+                        help="Horovod's LearningRateWarmupCallback over this many steps (0: none)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds (--seed, --seed + 1, ...)")
     parser.add_argument("--optimizer", default="task", choices=OPTIMIZERS,
