@@ -20,13 +20,15 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+import time
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from hvdx import ops
 
-__all__ = ["Counts", "enable", "enabled", "generation", "mark", "open_calls", "rebase", "snapshot", "waiting"]
+__all__ = ["Counts", "enable", "enabled", "generation", "mark", "open_calls", "rebase", "record_spans", "snapshot",
+           "waiting"]
 
 #: (label, detail) -> (calls entered, calls left).
 Counts = Dict[Tuple[str, str], Tuple[int, int]]
@@ -42,6 +44,8 @@ _python_state = [0, 0]
 # what the counters read at the last `rebase`: subtracted from every reading
 _base_counts: Dict[Tuple[str, str], Tuple[int, int]] = {}
 _base_open = 0
+# who else hears of the calls `waiting` counts (`record_spans`)
+_span_recorder: Optional[Callable[[str, str, str, int, int], None]] = None
 
 
 def enable(on: bool = True) -> None:
@@ -98,14 +102,22 @@ def waiting(label: str, detail: str) -> Iterator[None]:
     if not _enabled:
         yield
         return
-    from hvdx import timeline
-
+    recorder = _span_recorder
+    begin = time.time_ns() // 1000
     _python_record(label, detail, entered=True)
     try:
-        with timeline.python_span(label, detail):
-            yield
+        yield
     finally:
         _python_record(label, detail, entered=False)
+        if recorder is not None:
+            recorder(label, detail, "", begin, time.time_ns() // 1000)
+
+
+def record_spans(recorder: Optional[Callable[[str, str, str, int, int], None]]) -> None:
+    """`waiting` also hands every call it counts to `recorder(label, detail, step, begin,
+    end)` (microseconds since the epoch): the timeline's (`hvdx.timeline.start`); None: not."""
+    global _span_recorder
+    _span_recorder = recorder
 
 
 def _python_record(label: str, detail: str, entered: bool) -> None:

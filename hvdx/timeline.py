@@ -75,6 +75,7 @@ def start(rank: int) -> bool:
 
     _state["path"], _state["rank"] = path, int(rank)
     progress.enable(True)
+    progress.record_spans(record)  # DASO's synchronisations, counted by progress.waiting
     _library().hvdx_timeline_record(1)
     if not _state["registered"]:
         atexit.register(_at_exit)
@@ -280,9 +281,9 @@ def _at_exit() -> None:
     if not active():
         return
     try:
-        from hvdx import topology
+        import horovod.tensorflow as hvd
 
-        topology._horovod().shutdown()
+        hvd.shutdown()
     except Exception:  # noqa: BLE001 - exiting: write what can be written
         pass
     try:

@@ -16,7 +16,7 @@ LAYERS: List[List[str]] = [
     ["hvdx.version", "hvdx.arguments", "hvdx.legacy_keras", "hvdx.ops", "hvdx.shm", "hvdx.agreement", "hvdx.layout",
      "hvdx.plateau", "hvdx.mpi_defaults", "hvdx.launcher", "hvdx.transport", "hvdx.phases", "hvdx.zoo",
      "hvdx.checkpoints", "hvdx.accumulation", "hvdx.variables", "hvdx.tensorflow._horovod_api", "hvdx.progress",
-     "hvdx.stall"],
+     "hvdx.stall", "hvdx.timeline"],
     # the run's topology and its progress watchdog; the launchers (on the segment kit's pid_alive)
     ["hvdx.topology", "hvdx.watchdog", "hvdx.runner"],
     # on the topology: node-local collectives, the parallel tensor operator, DataCache, a
