@@ -219,20 +219,10 @@ def write() -> Optional[str]:
         return None
     path, rank = _state["path"], _state["rank"]
     rows = _drain()
-    if rank == 0:
-        text = ""
-        if os.path.exists(path):
-            with open(path, encoding="utf-8", errors="replace") as f:
-                text = f.read()
-        origin = _horovod_origin(text)
-        if origin is None:
-            origin = rows[0][3] if rows else time.time_ns() // 1000
-        target = path
-    else:
-        target = rank_file(path, rank)
-        origin = _origin_of(target)
-        if origin is None:
-            origin = rows[0][3] if rows else time.time_ns() // 1000
+    target = path if rank == 0 else rank_file(path, rank)
+    origin = _origin_of(target)
+    if origin is None:
+        origin = rows[0][3] if rows else now_us()
     _append(target, events(rows, origin, rank), origin)
     dropped = int(_library().hvdx_timeline_dropped())
     if dropped:
