@@ -15,6 +15,8 @@ timeline is on, hvdx records these too and adds them to the same file when the j
   start time its first record holds); every other rank writes its own spans, on the same
   clock, to `<file>.hvdx-rank<r>.json` (Horovod's file is rank 0's; `merge` puts them in it).
 
+`HOROVOD_TIMELINE=DYNAMIC` (Horovod's timeline started later by `hvd.start_timeline(file)`)
+is not followed: hvdx records only when $HOROVOD_TIMELINE names the file from the start.
 `HVDX_TIMELINE=0` keeps hvdx's spans out (the marks are then not inserted for the timeline).
 A span's begin is when its inputs exist and its end when its outputs do (what the marks can
 see): in a graph, an op that waits for its inputs on another thread shows that wait as part
@@ -37,6 +39,8 @@ __all__ = ["ENV", "active", "events", "merge", "now_us", "python_span", "rank_fi
 
 #: hvdx's switch for its spans: "0" keeps them out of Horovod's timeline.
 ENV = "HVDX_TIMELINE"
+#: Horovod's value of $HOROVOD_TIMELINE for "no file yet: `hvd.start_timeline(file)` later".
+DYNAMIC = "DYNAMIC"
 #: The first process id of hvdx's spans in the timeline (Horovod numbers its tensors from 1).
 PID_BASE = 100000
 #: A span's name inside a call's detail ("<buffer>|<step>").
@@ -65,11 +69,11 @@ def active() -> bool:
 
 
 def start(rank: int) -> bool:
-    """Starts recording when Horovod's timeline is on ($HOROVOD_TIMELINE names a file) and
-    $HVDX_TIMELINE is not "0": turns the progress marks on (they carry the times) and the
+    """Starts recording when Horovod's timeline is on ($HOROVOD_TIMELINE names a file, not
+    Horovod's "DYNAMIC") and $HVDX_TIMELINE is not "0": turns the progress marks on (they carry the times) and the
     op library's recording. Called by `hvdx.init()`. Returns whether it records."""
     path = os.environ.get("HOROVOD_TIMELINE", "").strip()
-    if not path or os.environ.get(ENV, "1").strip() == "0":
+    if not path or path == DYNAMIC or os.environ.get(ENV, "1").strip() == "0":
         return False
     from hvdx import progress
 

@@ -51,6 +51,13 @@ def test_another_ranks_file_merges_onto_rank_0s_clock(tmp_path):
     assert [r["ts"] for r in merged if r.get("ph") == "X"] == [500]  # 1,500 us on rank 0's clock
 
 
+def test_horovods_dynamic_timeline_is_not_a_file_to_write(monkeypatch):
+    """HOROVOD_TIMELINE=DYNAMIC (hvd.start_timeline later) names no file: hvdx records nothing
+    (it wrote a file called DYNAMIC into the working directory)."""
+    monkeypatch.setenv("HOROVOD_TIMELINE", timeline.DYNAMIC)
+    assert timeline.start(1) is False and not timeline.active() and timeline.write() is None
+
+
 def test_the_library_records_marks_with_wall_clock_times():
     was = progress.enabled()
     progress.enable(True)
