@@ -124,6 +124,29 @@ def test_a_second_run_reads_nothing_from_the_source_through_level_1(digits_root,
     assert all(np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids))
 
 
+def test_a_restarted_job_finds_its_full_slab_with_one_look_up_and_serves_the_same_samples(digits_root, tmp_path,
+                                                                                          monkeypatch):
+    """Issue 45: a relaunched job on the same node (same store) starts at epoch-2+ speed: the
+    store remembers that its slab holds the node's whole part, so the new job's epoch 1 is
+    planned without one LMDB look-up per sample and reads nothing from the source."""
+    first = make_cache(digits_root, tmp_path, seed=1)
+    images, _, ids = epoch(first.dataset(16, with_index=True))
+    epoch(first.dataset(16, with_index=True, first_epoch=1))  # the epoch that finds the slab full
+    slab = first.reader.slab((RES, RES))
+    assert first.store.slab_complete(slab)
+    assert all(len(k) == 20 for k in first.store.keys()) and len(first.store.keys()) == 48  # the marker is no sample
+    first.close()
+    source = CountingSource()
+    again = make_cache(digits_root, tmp_path, seed=1, source=source)  # the same store: a restart
+    looked_up = []
+    real_locate = again.store.locate
+    monkeypatch.setattr(again.store, "locate", lambda keys: looked_up.append(1) or real_locate(keys))
+    images2, _, ids2 = epoch(again.dataset(16, with_index=True))
+    assert looked_up == [] and source.total_reads == 0
+    assert list(ids2) == list(ids) and np.array_equal(images2, images)  # epoch 0 again, the same batches
+    again.close()
+
+
 def test_progressive_resizing_keeps_each_resolution_under_its_own_key(digits_root, tmp_path):
     source = CountingSource()
     cache = make_cache(digits_root, tmp_path, source=source)
@@ -816,6 +839,28 @@ def test_datacache_benchmark_like_for_like_rows(tmp_path):
     assert all(len(v) == 1 for v in rounds.values()) and len(rounds["datacache_none"][0]) == 1  # epochs 2+
     text = readme.read_text()
     assert "<!-- datacache-like:begin -->" in text and "| 1 | **" in text and "uncompiled Keras augmentation" in text
+
+
+@pytest.mark.slow
+def test_datacache_scale_benchmark_rows(tmp_path):
+    """Issue 45's table: per-sample and fixed costs of epochs 2+ with three augmentations,
+    epoch 1 from a slow source, a restarted job, node memory; 1 rank here, in this process."""
+    from benchmarks import datacache_scale
+
+    readme = tmp_path / "README.md"
+    datacache_scale.main(["--quick", "--topologies", "1", "--out", str(tmp_path), "--readme", str(readme)])
+    result = json.loads((tmp_path / "datacache_scale.json").read_text())["topologies"]["1"]
+    rounds = result["rounds"]
+    later = [f"{m}_{k}" for m in ("tf_cache", "datacache") for k in ("none", "keras", "crop")]
+    assert sorted(rounds) == sorted(["plain_epoch1", "tf_cache_epoch1", "datacache_epoch1", "datacache_restart"] + later)
+    budget = json.loads((tmp_path / "datacache_scale.json").read_text())["over_budget"]
+    assert budget["budget_bytes"] < budget["decoded_bytes"] and len(budget["epochs"]) == 2
+    assert budget["stats"][-1]["store"]["hits"] > 0  # part of epoch 2 from memory
+    total, first, samples = rounds["datacache_restart"][0]
+    assert 0 < first <= total and samples == 96
+    assert result["memory_bytes"]["datacache_node"][0] >= 96 * 24 * 24 * 3  # the node's slab
+    text = readme.read_text()
+    assert "<!-- datacache-scale:begin -->" in text and "| 1 | **" in text and "restarted job" in text
 
 
 def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():

@@ -192,7 +192,7 @@ class DataCache:
                 epochs: Optional[int] = 1, first_epoch: int = 0,
                 resolution: Union[None, int, Tuple[int, int], str] = "default",
                 drop_remainder: bool = False, with_index: bool = False, compile_augment: bool = True,
-                prefetch: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
+                prefetch: int = pipeline.PREFETCH) -> tf.data.Dataset:
         """Batches (images uint8 [B, h, w, c], labels int64 [B]) (+ sample ids [B] with
         `with_index`) of this rank's share, `epochs` epochs per iteration (None: forever).
 
@@ -203,7 +203,9 @@ class DataCache:
         batch instead of a dozen small kernels per sample) unless it uses an op XLA lacks (then
         with a warning it runs uncompiled; float arithmetic may round differently under XLA).
         `resolution` overrides the cache's (progressive resizing: one dataset per phase; each
-        resolution has its own keys in the store and its own slab).
+        resolution has its own keys in the store and its own slab). `prefetch`: batches made
+        ahead (a fixed number; the dataset's options turn tf.data's autotuning off: it made
+        deleting an iterator slow, see `hvdx.data.pipeline.PREFETCH`).
         Raises ValueError for a bad batch_size, epochs or resolution.
         """
         batch_size = pipeline.check_batch_size(batch_size)

@@ -3,8 +3,8 @@ call per batch (a `Reader`'s), then per-sample augmentation over each batch.
 
 With a slab the call only plans (and in epoch 1 fills) and returns the batch's slots and
 the slab's arrays, zero-copy views of the node's mapping, from which `tf.gather` copies out
-the batch: from epoch 2 on no Python code touches pixels. Without a slab the call copies
-the batch out of the store's values. The plan of an epoch is made by the per-batch call, not
+the batch in a parallel map: from epoch 2 on no Python code touches pixels. Without a slab
+the call copies the batch out of the store's values. The plan of an epoch is made by the per-batch call, not
 by a `flat_map` per epoch or a `tf.cond` per batch (their functions' instantiation per
 iterator costs 10-80 ms more per epoch). docs/datacache.md, "The read path".
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import threading
 import warnings
 from typing import Callable, Dict, Optional, Tuple
@@ -24,7 +25,16 @@ from hvdx.arguments import integer
 from hvdx.data.decode import Resolution
 from hvdx.data.reader import EpochPlan, Reader
 
-__all__ = ["batch_augment", "check_batch_size", "dataset", "steps_per_epoch"]
+__all__ = ["PARALLEL", "PREFETCH", "batch_augment", "check_batch_size", "dataset", "steps_per_epoch"]
+
+#: Batches prefetched, and batches gathered or augmented at once: fixed, and tf.data's
+#: autotuning is off in the dataset's options (a user's options may turn it on again). With
+#: the autotuning thread in the pipeline, deleting an iterator over this scan (Model.fit: one
+#: per epoch) took 0.25-0.3 s in about every second epoch (TensorFlow 2.21, 2 cores), as long
+#: as a 32,000-sample epoch; without it, under 1 ms. AUTOTUNE in a map a user adds after it
+#: then means as many parallel calls as cores.
+PREFETCH = 4
+PARALLEL = max(1, min(4, os.cpu_count() or 1))
 
 
 def check_batch_size(batch_size: int) -> int:
@@ -42,7 +52,7 @@ def steps_per_epoch(per_rank: int, batch_size: int, drop_remainder: bool = False
 def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
             augment: Optional[Callable[[tf.Tensor], tf.Tensor]] = None, epochs: Optional[int] = 1,
             first_epoch: int = 0, drop_remainder: bool = False, with_index: bool = False,
-            compile_augment: bool = True, prefetch: int = tf.data.AUTOTUNE) -> tf.data.Dataset:
+            compile_augment: bool = True, prefetch: int = PREFETCH) -> tf.data.Dataset:
     """Batches (images uint8 [B, h, w, c], labels int64 [B]) (+ sample ids [B] with
     `with_index`) of `reader`'s share at `resolution`, `epochs` epochs per iteration (None:
     forever), each iteration continuing with the next epoch from `first_epoch` on; see
@@ -107,31 +117,38 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
         return np.int64(epoch), ids, images, labels
 
     # One Python call per batch (sequential, in a scan whose state is the iteration's epoch);
-    # with a slab it only plans (and in epoch 1 fills) and the pixels are gathered by TF.
+    # with a slab it only plans (and in epoch 1 fills), and the pixels are gathered by TF in
+    # a parallel map after the scan: a batch's copy overlaps the next batch's Python call.
     @tf.autograph.experimental.do_not_convert
     def from_slab(state: tf.Tensor, step: tf.Tensor):
         epoch, ids, slots, pixels, labels = tf.numpy_function(
             slab_step, [state, step], [tf.int64, tf.int64, tf.int64, tf.uint8, tf.int64], stateful=True)
+        epoch.set_shape([])
+        return epoch, (slots, pixels, labels, ids)
+
+    @tf.autograph.experimental.do_not_convert
+    def gather(slots: tf.Tensor, pixels: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
         pixels.set_shape([None, h, w, c])
-        return _batch(epoch, tf.gather(pixels, slots), tf.gather(labels, slots), ids)
+        return _batch(tf.gather(pixels, slots), tf.gather(labels, slots), ids)
 
     @tf.autograph.experimental.do_not_convert
     def from_values(state: tf.Tensor, step: tf.Tensor):
         epoch, ids, images, labels = tf.numpy_function(
             read_step, [state, step], [tf.int64, tf.int64, tf.uint8, tf.int64], stateful=True)
-        images.set_shape([None, h, w, c])
-        return _batch(epoch, images, labels, ids)
-
-    def _batch(epoch: tf.Tensor, images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
         epoch.set_shape([])
+        return epoch, _batch(images, labels, ids)
+
+    def _batch(images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
         images.set_shape([None, h, w, c])  # (a gather by slots of unknown shape has none)
         labels.set_shape([None])
         ids.set_shape([None])
-        return epoch, ((images, labels, ids) if with_index or augment is not None else (images, labels))
+        return (images, labels, ids) if with_index or augment is not None else (images, labels)
 
     total = steps * epochs if epochs is not None else 2**62
     read = from_slab if slab is not None else from_values
     ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), read)
+    if slab is not None:
+        ds = ds.map(gather, num_parallel_calls=PARALLEL, deterministic=True)
     if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
         per_batch = batch_augment(augment, (batch_size, h, w, c), compile_augment)
 
@@ -140,8 +157,10 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
             images = per_batch(images)
             return (images, labels, ids) if with_index else (images, labels)
 
-        ds = ds.map(augmented, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return ds.prefetch(prefetch)
+        ds = ds.map(augmented, num_parallel_calls=PARALLEL, deterministic=True)
+    options = tf.data.Options()
+    options.autotune.enabled = False
+    return ds.prefetch(prefetch).with_options(options)
 
 
 def batch_augment(augment: Callable, shape: Tuple, compile_augment: bool) -> Callable[[tf.Tensor], tf.Tensor]:

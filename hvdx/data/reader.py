@@ -63,16 +63,21 @@ class Reader:
         share, leftover = self.split.share(epoch)
         slab = self.slab(resolution)
         self.prefetcher.stop()
+        if slab is not None and (resolution in self._full_slabs or self.store.slab_complete(slab)):
+            # every sample of the node's part (so of the share and the leftovers) is in the
+            # slab: nothing to look up or prefetch, no Python per sample
+            self._full_slabs.add(resolution)
+            return EpochPlan(share.astype(np.int64), True, [])
         share_list = list(dict.fromkeys(int(s) for s in share))  # pad may repeat a sample
         leftover_list = [int(s) for s in leftover] if not self.store.full else []
         wanted = share_list + leftover_list
-        if resolution in self._full_slabs:  # the whole part is in the slab: no index look-ups per epoch
-            where = np.full(len(wanted), 2, np.int8)
-        else:
-            where = self.store.locate(self._key(s, resolution) for s in wanted)
-            if slab is not None and np.all(where == 2) and np.all(
-                    self.store.locate(self._key(int(s), resolution) for s in self.split.part) == 2):
-                self._full_slabs.add(resolution)  # slab slots are never taken back
+        where = self.store.locate(self._key(s, resolution) for s in wanted)
+        if slab is not None and np.all(where == 2) and np.all(
+                self.store.locate(self._key(int(s), resolution) for s in self.split.part) == 2):
+            # slab slots are never taken back: full from now on, for every process of the node
+            # and later runs (a restarted job: one look-up instead of one per sample)
+            self.store.mark_slab_complete(slab)
+            self._full_slabs.add(resolution)
         missing = [(s, j >= len(share_list)) for j, (s, w) in enumerate(zip(wanted, where))
                    if not w and not self.loader.is_bad(s)]
         if missing:

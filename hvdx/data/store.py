@@ -64,6 +64,7 @@ DEFAULT_STORE_DIR = "/dev/shm/hvdx-datacache"
 FORMAT = 3  # 3: the key holds the channel count
 _HEADER = struct.Struct("<qIII")
 _META_KEY = b"\x00meta"
+_KEY_SIZE = struct.calcsize(">QIII")  # a sample's key (`sample_key`); other keys are the store's own
 _INDEX_BYTES = 128  # LMDB bytes per header-only entry, kept free beside a slab
 #: Stores of other data sets that no process uses are named in a RuntimeWarning once they
 #: hold this share of their file system (they shrink every job's default memory_bytes);
@@ -287,6 +288,26 @@ class NodeStore:
             return np.asarray([0 if v is None else 2 if len(v) == _HEADER.size else 1
                                for v in (txn.get(k) for k in keys)], np.int8)
 
+    @staticmethod
+    def _complete_key(slab: Slab) -> bytes:
+        return b"\x00slab-complete-" + os.path.basename(slab.path).encode()
+
+    def slab_complete(self, slab: Slab) -> bool:
+        """Whether `mark_slab_complete(slab)` was called on this store (by any process)."""
+        with self.env.begin(buffers=True) as txn:
+            return txn.get(self._complete_key(slab)) is not None
+
+    def mark_slab_complete(self, slab: Slab) -> None:
+        """Records that every slot of `slab` is filled (for the node's other and later
+        processes); ignored once the store is full."""
+        import lmdb
+
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(self._complete_key(slab), b"1")
+        except (lmdb.MapFullError, lmdb.DiskError, lmdb.Error):
+            pass  # only a shortcut: a later process looks the samples up instead
+
     def count_hits(self, hits: int, misses: int = 0) -> None:
         """Counts samples found in (or missing from) the store that `get_many`/`get_batch` did
         not read (the slab's are gathered by TensorFlow)."""
@@ -382,7 +403,7 @@ class NodeStore:
     def keys(self) -> List[bytes]:
         """Every sample key in the store (not the metadata)."""
         with self.env.begin() as txn:
-            return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False) if k != _META_KEY]
+            return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False) if len(k) == _KEY_SIZE]
 
     def memory_used(self) -> int:
         """Bytes the store occupies in memory (its files' allocated blocks on /dev/shm: the

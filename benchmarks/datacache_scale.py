@@ -1,0 +1,407 @@
+"""DataCache at the scale it is for (shi2021 sec. 4.1, Fig. 9; issue 45): tens of thousands
+of samples per node, from a slow source, against tf.data's `.cache()` per rank.
+
+A data set of --images distinct JPEGs (scikit-learn's digits at --size px with noise, made
+once and kept under --data-dir, default ~/.cache/hvdx/bench-datacache) is read through
+`hvdx.data.SlowSource` (--latency-ms per open, --mib-per-s: a network file system). Per
+rank, with the same decode to --resolution px and batches of --batch:
+
+- `plain`: tf.data reads and decodes its shard every epoch (16 parallel reads, as many as
+  DataCache's `io_threads`);
+- `tf_cache`: the same, `.cache()` after decoding, then a full shuffle (a copy per rank);
+- `datacache`: `hvdx.data.DataCache(...).dataset(...)` over the rank's share (one store
+  per node).
+
+Each round is cold (new stores, new caches); the methods take turns. Epoch 1 of each, then
+epochs 2+ of `.cache()` and DataCache taking turns: without augmentation, with the same
+uncompiled Keras augmentation mapped over the batches of either (`keras`), and with a
+per-sample pad-crop-flip (`crop`: `.map` per sample before `.batch` for tf.data,
+DataCache's `augment=`, compiled with XLA). Then a restarted job (`restart`): DataCache is
+closed and built again over the node's store, as a relaunched job on the same nodes does,
+and its first epoch is timed. An epoch's time is split into its fixed cost (the first
+batch: the iterator's start and the epoch's planning) and the time per sample after it.
+Memory per node: DataCache's store (allocated blocks on /dev/shm), `.cache()`'s RSS growth
+summed over the node's ranks. Times are the slowest rank's.
+
+    python benchmarks/datacache_scale.py                       # the table (about 15 minutes)
+    python benchmarks/datacache_scale.py --quick --out /tmp/x  # smoke run
+
+Writes <out>/datacache_scale.json and the table of benchmarks/README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import hvdx  # noqa: E402  (first, before TensorFlow)
+import tensorflow as tf  # noqa: E402
+
+from hvdx.data import DataCache, GFileSource, SlowSource, decode_image  # noqa: E402
+from hvdx.data.catalog import ImageFolder  # noqa: E402
+from hvdx.data.store import remove_store  # noqa: E402
+try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    from common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
+                        markdown_table, readme_path, slowest, under_launcher, update_readme)
+    from datacache import augment, keras_augment, make_dataset, rss, verdict  # noqa: E402
+except ImportError:
+    from benchmarks.common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
+                                   markdown_table, readme_path, slowest, under_launcher, update_readme)
+    from benchmarks.datacache import augment, keras_augment, make_dataset, rss, verdict  # noqa: E402
+
+#: Issue 45's goals: speed ratios (baseline time / DataCache time) and the restart's.
+GOALS = {"epoch2_none": 1.0, "epoch2_keras": 1.2, "epoch2_crop": 1.2, "epoch1": 0.9, "restart": 0.9}
+AUGMENTS = ("none", "keras", "crop")
+PARALLEL_READS = 16
+
+
+def data_set(args: argparse.Namespace) -> Path:
+    """The JPEG folder tree of the run's size, made once under --data-dir."""
+    root = Path(args.data_dir).expanduser() / f"jpeg-{args.images}-{args.size}"
+    if not (root / ".complete").exists():
+        shutil.rmtree(root, ignore_errors=True)
+        make_dataset(root, args.images, args.size)
+        (root / ".complete").write_text("made by benchmarks/datacache_scale.py\n")
+    return root
+
+
+def source_of(args: argparse.Namespace):
+    return SlowSource(latency_s=args.latency_ms / 1e3, mib_per_s=args.mib_per_s) if args.latency_ms > 0 \
+        else GFileSource()
+
+
+def tf_datasets(method: str, root: Path, args: argparse.Namespace, rank: int, size: int) -> Dict[str, tf.data.Dataset]:
+    """tf.data over the rank's shard (`plain` or `tf_cache`), by augmentation."""
+    source = source_of(args)
+    folder = ImageFolder(str(root), source)
+    paths, labels = folder.paths[rank::size], folder.labels[rank::size]  # ds.shard(size, rank)
+    res = args.resolution
+
+    def load(path: tf.Tensor, label: tf.Tensor):
+        data = tf.py_function(lambda p: source.read(p.numpy().decode()), [path], tf.string)
+        data.set_shape([])
+        return decode_image(data, res), label
+
+    ds = tf.data.Dataset.from_tensor_slices((paths, labels))
+    if method == "plain":
+        ds = ds.shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
+    ds = ds.map(load, num_parallel_calls=PARALLEL_READS)
+    if method == "tf_cache":
+        ds = ds.cache().shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
+    crop = augment(res)
+    none = ds.batch(args.batch).prefetch(tf.data.AUTOTUNE)
+    return {"none": none,
+            "keras": none.map(keras_augment(), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE),
+            "crop": ds.map(lambda x, y: (crop(x), y), num_parallel_calls=tf.data.AUTOTUNE)
+            .batch(args.batch).prefetch(tf.data.AUTOTUNE)}
+
+
+def datacache_datasets(root: Path, store_dir: Path, args: argparse.Namespace) -> Tuple[Dict[str, tf.data.Dataset],
+                                                                                      DataCache]:
+    """DataCache over the rank's share, by augmentation (the node's store under store_dir)."""
+    cache = DataCache(str(root), resolution=args.resolution, source=source_of(args),
+                      cache_dir=str(store_dir / "disk"), store_dir=str(store_dir), seed=args.seed,
+                      memory_bytes=2**34, io_threads=PARALLEL_READS)
+    none = cache.dataset(args.batch)
+    return {"none": none,
+            "keras": none.map(keras_augment(), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE),
+            "crop": cache.dataset(args.batch, augment=augment(args.resolution))}, cache
+
+
+def epoch(ds: tf.data.Dataset, name: str, size: int) -> Tuple[float, float, int]:
+    """(seconds of one pass, seconds to its first batch, samples): the slowest rank's."""
+    if size > 1:
+        hvdx.barrier()
+    start, first, samples = time.perf_counter(), None, 0
+    for x, _ in ds:
+        samples += int(x.shape[0])
+        if first is None:
+            first = time.perf_counter() - start
+    total = time.perf_counter() - start
+    if size > 1:
+        return slowest(total, f"{name}.total"), slowest(first, f"{name}.first"), samples
+    return total, first, samples
+
+
+def bench(root: Path, store_root: Path, args: argparse.Namespace) -> dict:
+    """Every round's epochs (seconds, first-batch seconds, samples) by key, and memory."""
+    rank, size = 0, 1
+    if under_launcher():
+        topo = hvdx.init()
+        rank, size = topo.rank, topo.size
+    out: Dict[str, List] = {}
+    memory: Dict[str, List[float]] = {"tf_cache_node": [], "datacache_node": []}
+
+    def keep(key: str, value) -> None:
+        out.setdefault(key, []).append(value)
+
+    for r in range(args.rounds):
+        store_dir = store_root / f"round{r}"
+        order = ("plain", "tf_cache", "datacache") if r % 2 == 0 else ("datacache", "tf_cache", "plain")
+        runs, cache = {}, None
+        for method in order:
+            before = rss()
+            if method == "datacache":
+                runs[method], cache = datacache_datasets(root, store_dir, args)
+            else:
+                runs[method] = tf_datasets(method, root, args, rank, size)
+            keep(f"{method}_epoch1", epoch(runs[method]["none"], f"scale.{r}.{method}.1", size))
+            if method == "tf_cache":
+                grown = float(rss() - before)
+                memory["tf_cache_node"].append(_node_sum(grown, f"scale.{r}.rss", size))
+        memory["datacache_node"].append(float(cache.store.memory_used()))
+        for method in ("tf_cache", "datacache"):
+            for kind in ("keras", "crop"):  # tracing and XLA compilation, untimed
+                epoch(runs[method][kind], f"scale.{r}.{method}.warm.{kind}", size)
+        later: Dict[str, List] = {}
+        for e in range(args.epochs - 1):
+            for method in (("tf_cache", "datacache") if e % 2 == 0 else ("datacache", "tf_cache")):
+                for kind in AUGMENTS:
+                    for i in range(args.repeats if kind == "none" else 1):  # short epochs: more of them
+                        later.setdefault(f"{method}_{kind}", []).append(
+                            epoch(runs[method][kind], f"scale.{r}.{method}.{e}.{kind}.{i}", size))
+        for key, epochs in later.items():
+            keep(key, epochs)
+        cache.close()
+        del runs
+        again, cache = datacache_datasets(root, store_dir, args)  # a relaunched job on the same nodes
+        keep("datacache_restart", epoch(again["none"], f"scale.{r}.restart", size))
+        cache.close()
+        if size > 1:
+            hvdx.barrier()
+        if cache.placement.local_rank == 0:
+            remove_store(cache.store.path)
+            shutil.rmtree(store_dir, ignore_errors=True)
+        if rank == 0:
+            print(json.dumps({"round": r, **{k: v[-1] for k, v in out.items()}}), flush=True)
+    return {"rounds": out, "memory_bytes": memory, "ranks": size}
+
+
+def over_budget(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
+    """One rank, a memory budget of --budget-fraction of the decoded data set: the slab does
+    not fit, samples go into the store's LMDB values until the budget is spent, the others
+    are read from level 1 (the local disk copy) and decoded again every epoch. Epochs
+    (seconds, first-batch seconds, samples) and the caches' counters after each."""
+    decoded = args.images * args.resolution ** 2 * 3
+    budget = int(decoded * args.budget_fraction)
+    cache = DataCache(str(root), resolution=args.resolution, source=source_of(args), cache_dir=str(store_dir / "disk"),
+                      store_dir=str(store_dir), seed=args.seed, memory_bytes=budget, io_threads=PARALLEL_READS)
+    ds, epochs, stats = cache.dataset(args.batch), [], []
+    try:
+        for e in range(args.epochs):
+            epochs.append(epoch(ds, f"budget.{e}", 1))
+            stats.append(cache.stats)
+            print(json.dumps({"over_budget_epoch": e + 1, "seconds": epochs[-1][0], "stats": stats[-1]}), flush=True)
+        memory = cache.store.memory_used()
+    finally:
+        cache.close()
+        remove_store(cache.store.path)
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return {"budget_bytes": budget, "decoded_bytes": decoded, "epochs": epochs, "stats": stats,
+            "memory_bytes": memory}
+
+
+def budget_text(budget: Optional[dict], result: dict) -> str:
+    """The over-budget run in words, against the in-budget DataCache epochs 2+ of 1 rank."""
+    if not budget:
+        return ""
+    later = [e[0] for e in budget["epochs"][1:]]
+    one = result["topologies"].get("1")
+    full = statistics.median(e[0] for r in one["rounds"]["datacache_none"] for e in r) if one else None
+    first, last = budget["stats"][0], budget["stats"][-1]
+    hits = last["store"]["hits"] - first["store"]["hits"]
+    misses = last["store"]["misses"] - first["store"]["misses"]
+    served = hits / max(1, hits + misses)
+    return (f"\n\n**Over the memory budget** (1 rank, `memory_bytes` = {budget['budget_bytes'] / 2**20:.0f} MiB, "
+            f"{budget['budget_bytes'] / budget['decoded_bytes']:.0%} of the {budget['decoded_bytes'] / 2**20:.0f} MiB "
+            "decoded): no slab (the part does not fit whole); samples go into the store's LMDB values until the "
+            f"budget is spent ({budget['memory_bytes'] / 2**20:.0f} MiB held), the others are read from level 1 "
+            "(the local disk copy, not the slow source) and decoded again every epoch. Epochs 2+: "
+            f"{served:.0%} of the samples served from memory, {statistics.median(later):.2f} s per epoch"
+            + (f" ({statistics.median(later) / full:.1f}x the in-budget epoch's {full:.2f} s, plain tf.data's epoch "
+               f"from the slow source {statistics.median(e[0] for e in one['rounds']['plain_epoch1']):.0f} s)"
+               if full else "")
+            + f"; epoch 1 {budget['epochs'][0][0]:.1f} s.")
+
+
+def _node_sum(value: float, name: str, size: int) -> float:
+    """The sum of `value` over this node's ranks (the mean over nodes)."""
+    if size == 1:
+        return value
+    import horovod.tensorflow as hvd
+
+    total = float(hvd.allreduce(tf.constant(value, tf.float64), op=hvd.Sum, name=name))
+    return total / max(1, hvdx.topology().num_nodes)
+
+
+def summary(result: dict, batch: int) -> dict:
+    """Per-round ratios (baseline / DataCache) of per-sample times and epoch times, and the
+    fixed costs (ms) of the methods' epochs 2+."""
+    t = result["rounds"]
+    med = statistics.median
+
+    def sample_time(run) -> float:
+        total, first, samples = run
+        return (total - first) / max(1, samples - batch)
+
+    ratios = {
+        f"epoch2_{kind}": [med(sample_time(e) for e in a) / med(sample_time(e) for e in b)
+                           for a, b in zip(t[f"tf_cache_{kind}"], t[f"datacache_{kind}"])] for kind in AUGMENTS}
+    ratios["epoch2_none_whole"] = [med(e[0] for e in a) / med(e[0] for e in b)
+                                   for a, b in zip(t["tf_cache_none"], t["datacache_none"])]
+    ratios["epoch1"] = [a[0] / b[0] for a, b in zip(t["plain_epoch1"], t["datacache_epoch1"])]
+    ratios["restart"] = [med(e[0] for e in later) / first[0]
+                         for later, first in zip(t["datacache_none"], t["datacache_restart"])]
+    fixed = {m: med(med(e[1] for e in r) for r in t[f"{m}_none"]) * 1e3 for m in ("tf_cache", "datacache")}
+    per = {m: med(med(sample_time(e) for e in r) for r in t[f"{m}_none"]) * 1e6 for m in ("tf_cache", "datacache")}
+    mem = {k: med(v) for k, v in result["memory_bytes"].items()}
+    return {"ratios": ratios, "fixed_ms": fixed, "per_sample_us": per, "memory_per_node_bytes": mem}
+
+
+def table(results: Dict[str, dict], batch: int) -> str:
+    rows = []
+    for topology, result in results.items():
+        s = summary(result, batch)
+        r = s["ratios"]
+        mem = s["memory_per_node_bytes"]
+        rows.append([topology, *(verdict(r[k], GOALS[k]) for k in ("epoch2_none", "epoch2_keras", "epoch2_crop",
+                                                                    "epoch1", "restart")),
+                     " / ".join(f"{s['per_sample_us'][m]:.1f}" for m in ("datacache", "tf_cache")),
+                     " / ".join(f"{s['fixed_ms'][m]:.0f}" for m in ("datacache", "tf_cache")),
+                     f"{mem['datacache_node'] / 2**20:.0f} / {mem['tf_cache_node'] / 2**20:.0f}"])
+    return markdown_table(["ranks", "epoch 2+ per sample, no augmentation: DataCache over `.cache()`",
+                           "epoch 2+ per sample, uncompiled Keras augmentation per batch",
+                           "epoch 2+ per sample, pad-crop-flip per sample (DataCache: `augment=`, XLA)",
+                           "epoch 1 from the slow source: DataCache over plain tf.data",
+                           "restarted job's epoch 1 over DataCache's epoch 2+",
+                           "us per sample, epoch 2+ (DataCache / `.cache()`)",
+                           "fixed cost per epoch, ms (DataCache / `.cache()`)",
+                           "node memory, MiB (DataCache / `.cache()`)"], rows, 1)
+
+
+def render(result: dict, out: Path, readme: Optional[Path]) -> None:
+    (out / "datacache_scale.json").write_text(json.dumps(result, indent=2))
+    c = result["config"]
+    text = table(result["topologies"], c["batch"])
+    print(text)
+    if readme is not None:
+        loads = "; ".join(f"{t}: {'/'.join(f'{v:g}' for v in r['load_average'])}"
+                          for t, r in result["topologies"].items() if r.get("load_average"))
+        body = ("**At scale** (issue 45), measured by `python benchmarks/datacache_scale.py` on "
+                f"{result['machine']['cpus']} CPU cores (TensorFlow {result['machine']['tensorflow']}): "
+                f"{c['images']} distinct JPEGs of {c['size']} px read through `SlowSource` ({c['latency_ms']:g} ms "
+                f"per open, {c['mib_per_s']:g} MiB/s), decoded to {c['resolution']} px, batches of {c['batch']}; "
+                "per rank: plain tf.data and `.cache()` over the rank's shard (16 parallel reads), DataCache over "
+                "its share (one store per node). Speed ratios of the slowest rank (baseline time / DataCache time; "
+                "per sample: after an epoch's first batch), medians of per-round ratios over "
+                f"{c['rounds']} cold rounds (epochs 2-{c['epochs']}, without augmentation {c['repeats']} passes each, "
+                "methods taking turns); the restarted job is "
+                "DataCache built again over the node's store. Load average (1 min, start/end) "
+                f"{loads}. Raw times: `results/datacache_scale.json`.\n\n" + text
+                + budget_text(result.get("over_budget"), result))
+        update_readme("datacache-scale", body, readme)
+
+
+def worker_argv(args: argparse.Namespace) -> List[str]:
+    return [f"--{k.replace('_', '-')}={getattr(args, k)}"
+            for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "repeats", "seed", "latency_ms",
+                      "mib_per_s")]
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    """The command line (`argv`: its arguments, default sys.argv[1:])."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--images", type=int, default=32000)
+    parser.add_argument("--size", type=int, default=64, help="source images' side (px)")
+    parser.add_argument("--resolution", type=int, default=96)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="epochs without augmentation per later epoch")
+    parser.add_argument("--latency-ms", type=float, default=5.0, help="emulated NFS latency per open (0: local disk)")
+    parser.add_argument("--mib-per-s", type=float, default=100.0, help="emulated NFS bandwidth")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--budget-fraction", type=float, default=0.5,
+                        help="the over-budget run's memory budget, a fraction of the decoded data set (0: no such run)")
+    parser.add_argument("--render", action="store_true", help="redo the table from <out>/datacache_scale.json")
+    parser.add_argument("--only-over-budget", action="store_true",
+                        help="run only the over-budget epochs and add them to <out>/datacache_scale.json")
+    parser.add_argument("--topologies", default="1,2x2", help="1 (this process) and/or nodes x ranks per node")
+    parser.add_argument("--data-dir", default="~/.cache/hvdx/bench-datacache", help="where the JPEGs are kept")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    add_output_arguments(parser)
+    parser.add_argument("--worker-json", help=argparse.SUPPRESS)
+    parser.add_argument("--data-root", help=argparse.SUPPRESS)
+    parser.add_argument("--store-root", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.images, args.size, args.resolution, args.batch = 96, 32, 24, 16
+        args.epochs, args.rounds, args.repeats, args.latency_ms = 2, 1, 1, 1.0
+    if args.epochs < 2:
+        parser.error("--epochs must be >= 2 (epoch 1 cold, then epochs 2+)")
+    if args.worker_json:  # a rank of a launched job
+        freeze_start_up()
+        result = bench(Path(args.data_root), Path(args.store_root), args)
+        import horovod.tensorflow as hvd
+
+        if hvd.rank() == 0:
+            Path(args.worker_json).write_text(json.dumps(result))
+        hvdx.barrier()
+        return
+    readme = readme_path(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        render(json.loads((args.out / "datacache_scale.json").read_text()), args.out, readme)
+        return
+    if args.only_over_budget:  # added to the JSON of an earlier run
+        result = json.loads((args.out / "datacache_scale.json").read_text())
+        store = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-scale-", dir="/dev/shm"))
+        try:
+            result["over_budget"] = over_budget(data_set(args), store / "budget", args)
+        finally:
+            shutil.rmtree(store, ignore_errors=True)
+        result["config"]["budget_fraction"] = args.budget_fraction
+        render(result, args.out, readme)
+        return
+    root = data_set(args) if not args.quick else None
+    work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-scale-"))
+    store = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-scale-", dir="/dev/shm"))
+    results = {}
+    try:
+        if root is None:
+            root = work / "jpeg"
+            make_dataset(root, args.images, args.size)
+        for topology in [t for t in args.topologies.split(",") if t]:
+            with load_during() as load:
+                if topology == "1":
+                    result = bench(root, store, args)
+                else:
+                    nodes, per_node = (int(x) for x in topology.split("x"))
+                    path = work / f"{topology}.json"
+                    command = [str(Path(__file__).resolve()), "--worker-json", str(path), "--data-root", str(root),
+                               "--store-root", str(store), *worker_argv(args)]
+                    if launch_ranks(command, nodes, per_node):
+                        raise SystemExit(f"the {topology} run failed")
+                    result = json.loads(path.read_text())
+            result["load_average"] = [round(load["start"][0], 2), round(load["end"][0], 2)]
+            results[topology] = result
+        budget = over_budget(root, store / "budget", args) if args.budget_fraction > 0 else None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+    config = {k: getattr(args, k) for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "repeats",
+                                            "seed", "latency_ms", "mib_per_s", "budget_fraction", "quick")}
+    machine = {"cpus": os.cpu_count(), "tensorflow": tf.__version__, "hvdx": hvdx.__version__}
+    render({"config": config, "machine": machine, "topologies": results, "over_budget": budget}, args.out, readme)
+
+
+if __name__ == "__main__":
+    main()
