@@ -498,9 +498,11 @@ def test_an_epoch_counts_every_ranks_samples_so_the_fast_ranks_do_the_slow_ones_
 def test_convergence_matches_allreduce_sgd_at_equal_epochs(ranks):
     data = ranks[0]
     print("digits test accuracy:", data)
-    # lian2018 Theorem 1: the same convergence per epoch as AllReduce-SGD, i.e. no worse (within
-    # 1 point); AD-PSGD is not deterministic, and doing better is no failure
-    assert data["adpsgd"] >= data["allreduce"] - 0.01, data
+    # lian2018 Theorem 1: the same convergence per epoch as AllReduce-SGD, i.e. no worse within
+    # what one run on 450 test digits resolves: AD-PSGD is not deterministic, and the standard
+    # error of a difference of two accuracies near 0.95 is 1.4 points here (CI: 0.940 against
+    # 0.953 once, after many passing runs), so 2 points; doing better is no failure
+    assert data["adpsgd"] >= data["allreduce"] - 0.02, data
     assert data["adpsgd"] > 0.9, data
     assert all(d["adpsgd"] == data["adpsgd"] for d in ranks.values())  # every rank holds the average model
 
