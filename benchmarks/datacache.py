@@ -93,19 +93,26 @@ def augment(resolution: int) -> Callable[[tf.Tensor], tf.Tensor]:
     return fn
 
 
+def source_loader(source: SlowSource, resolution: int) -> Callable[[tf.Tensor, tf.Tensor], tuple]:
+    """(path, label) -> (image decoded to `resolution`, label), the file read through `source`
+    in a `py_function` (how a plain tf.data pipeline reads a Python-level source)."""
+    def load(path: tf.Tensor, label: tf.Tensor):
+        data = tf.py_function(lambda p: source.read(p.numpy().decode()), [path], tf.string)
+        data.set_shape([])
+        return decode_image(data, resolution), label
+    return load
+
+
+def keras_augmented(ds: tf.data.Dataset) -> tf.data.Dataset:
+    """`ds`'s batches through `keras_augment` (the same code after every pipeline)."""
+    return ds.map(keras_augment(), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
+
+
 def tf_pipeline(paths: List[str], labels: np.ndarray, source: SlowSource, args: argparse.Namespace,
                 cache: bool, parallel: int) -> tf.data.Dataset:
     """The plain tf.data pipeline: read (through the slow source), decode, [cache], augment."""
     res = args.resolution
-
-    def read(path: tf.Tensor) -> tf.Tensor:
-        return tf.py_function(lambda p: source.read(p.numpy().decode()), [path], tf.string)
-
-    def load(path: tf.Tensor, label: tf.Tensor):
-        data = read(path)
-        data.set_shape([])
-        return decode_image(data, res), label
-
+    load = source_loader(source, res)
     ds = tf.data.Dataset.from_tensor_slices((paths, labels))
     if not cache:
         ds = ds.shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
@@ -425,8 +432,7 @@ def like_pipelines(method: str, root: Path, store_dir: Path, args: argparse.Name
         if method == "tf_cache":
             ds = ds.cache().shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
         base = ds.batch(args.batch).prefetch(tf.data.AUTOTUNE)
-    augmented = base.map(keras_augment(), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE)
-    return base, augmented, cache
+    return base, keras_augmented(base), cache
 
 
 def bench_like(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:

@@ -45,17 +45,17 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import hvdx  # noqa: E402  (first, before TensorFlow)
 import tensorflow as tf  # noqa: E402
 
-from hvdx.data import DataCache, GFileSource, SlowSource, decode_image  # noqa: E402
+from hvdx.data import DataCache, GFileSource, SlowSource  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402
 from hvdx.data.store import remove_store  # noqa: E402
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
     from common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
                         markdown_table, readme_path, slowest, under_launcher, update_readme)
-    from datacache import augment, keras_augment, make_dataset, rss, verdict  # noqa: E402
+    from datacache import augment, keras_augmented, make_dataset, rss, source_loader, verdict  # noqa: E402
 except ImportError:
     from benchmarks.common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
                                    markdown_table, readme_path, slowest, under_launcher, update_readme)
-    from benchmarks.datacache import augment, keras_augment, make_dataset, rss, verdict  # noqa: E402
+    from benchmarks.datacache import augment, keras_augmented, make_dataset, rss, source_loader, verdict  # noqa: E402
 
 #: Issue 45's goals: speed ratios (baseline time / DataCache time) and the restart's.
 GOALS = {"epoch2_none": 1.0, "epoch2_keras": 1.2, "epoch2_crop": 1.2, "epoch1": 0.9, "restart": 0.9}
@@ -84,22 +84,15 @@ def tf_datasets(method: str, root: Path, args: argparse.Namespace, rank: int, si
     folder = ImageFolder(str(root), source)
     paths, labels = folder.paths[rank::size], folder.labels[rank::size]  # ds.shard(size, rank)
     res = args.resolution
-
-    def load(path: tf.Tensor, label: tf.Tensor):
-        data = tf.py_function(lambda p: source.read(p.numpy().decode()), [path], tf.string)
-        data.set_shape([])
-        return decode_image(data, res), label
-
     ds = tf.data.Dataset.from_tensor_slices((paths, labels))
     if method == "plain":
         ds = ds.shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
-    ds = ds.map(load, num_parallel_calls=PARALLEL_READS)
+    ds = ds.map(source_loader(source, res), num_parallel_calls=PARALLEL_READS)
     if method == "tf_cache":
         ds = ds.cache().shuffle(len(paths), seed=args.seed, reshuffle_each_iteration=True)
     crop = augment(res)
     none = ds.batch(args.batch).prefetch(tf.data.AUTOTUNE)
-    return {"none": none,
-            "keras": none.map(keras_augment(), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE),
+    return {"none": none, "keras": keras_augmented(none),
             "crop": ds.map(lambda x, y: (crop(x), y), num_parallel_calls=tf.data.AUTOTUNE)
             .batch(args.batch).prefetch(tf.data.AUTOTUNE)}
 
@@ -111,8 +104,7 @@ def datacache_datasets(root: Path, store_dir: Path, args: argparse.Namespace) ->
                       cache_dir=str(store_dir / "disk"), store_dir=str(store_dir), seed=args.seed,
                       memory_bytes=2**34, io_threads=PARALLEL_READS)
     none = cache.dataset(args.batch)
-    return {"none": none,
-            "keras": none.map(keras_augment(), num_parallel_calls=tf.data.AUTOTUNE).prefetch(tf.data.AUTOTUNE),
+    return {"none": none, "keras": keras_augmented(none),
             "crop": cache.dataset(args.batch, augment=augment(args.resolution))}, cache
 
 

@@ -70,8 +70,8 @@ def active() -> bool:
 
 def start(rank: int) -> bool:
     """Starts recording when Horovod's timeline is on ($HOROVOD_TIMELINE names a file, not
-    Horovod's "DYNAMIC") and $HVDX_TIMELINE is not "0": turns the progress marks on (they carry the times) and the
-    op library's recording. Called by `hvdx.init()`. Returns whether it records."""
+    Horovod's "DYNAMIC") and $HVDX_TIMELINE is not "0": turns the progress marks on (they
+    carry the times) and the op library's recording. Called by `hvdx.init()`. Returns whether it records."""
     path = os.environ.get("HOROVOD_TIMELINE", "").strip()
     if not path or path == DYNAMIC or os.environ.get(ENV, "1").strip() == "0":
         return False

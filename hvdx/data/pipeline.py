@@ -4,9 +4,9 @@ call per batch (a `Reader`'s), then per-sample augmentation over each batch.
 With a slab the call only plans (and in epoch 1 fills) and returns the batch's slots and
 the slab's arrays, zero-copy views of the node's mapping, from which `tf.gather` copies out
 the batch in a parallel map: from epoch 2 on no Python code touches pixels. Without a slab
-the call copies the batch out of the store's values. The plan of an epoch is made by the per-batch call, not
-by a `flat_map` per epoch or a `tf.cond` per batch (their functions' instantiation per
-iterator costs 10-80 ms more per epoch). docs/datacache.md, "The read path".
+the call copies the batch out of the store's values. The plan of an epoch is made by the
+per-batch call, not by a `flat_map` per epoch or a `tf.cond` per batch (their functions'
+instantiation per iterator costs 10-80 ms more per epoch). docs/datacache.md, "The read path".
 """
 from __future__ import annotations
 

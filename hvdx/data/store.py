@@ -401,7 +401,7 @@ class NodeStore:
         return True
 
     def keys(self) -> List[bytes]:
-        """Every sample key in the store (not the metadata)."""
+        """Every sample key in the store (not the store's own keys: metadata, slab markers)."""
         with self.env.begin() as txn:
             return [bytes(k) for k in txn.cursor().iternext(keys=True, values=False) if len(k) == _KEY_SIZE]
 
