@@ -77,7 +77,7 @@ def decay_epoch(args) -> int:
     return max(1, (2 * args.epochs) // 3)
 
 
-def train(name: str, args, topo, data) -> dict:
+def train(name: str, args, topo, data, seed: int) -> dict:
     import horovod.tensorflow as hvd
     import numpy as np
     import tensorflow as tf
@@ -85,7 +85,7 @@ def train(name: str, args, topo, data) -> dict:
     import hvdx
 
     x_train, y_train, x_test, y_test = data
-    model = build_model(args.width, args.depth, args.seed)
+    model = build_model(args.width, args.depth, seed)
     opt = tf.keras.optimizers.SGD(args.lr, momentum=args.momentum)
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     steps_per_epoch = len(x_train) // args.batch
@@ -125,7 +125,7 @@ def train(name: str, args, topo, data) -> dict:
     spec = (tf.TensorSpec([args.batch, 64], tf.float32), tf.TensorSpec([args.batch], tf.int64))
     for fn in steps.values():
         fn.get_concrete_function(*spec)        # traced before the clock starts
-    rng = np.random.default_rng(args.seed + topo.rank)
+    rng = np.random.default_rng(seed * 1000 + topo.rank)
     snapshots = []
     hvdx.barrier()
     began = time.perf_counter()
@@ -204,7 +204,7 @@ def run_ranks(args) -> None:
     for r in range(args.rounds):
         order = args.methods[r % len(args.methods):] + args.methods[:r % len(args.methods)]
         for name in order:
-            runs[name].append(train(name, args, topo, data))
+            runs[name].append(train(name, args, topo, data, args.seed + r if args.seeds else args.seed))
     if topo.rank == 0:
         result = {"topology": {"nodes": topo.num_nodes, "ranks_per_node": topo.local_size}, "runs": runs,
                   "passm_flops_saved": flops_saved(args, topo.local_size)}
@@ -313,6 +313,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="test accuracy the time is measured to (PASSM alone ends near 0.96 on this task)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", action="store_true",
+                        help="round r starts from seed --seed + r (initial weights, batch order) instead of --seed")
     parser.add_argument("--smoke", action="store_true", help="1x2, tiny: checks the script runs")
     add_output_arguments(parser, readme=None)
     args = parser.parse_args(argv)
