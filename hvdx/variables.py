@@ -9,12 +9,12 @@ behind it; the aggregator (every variable it is given) and `broadcast_variables`
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, List, Optional
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-__all__ = ["broadcast_variables", "tf_variable"]
+__all__ = ["broadcast_variables", "slot_variables", "tf_variable"]
 
 
 def tf_variable(variable: Any) -> Any:
@@ -28,6 +28,50 @@ def tf_variable(variable: Any) -> Any:
         return variable
     value = getattr(variable, "value", None)
     return value if isinstance(value, tf.Variable) else variable
+
+
+def slot_variables(optimizer: Any, variable: Any) -> List[Any]:
+    """The state `optimizer` keeps for `variable` (SGD's momentum, Adam's two moments, ...).
+
+    Args:
+        optimizer: a Keras 2 legacy (`get_slot`), Keras 2.11+ or Keras 3 optimizer, or one
+            wrapping it (`inner_optimizer`, e.g. a LossScaleOptimizer).
+        variable: one of the model variables it updates.
+    Returns:
+        The optimizer's variables of `variable`'s shape kept for it alone; [] when it keeps
+        none, is not built, or does not update `variable`.
+    """
+    while getattr(optimizer, "inner_optimizer", None) is not None:
+        optimizer = optimizer.inner_optimizer
+    if hasattr(optimizer, "get_slot_names"):  # Keras 2's legacy OptimizerV2
+        slots = []
+        for name in optimizer.get_slot_names():
+            try:
+                slots.append(optimizer.get_slot(variable, name))
+            except KeyError:
+                pass
+        return slots
+    index, count = None, 0
+    try:
+        if hasattr(optimizer, "_get_variable_index"):  # Keras 3
+            index, count = optimizer._get_variable_index(variable), len(optimizer._trainable_variables)
+        elif hasattr(optimizer, "_index_dict"):  # Keras 2.11+
+            index, count = optimizer._index_dict.get(optimizer._var_key(variable)), len(optimizer._index_dict)
+    except (KeyError, AttributeError, ValueError):
+        return []
+    if index is None:
+        return []
+    mine = tf_variable(variable)
+    slots = []
+    for value in list(vars(optimizer).values()):  # its per-variable lists: momentums, _velocities, ...
+        if not isinstance(value, (list, tuple)) or len(value) != count:
+            continue
+        candidate = value[index]
+        if (hasattr(candidate, "assign") and tf_variable(candidate) is not mine
+                and tuple(candidate.shape) == tuple(variable.shape)
+                and not any(tf_variable(v) is mine for v in value)):  # not the list of model variables
+            slots.append(candidate)
+    return slots
 
 
 def broadcast_variables(variables: Iterable[Any], root_rank: int = 0,

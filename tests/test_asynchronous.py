@@ -352,6 +352,14 @@ def test_passm_processes_of_a_node_own_disjoint_blocks_covering_the_model(ranks)
         assert data["restricted_equals_full"], (rank, data)
 
 
+@suite.runs(suite.check("asynchronous.stale_momentum", "2x2"))
+def test_passm_plus_back_to_assm_zeroes_the_momentum_of_layers_it_did_not_update(ranks):
+    for rank, data in ranks.items():
+        assert data["moved_in_assm"] and data["changed"] and data["owns_some"], (rank, data)
+        assert data["others_zeroed"], (rank, data)
+        assert data["own_kept"] and data["own_nonzero"], (rank, data)
+
+
 @suite.runs(suite.check("asynchronous.checkpoint", "2x2"))
 def test_every_rank_ends_with_the_same_shared_model_and_checkpoints_hold_it(ranks):
     for rank, data in ranks.items():

@@ -38,6 +38,7 @@ from hvdx.asynchronous.shared import SharedModel, SharedModelError
 from hvdx.asynchronous.staleness import Staleness, merge
 from hvdx.lifecycle import TrainingMethod
 from hvdx.topology import Topology, barrier, initialized, topology as current_topology
+from hvdx.variables import slot_variables
 
 __all__ = ["SharedModelMethod", "check_optimizer"]
 
@@ -110,10 +111,22 @@ class SharedModelMethod(TrainingMethod):
 
     def set_epoch(self, epoch: int) -> bool:
         """Tells the method the epoch about to start; True when its phase changed (the
-        step function must be rebuilt)."""
+        step function must be rebuilt). Entering a phase that updates every variable after
+        one that updated only this process's group (PASSM+ back to ASSM), the optimizer's
+        state of the other variables (momentum u^c of Algorithm 1, Adam's moments) is zeroed:
+        it is epochs old and was made at another learning rate, and it would be added to
+        blocks that moved on without it."""
         before = self.full_step()
+        started = getattr(self, "optimizer", None) is not None and bool(self.groups)
+        own = {id(v) for v in self.variables_to_train()} if started and not before else None
         self.epoch = int(epoch)
-        return before != self.full_step()
+        changed = before != self.full_step()
+        if changed and own is not None:
+            for v in self.variables:
+                if id(v) not in own:
+                    for slot in slot_variables(self.optimizer, v):
+                        slot.assign(tf.zeros(slot.shape, slot.dtype))
+        return changed
 
     def begin_epoch(self, epoch: int) -> bool:
         """The lifecycle's name of `set_epoch`."""

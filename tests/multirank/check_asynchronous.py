@@ -14,6 +14,7 @@ import tensorflow as tf
 import hvdx
 from hvdx import ops
 from hvdx.asynchronous import ASSM, PASSM, AsyncMiniBatch, PASSMPlus, SharedModelCallback
+from hvdx.variables import slot_variables
 from hvdx.zoo import mlp
 from tests.multirank import digits
 from tests.multirank.rank import spread
@@ -108,6 +109,39 @@ def check_partition(topo):
             "steps": method.steps}
 
 
+def check_stale_momentum(topo):
+    """PASSM+ back to ASSM: the momentum of the layers another process updated meanwhile is
+    zeroed; this process's own layers keep theirs."""
+    model = make_model(width=32, depth=3)
+    opt = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    method = PASSMPlus([0, 2]).start(model, opt)
+    x, y = digits.split()[0][:32], digits.split()[2][:32]
+
+    def step():
+        own = method.variables_to_train()
+        with tf.GradientTape() as tape:
+            loss = LOSS(y, model(x, training=True))
+        method.apply_gradients(tape.gradient(loss, own))
+
+    def momenta():
+        return [np.concatenate([np.ravel(s.numpy()) for s in slot_variables(opt, v)]) for v in method.variables]
+
+    step()                                   # epoch 0: ASSM, every layer's momentum moves
+    moved_in_assm = all(np.any(m != 0) for m in momenta())
+    method.set_epoch(1)                      # PASSM: only this process's layers
+    own = {id(v) for v in method.variables_to_train()}
+    step()
+    before = momenta()
+    changed = method.set_epoch(2)            # ASSM again
+    after = momenta()
+    mine = [id(v) in own for v in method.variables]
+    method.finish()
+    return {"moved_in_assm": moved_in_assm, "changed": changed, "owns_some": any(mine) and not all(mine),
+            "others_zeroed": all(not np.any(a) for a, m in zip(after, mine) if not m),
+            "own_kept": all(np.array_equal(a, b) for a, b, m in zip(after, before, mine) if m),
+            "own_nonzero": all(np.any(a) for a, m in zip(after, mine) if m)}
+
+
 def check_checkpoint(topo, epochs=2):
     x_train, x_test, y_train, y_test = digits.split()
     shard = equal_shard(topo, len(x_train))
@@ -190,4 +224,5 @@ def check_reset(topo, steps=6, batch=16):
 
 
 CHECKS = {"no_lost_update": check_no_lost_update, "staleness": check_staleness, "partition": check_partition,
-          "checkpoint": check_checkpoint, "convergence": check_convergence, "reset": check_reset}
+          "checkpoint": check_checkpoint, "convergence": check_convergence, "reset": check_reset,
+          "stale_momentum": check_stale_momentum}
