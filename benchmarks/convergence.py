@@ -24,7 +24,11 @@ clipping at --clip-norm), `warmup` (density warm-up from 25 % over --warmup-step
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
 rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
-steps, then constant), as Horovod's Keras MNIST example runs.
+steps, then constant), as Horovod's Keras MNIST example runs. `--loop tape` trains as
+Horovod's custom-loop example (examples/tensorflow2/tensorflow2_mnist.py) does instead of
+`Model.fit`: a `tf.function` step, the tape wrapped by `hvd.DistributedGradientTape`
+(Horovod) or `hvdx.DistributedGradientTape(tape, **options)` (hvdx's methods), the inner
+optimizer applying the gradients, and the variables broadcast after the first step.
 The methods take turns: every --eval-every steps each method trains that many steps, then
 its test accuracy is taken (outside the timed part), so a slow spell of the machine hits
 all of them alike. Wall times are only results when the machine runs nothing else.
@@ -189,6 +193,31 @@ def warmed_rate(rate: float, step: int, warmup_steps: int, size: int) -> float:
 
 
 # -- the ranks -------------------------------------------------------------------------------
+def tape_step(model, optimizer, options: Optional[Dict[str, Any]]):
+    """Horovod's custom-loop training step (tensorflow2_mnist.py): `step(images, labels,
+    first_batch)` -> loss; `options` None: Horovod's tape, else hvdx's with these keywords."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    import hvdx
+
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy()
+
+    @tf.function
+    def step(images, labels, first_batch):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, model(images, training=True))
+        tape = hvd.DistributedGradientTape(tape) if options is None else hvdx.DistributedGradientTape(tape, **options)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if first_batch:
+            hvdx.broadcast_variables(model.variables, root_rank=0)
+            hvdx.broadcast_variables(optimizer.variables() if callable(optimizer.variables) else optimizer.variables,
+                                     root_rank=0)
+        return loss
+    return step
+
+
 def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
     """Every method of the task, taking turns every --eval-every steps. Returns per method
     the steps, test accuracies and cumulative training seconds (slowest rank) of each eval."""
@@ -215,10 +244,19 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             if type(inner).__name__ != "LARS":
                 options.pop("local_trust_ratio", None)
             optimizer = hvdx.DistributedOptimizer(inner, **options)
-        model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(),
-                      metrics=["accuracy"])
         data = tf.data.Dataset.from_tensor_slices((x_train[mine], y_train[mine])).repeat().shuffle(
             2048, seed=args.seed).batch(args.batch)
+        if args.loop == "tape":
+            model.compile(optimizer=inner, loss=tf.keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
+            runs[method] = {"model": model, "iterator": iter(data), "optimizer": inner,
+                            "train": tape_step(model, inner, None if method == "horovod" else options),
+                            "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
+                            "rate": float(tf.keras.backend.get_value(inner.learning_rate))}
+            hvdx.barrier()
+            runs[method]["train"](*next(runs[method]["iterator"]), True)  # first step, then the broadcast
+            continue
+        model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(),
+                      metrics=["accuracy"])
         hvdx.barrier()
         model.fit(data, steps_per_epoch=1, epochs=1, verbose=0,  # builds and broadcasts the initial state
                   callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
@@ -232,9 +270,12 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             start = time.perf_counter()
             for i in range(n):
                 if args.lr_warmup_steps:
-                    run["model"].optimizer.learning_rate.assign(
+                    run.get("optimizer", run["model"].optimizer).learning_rate.assign(
                         warmed_rate(run["rate"], run["done"] + i, args.lr_warmup_steps, hvd.size()))
-                logs = run["train"](run["iterator"])
+                if args.loop == "tape":
+                    logs = {"loss": run["train"](*next(run["iterator"]), False)}
+                else:
+                    logs = run["train"](run["iterator"])
             float(logs["loss"])  # waits for the last step
             run["clock"] += common.slowest(time.perf_counter() - start, f"conv.{task}.{method}.{args.seed}.{chunk}")
             run["done"] += n
@@ -399,6 +440,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="Horovod's LearningRateWarmupCallback over this many steps (0: none)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds (--seed, --seed + 1, ...)")
+    parser.add_argument("--loop", default="fit", choices=("fit", "tape"),
+                        help="fit: Model.fit's train function; tape: Horovod's custom-loop example")
     parser.add_argument("--optimizer", default="task", choices=OPTIMIZERS,
                         help="task: each task's own (Adam, momentum SGD); lars, lamb: hvdx's")
     parser.add_argument("--smoke", action="store_true", help="tiny models, few steps (tests)")
