@@ -246,21 +246,22 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             optimizer = hvdx.DistributedOptimizer(inner, **options)
         data = tf.data.Dataset.from_tensor_slices((x_train[mine], y_train[mine])).repeat().shuffle(
             2048, seed=args.seed).batch(args.batch)
-        if args.loop == "tape":
-            model.compile(optimizer=inner, loss=tf.keras.losses.SparseCategoricalCrossentropy(), metrics=["accuracy"])
-            runs[method] = {"model": model, "iterator": iter(data), "optimizer": inner,
-                            "train": tape_step(model, inner, None if method == "horovod" else options),
-                            "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
-                            "rate": float(tf.keras.backend.get_value(inner.learning_rate))}
-            hvdx.barrier()
-            runs[method]["train"](*next(runs[method]["iterator"]), True)  # first step, then the broadcast
-            continue
-        model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(),
+        tape = args.loop == "tape"  # the tape's loop: the model compiled only for evaluate
+        model.compile(optimizer=inner if tape else optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(),
                       metrics=["accuracy"])
-        hvdx.barrier()
-        model.fit(data, steps_per_epoch=1, epochs=1, verbose=0,  # builds and broadcasts the initial state
-                  callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
-        runs[method] = {"model": model, "iterator": iter(data), "train": model.make_train_function(),
+        if tape:
+            iterator = iter(data)
+            hvdx.barrier()
+            train = tape_step(model, inner, None if method == "horovod" else options)
+            train(*next(iterator), True)  # the first step, then the broadcast
+        else:
+            hvdx.barrier()
+            model.fit(data, steps_per_epoch=1, epochs=1, verbose=0,  # builds and broadcasts the initial state
+                      callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
+            iterator, train = iter(data), model.make_train_function()
+        # the optimizer whose rate --lr-warmup-steps ramps: the one that applies the gradients
+        runs[method] = {"model": model, "iterator": iterator, "train": train,
+                        "optimizer": inner if tape else model.optimizer,
                         "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
                         "rate": float(tf.keras.backend.get_value(inner.learning_rate))}
     for chunk in range(-(-(args.steps - 1) // args.eval_every)):
@@ -270,7 +271,7 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             start = time.perf_counter()
             for i in range(n):
                 if args.lr_warmup_steps:
-                    run.get("optimizer", run["model"].optimizer).learning_rate.assign(
+                    run["optimizer"].learning_rate.assign(
                         warmed_rate(run["rate"], run["done"] + i, args.lr_warmup_steps, hvd.size()))
                 if args.loop == "tape":
                     logs = {"loss": run["train"](*next(run["iterator"]), False)}

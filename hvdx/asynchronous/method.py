@@ -97,6 +97,7 @@ class SharedModelMethod(TrainingMethod):
         self.units: List[Unit] = []
         self.groups: List[Tuple[int, int]] = []
         self.staleness: Optional[Staleness] = None
+        self.optimizer: Any = None
         self.steps = 0
         self.averagings = 0
         self.epoch = 0
@@ -117,7 +118,7 @@ class SharedModelMethod(TrainingMethod):
         it is epochs old and was made at another learning rate, and it would be added to
         blocks that moved on without it."""
         before = self.full_step()
-        started = getattr(self, "optimizer", None) is not None and bool(self.groups)
+        started = self.optimizer is not None and bool(self.groups)
         own = {id(v) for v in self.variables_to_train()} if started and not before else None
         self.epoch = int(epoch)
         changed = before != self.full_step()

@@ -109,12 +109,12 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
         whole epoch's ids and slots, the batches being their slices from `base` = 0;
         otherwise this batch's (filled first), at `base` = its offset in the epoch."""
         epoch, samples, in_slab, slots = batch_of(state, step)
-        k = int(step) % steps
-        plan = plans[epoch][0]
-        if in_slab and not plan.leftovers:
-            base, samples, slots = 0, plan.samples, plans[epoch][1]
+        plan, epoch_slots = plans[epoch]
+        warm = in_slab and not plan.leftovers
+        if warm:
+            base, samples, slots = 0, plan.samples, epoch_slots
         else:
-            base = k * batch_size
+            base = int(step) % steps * batch_size
             if not in_slab:
                 with timeline.python_span("datacache", "slab", "fill a batch (decode or copy in)"):
                     samples = reader.fill_slab(samples, resolution, slab)
@@ -122,8 +122,7 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
             finish(epoch)
         # the slab's arrays are zero-copy views of the node's mapping: TensorFlow takes them
         # over without copying, and tf.gather copies out only the batch
-        return (np.int64(epoch), np.int64(base), np.bool_(in_slab and not plan.leftovers), samples, slots,
-                slab.pixels, slab.labels)
+        return np.int64(epoch), np.int64(base), np.bool_(warm), samples, slots, slab.pixels, slab.labels
 
     def read_step(state: np.ndarray, step: np.ndarray):
         epoch, samples, _, _ = batch_of(state, step)
@@ -176,10 +175,9 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
         ds = tf.data.Dataset.range(total).scan(
             (tf.constant(-1, tf.int64), tf.constant(0, tf.int64), tf.constant(False), tf.zeros([0], tf.int64),
              tf.zeros([0], tf.int64), tf.zeros([0, h, w, c], tf.uint8), tf.zeros([0], tf.int64)), from_slab)
+        ds = ds.map(gather, num_parallel_calls=PARALLEL, deterministic=True)
     else:
         ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), from_values)
-    if slab is not None:
-        ds = ds.map(gather, num_parallel_calls=PARALLEL, deterministic=True)
     if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
         per_batch = batch_augment(augment, (batch_size, h, w, c), compile_augment)
 
