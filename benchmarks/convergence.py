@@ -47,7 +47,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Mapping, Optional
 
 try:
     import common
@@ -325,9 +325,12 @@ def mean_curves(by_seed: Dict[str, Dict[str, Dict[str, dict]]]) -> Dict[str, Dic
     return out
 
 
-def seed_spread(by_seed: Dict[str, Dict[str, Dict[str, dict]]]) -> Dict[str, Dict[str, dict]]:
+def seed_spread(by_seed: Dict[str, Dict[str, Dict[str, dict]]],
+                targets: Optional[Mapping[str, float]] = None) -> Dict[str, Dict[str, dict]]:
     """Per task and method, the final test accuracy of each seed, their mean, min and max,
-    and the mean's gap to Horovod's mean (points)."""
+    and the mean's gap to Horovod's mean (points); with `targets`, each seed's seconds to
+    its task's target (None where not reached), their mean over the seeds that reached it,
+    and Horovod's mean over this method's (the speed-up, over the seeds both reached)."""
     runs = list(by_seed.values())
     out: Dict[str, Dict[str, dict]] = {}
     for task, methods in runs[0].items():
@@ -336,10 +339,24 @@ def seed_spread(by_seed: Dict[str, Dict[str, Dict[str, dict]]]) -> Dict[str, Dic
             finals = [r[task][method]["accuracy"][-1] for r in runs]
             out[task][method] = {"final": finals, "mean": sum(finals) / len(finals), "min": min(finals),
                                  "max": max(finals)}
-        reference = out[task].get("horovod", {}).get("mean")
+            if targets is not None:
+                out[task][method]["seconds_to_target"] = [_seconds_to(r[task][method], targets[task]) for r in runs]
+        reference = out[task].get("horovod", {})
         for spread in out[task].values():
-            spread["gap_points"] = None if reference is None else round(100 * (spread["mean"] - reference), 2)
+            spread["gap_points"] = None if "mean" not in reference else round(100 * (spread["mean"] - reference["mean"]), 2)
+            if targets is None:
+                continue
+            reached = [s for s in spread["seconds_to_target"] if s is not None]
+            spread["mean_seconds_to_target"] = sum(reached) / len(reached) if reached else None
+            both = [(h, s) for h, s in zip(reference.get("seconds_to_target", []), spread["seconds_to_target"])
+                    if h is not None and s is not None]
+            spread["speedup_vs_horovod"] = (sum(h for h, _ in both) / sum(s for _, s in both)) if both else None
     return out
+
+
+def _seconds_to(run: dict, target: float) -> Optional[float]:
+    """The training seconds at the first evaluation at or above `target`; None if none is."""
+    return next((t for a, t in zip(run["accuracy"], run["seconds"]) if a >= target), None)
 
 
 # -- the summary -------------------------------------------------------------------------------
@@ -367,7 +384,9 @@ def summarize(tasks: Dict[str, Dict[str, dict]], targets: Dict[str, float]) -> D
 
 def table(summary: Dict[str, Dict[str, dict]], steps: int, spread: Optional[Dict[str, Dict[str, dict]]] = None) -> str:
     """The Markdown table; with `spread` (several seeds) the final accuracy is the seeds' mean
-    with its range, the gap is the means', the other columns are of the mean curves."""
+    with its range, the gap is the means', the seconds to target the mean of the seeds that
+    reached it (how many, and Horovod's mean over this method's), the other columns are of
+    the mean curves."""
     rows = []
     for task, methods in summary.items():
         for method, s in methods.items():
@@ -376,6 +395,7 @@ def table(summary: Dict[str, Dict[str, dict]], steps: int, spread: Optional[Dict
                 rows.append([task, method, f"{r['mean']:.3f} ({r['min']:.3f}-{r['max']:.3f})",
                              "" if r["gap_points"] is None else f"{r['gap_points']:+.1f}", f"{s['best_accuracy']:.3f}",
                              "-" if s["steps_to_target"] is None else s["steps_to_target"],
+                             _seeds_to_target(r) if "seconds_to_target" in r else
                              "-" if s["seconds_to_target"] is None else f"{s['seconds_to_target']:.1f}",
                              f"{1000 * s['seconds_per_step']:.0f}"])
                 continue
@@ -386,6 +406,17 @@ def table(summary: Dict[str, Dict[str, dict]], steps: int, spread: Optional[Dict
                          f"{1000 * s['seconds_per_step']:.0f}"])
     return common.markdown_table(["task", "method", f"test acc. after {steps} steps", "vs Horovod (points)",
                                   "best", "steps to target", "s to target", "ms/step"], rows, text_columns=2)
+
+
+def _seeds_to_target(spread: dict) -> str:
+    """'mean s (reached/seeds, speed-up vs Horovod)' of a method's seconds to target."""
+    if spread["mean_seconds_to_target"] is None:
+        return "-"
+    seeds = spread["seconds_to_target"]
+    reached = sum(s is not None for s in seeds)
+    speedup = spread.get("speedup_vs_horovod")
+    return (f"{spread['mean_seconds_to_target']:.1f} ({reached}/{len(seeds)}"
+            f"{'' if speedup is None else f', {speedup:.2f}x'})")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -459,7 +490,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         worker_argv += ["--steps", str(args.steps), "--eval-every", str(args.eval_every)]
     result = next(iter(common.run_topologies(__file__, args, worker_argv)))
     result["summary"] = summarize(result["tasks"], TARGETS)
-    result["seeds"] = seed_spread(result["by_seed"])
+    result["seeds"] = seed_spread(result["by_seed"], TARGETS)
     result["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report(args, result)
     print(table(result["summary"], args.steps, result["seeds"]))

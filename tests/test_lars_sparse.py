@@ -187,5 +187,13 @@ def test_convergence_benchmark_names_the_aid_and_spreads_the_seeds():
     text = convergence.table(convergence.summarize(convergence.mean_curves(by_seed), {"t": 0.9}), 20,
                              convergence.seed_spread(by_seed))
     assert "| t | hitopk | 0.850 (0.800-0.900) | -7.0 |" in text
+    # time to 0.9 per seed: Horovod 2.0 s and 2.0 s, HiTopK never and 2.0 s: its mean over the one
+    # seed that reached it, the speed-up over that seed only
+    timed = convergence.seed_spread(by_seed, {"t": 0.9})
+    hitopk, horovod = timed["t"]["hitopk"], timed["t"]["horovod"]
+    assert hitopk["seconds_to_target"] == [None, 2.0] and hitopk["mean_seconds_to_target"] == 2.0
+    assert horovod["mean_seconds_to_target"] == 2.0 and hitopk["speedup_vs_horovod"] == 1.0
+    text = convergence.table(convergence.summarize(convergence.mean_curves(by_seed), {"t": 0.9}), 20, timed)
+    assert "| 2.0 (1/2, 1.00x) |" in text and "| 2.0 (2/2, 1.00x) |" in text
     with pytest.raises(ValueError, match="unknown optimizer"):
         convergence.inner_optimizer("resnet", 4, "adagrad")
