@@ -18,8 +18,10 @@ uncompiled Keras augmentation mapped over the batches of either (`keras`), and w
 per-sample pad-crop-flip (`crop`: `.map` per sample before `.batch` for tf.data,
 DataCache's `augment=`, compiled with XLA). Then a restarted job (`restart`): DataCache is
 closed and built again over the node's store, as a relaunched job on the same nodes does,
-and its first epoch is timed. An epoch's time is split into its fixed cost (the first
-batch: the iterator's start and the epoch's planning) and the time per sample after it.
+and its first epoch is timed; --repeats times, the ratio taking the median as for epochs 2+
+(an epoch of 2x2 is ~0.3 s: one sample of it is mostly scheduling noise). An epoch's time
+is split into its fixed cost (the first batch: the iterator's start and the epoch's
+planning) and the time per sample after it.
 Memory per node: DataCache's store (allocated blocks on /dev/shm), `.cache()`'s RSS growth
 summed over the node's ranks. Times are the slowest rank's.
 
@@ -38,7 +40,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -164,9 +166,13 @@ def bench(root: Path, store_root: Path, args: argparse.Namespace) -> dict:
             keep(key, epochs)
         cache.close()
         del runs
-        again, cache = datacache_datasets(root, store_dir, args)  # a relaunched job on the same nodes
-        keep("datacache_restart", epoch(again["none"], f"scale.{r}.restart", size))
-        cache.close()
+        restarts = []
+        for i in range(args.repeats):  # a relaunched job on the same nodes, as often as later epochs repeat
+            again, cache = datacache_datasets(root, store_dir, args)
+            restarts.append(epoch(again["none"], f"scale.{r}.restart.{i}", size))
+            cache.close()
+            del again
+        keep("datacache_restart", restarts)
         if size > 1:
             hvdx.barrier()
         if cache.placement.local_rank == 0:
@@ -250,12 +256,17 @@ def summary(result: dict, batch: int) -> dict:
     ratios["epoch2_none_whole"] = [med(e[0] for e in a) / med(e[0] for e in b)
                                    for a, b in zip(t["tf_cache_none"], t["datacache_none"])]
     ratios["epoch1"] = [a[0] / b[0] for a, b in zip(t["plain_epoch1"], t["datacache_epoch1"])]
-    ratios["restart"] = [med(e[0] for e in later) / first[0]
+    ratios["restart"] = [med(e[0] for e in later) / med(e[0] for e in _epochs(first))
                          for later, first in zip(t["datacache_none"], t["datacache_restart"])]
     fixed = {m: med(med(e[1] for e in r) for r in t[f"{m}_none"]) * 1e3 for m in ("tf_cache", "datacache")}
     per = {m: med(med(sample_time(e) for e in r) for r in t[f"{m}_none"]) * 1e6 for m in ("tf_cache", "datacache")}
     mem = {k: med(v) for k, v in result["memory_bytes"].items()}
     return {"ratios": ratios, "fixed_ms": fixed, "per_sample_us": per, "memory_per_node_bytes": mem}
+
+
+def _epochs(restarts: Sequence) -> Sequence:
+    """A round's restarted epochs: a list of them (one per pass), or one (runs before that)."""
+    return restarts if isinstance(restarts[0], (list, tuple)) else [restarts]
 
 
 def table(results: Dict[str, dict], batch: int) -> str:
@@ -296,7 +307,8 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
                 "per sample: after an epoch's first batch), medians of per-round ratios over "
                 f"{c['rounds']} cold rounds (epochs 2-{c['epochs']}, without augmentation {c['repeats']} passes each, "
                 "methods taking turns); the restarted job is "
-                "DataCache built again over the node's store. Load average (1 min, start/end) "
+                "DataCache built again over the node's store (as many times as the passes, the median). "
+                "Load average (1 min, start/end) "
                 f"{loads}. Raw times: `results/datacache_scale.json`.\n\n" + text
                 + budget_text(result.get("over_budget"), result))
         update_readme("datacache-scale", body, readme)

@@ -856,7 +856,7 @@ def test_datacache_scale_benchmark_rows(tmp_path):
     budget = json.loads((tmp_path / "datacache_scale.json").read_text())["over_budget"]
     assert budget["budget_bytes"] < budget["decoded_bytes"] and len(budget["epochs"]) == 2
     assert budget["stats"][-1]["store"]["hits"] > 0  # part of epoch 2 from memory
-    total, first, samples = rounds["datacache_restart"][0]
+    ((total, first, samples),) = rounds["datacache_restart"][0]   # one restart per pass (--quick: 1)
     assert 0 < first <= total and samples == 96
     assert result["memory_bytes"]["datacache_node"][0] >= 96 * 24 * 24 * 3  # the node's slab
     text = readme.read_text()
