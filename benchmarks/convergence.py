@@ -343,7 +343,8 @@ def seed_spread(by_seed: Dict[str, Dict[str, Dict[str, dict]]],
                 out[task][method]["seconds_to_target"] = [_seconds_to(r[task][method], targets[task]) for r in runs]
         reference = out[task].get("horovod", {})
         for spread in out[task].values():
-            spread["gap_points"] = None if "mean" not in reference else round(100 * (spread["mean"] - reference["mean"]), 2)
+            spread["gap_points"] = (None if "mean" not in reference
+                                    else round(100 * (spread["mean"] - reference["mean"]), 2))
             if targets is None:
                 continue
             reached = [s for s in spread["seconds_to_target"] if s is not None]
@@ -354,9 +355,15 @@ def seed_spread(by_seed: Dict[str, Dict[str, Dict[str, dict]]],
     return out
 
 
+def _reached(run: dict, target: float) -> Optional[int]:
+    """The index of the run's first evaluation at or above `target`; None if none is."""
+    return next((i for i, a in enumerate(run["accuracy"]) if a >= target), None)
+
+
 def _seconds_to(run: dict, target: float) -> Optional[float]:
     """The training seconds at the first evaluation at or above `target`; None if none is."""
-    return next((t for a, t in zip(run["accuracy"], run["seconds"]) if a >= target), None)
+    reached = _reached(run, target)
+    return None if reached is None else run["seconds"][reached]
 
 
 # -- the summary -------------------------------------------------------------------------------
@@ -369,7 +376,7 @@ def summarize(tasks: Dict[str, Dict[str, dict]], targets: Dict[str, float]) -> D
         out[task] = {}
         for method, run in methods.items():
             final = run["accuracy"][-1]
-            reached = next((i for i, a in enumerate(run["accuracy"]) if a >= targets[task]), None)
+            reached = _reached(run, targets[task])
             out[task][method] = {
                 "final_accuracy": final,
                 "gap_points": None if reference is None else round(100 * (final - reference), 2),

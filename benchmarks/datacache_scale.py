@@ -40,7 +40,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -256,17 +256,12 @@ def summary(result: dict, batch: int) -> dict:
     ratios["epoch2_none_whole"] = [med(e[0] for e in a) / med(e[0] for e in b)
                                    for a, b in zip(t["tf_cache_none"], t["datacache_none"])]
     ratios["epoch1"] = [a[0] / b[0] for a, b in zip(t["plain_epoch1"], t["datacache_epoch1"])]
-    ratios["restart"] = [med(e[0] for e in later) / med(e[0] for e in _epochs(first))
-                         for later, first in zip(t["datacache_none"], t["datacache_restart"])]
+    ratios["restart"] = [med(e[0] for e in later) / med(e[0] for e in restarts)
+                         for later, restarts in zip(t["datacache_none"], t["datacache_restart"])]
     fixed = {m: med(med(e[1] for e in r) for r in t[f"{m}_none"]) * 1e3 for m in ("tf_cache", "datacache")}
     per = {m: med(med(sample_time(e) for e in r) for r in t[f"{m}_none"]) * 1e6 for m in ("tf_cache", "datacache")}
     mem = {k: med(v) for k, v in result["memory_bytes"].items()}
     return {"ratios": ratios, "fixed_ms": fixed, "per_sample_us": per, "memory_per_node_bytes": mem}
-
-
-def _epochs(restarts: Sequence) -> Sequence:
-    """A round's restarted epochs: a list of them (one per pass), or one (runs before that)."""
-    return restarts if isinstance(restarts[0], (list, tuple)) else [restarts]
 
 
 def table(results: Dict[str, dict], batch: int) -> str:
