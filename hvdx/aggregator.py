@@ -30,6 +30,8 @@ their norms from the reduce-scattered slices it maps back to variables).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -232,6 +234,20 @@ class GradientAggregator(tf.Module):
         strategy = choice.build(strict=False)
         self._book.choice = choice
         self._use(strategy)
+
+    def use_process_set(self, process_set: hvd.ProcessSet) -> None:
+        """The ranks that take part changed (Elastic Horovod re-initialised: the old process
+        set's id means nothing now): the aggregation and every strategy that takes a
+        `process_set` run over `process_set` from the next trace on, and a later `switch`
+        builds with it."""
+        self.process_set = process_set
+        horovod = {k: v for k, v in self._book.choice.horovod.items() if k != "process_set"}
+        if process_set is not hvd.global_process_set:
+            horovod["process_set"] = process_set
+        self._book.choice = dataclasses.replace(self._book.choice, horovod=horovod)
+        for strategy in self._book.strategies:
+            if "process_set" in type(strategy).options:
+                strategy.process_set = process_set
 
     def _use(self, strategy: comm.Strategy) -> None:
         """Makes `strategy` the current one, or an earlier instance equal to it."""

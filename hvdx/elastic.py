@@ -30,6 +30,7 @@ from horovod.common.elastic import ObjectState, State
 from horovod.tensorflow import elastic as _tf_elastic
 from horovod.tensorflow.keras import elastic as _keras_elastic
 
+from hvdx.lifecycle import reset_running
 from hvdx.topology import initialized, reinit
 
 __all__ = ["CommitStateCallback", "ElasticError", "KerasState", "ObjectState", "State", "TensorFlowKerasState",
@@ -49,11 +50,14 @@ class ElasticError(RuntimeError):
 
 def reset_hvdx(model: Optional[Any] = None) -> None:
     """After Horovod re-initialised on new ranks: rebuilds hvdx's topology and process sets
-    (collective over the new ranks) and drops `model`'s traced Keras functions so that its
-    next `fit` / `evaluate` / `predict` traces again for the new topology. Does nothing to
-    the topology where `hvdx.init()` never ran (a plain Horovod script)."""
+    (collective over the new ranks), resets every training method a driver is running
+    (`hvdx.lifecycle.reset_running`: DASO, AD-PSGD, the shared-memory family, LocalSGD
+    closed and planned for the new ranks, their `state()` kept; the next `fit` starts them
+    collectively) and drops `model`'s traced Keras functions so that its next `fit` /
+    `evaluate` / `predict` traces again for the new topology. Does nothing to the topology
+    where `hvdx.init()` never ran (a plain Horovod script)."""
     if initialized():
-        reinit()
+        reset_running(reinit())
     if model is not None:
         for name in _TRACED:
             if getattr(model, name, None) is not None:

@@ -18,21 +18,25 @@ custom loop: the loop itself) calls its hooks in this order, on every rank:
 
 `state()` / `restore(state)` carry what a checkpoint must keep (JSON); `reset(topology)`
 drops what was built for the old ranks without collectives when the membership changes, and
-the next `start()` rebuilds it (collective over the new ranks). A new method is one module
+the next `start()` rebuilds it (collective over the new ranks). A driver marks a method
+`running(method)` after its start and `stopped(method)` after its close; Elastic Horovod's
+reset (`hvdx.elastic`) calls `reset_running()`, which closes and resets every method still
+running (a `fit` that a failed collective or a host change interrupted). A new method is one module
 that subclasses `TrainingMethod` and overrides the hooks it needs (`hvdx.localsgd`); the
 driver and the Keras callback need no change. Design: docs/design.md ("Methods beside the
 step: one lifecycle").
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Type, TypeVar
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Type, TypeVar
 
 from hvdx.wrapped import check_not_synchronous
 
 if TYPE_CHECKING:
     from hvdx.topology import Topology
 
-__all__ = ["TrainingMethod", "check_not_synchronous", "find_method"]
+__all__ = ["TrainingMethod", "check_not_synchronous", "find_method", "reset_running", "running", "stopped"]
 
 M = TypeVar("M", bound="TrainingMethod")
 
@@ -141,3 +145,32 @@ def find_method(optimizer: Any, kind: Type[M] = TrainingMethod) -> Optional[M]:
             return optimizer
         optimizer = getattr(optimizer, "inner_optimizer", None)
     return None
+
+
+#: The methods a driver started and has not closed (weakly held: a method nobody holds is gone).
+_RUNNING: "weakref.WeakSet[TrainingMethod]" = weakref.WeakSet()
+
+
+def running(method: TrainingMethod) -> None:
+    """A driver started `method` (after `start()`): a membership change resets it."""
+    _RUNNING.add(method)
+
+
+def stopped(method: TrainingMethod) -> None:
+    """A driver closed `method` (after `close()`)."""
+    _RUNNING.discard(method)
+
+
+def reset_running(topology: Optional["Topology"] = None) -> List[str]:
+    """The membership changed (Elastic Horovod's reset, after `hvdx.topology.reinit`): every
+    running method is closed and `reset(topology)` (no collective), its `state()` kept; the
+    driver's next `start()` rebuilds it for the new ranks. Returns the methods' labels.
+
+    Raises what a method's `reset` raises (e.g. a method that cannot plan for the new ranks).
+    """
+    methods = list(_RUNNING)
+    _RUNNING.clear()
+    for method in methods:
+        method.close()
+        method.reset(topology)
+    return [method.label for method in methods]

@@ -5,7 +5,8 @@
   topology is launched once, for the union of the checks that the selected tests need. The
   launches start with the session, in the background, and those tests run after the others
   (HVDX_LAUNCH_AHEAD=0: in collection order, each launch when its first test needs it).
-- Tests that launch are marked `multirank`; benchmark smoke tests `slow` (pyproject.toml).
+- Tests that launch are marked `multirank`; benchmark smoke tests and multi-rank runs whose code is the
+  same on both stacks `slow` (pyproject.toml).
 """
 import os
 import resource

@@ -237,6 +237,43 @@ def test_the_driver_closes_the_method_when_a_hook_fails_and_checks_steps_per_exe
         TrainingMethodCallback(tf.keras.optimizers.SGD(0.1))
 
 
+def test_a_membership_change_closes_and_resets_the_methods_a_fit_left_running():
+    """Elastic Horovod interrupts `fit` from inside a step or another callback (a failed
+    collective, a host change): the driver's hooks see no error, the method stays running;
+    the elastic reset (`hvdx.lifecycle.reset_running`) closes and resets it, and a method
+    whose fit ended normally is not touched."""
+    import tensorflow as tf
+
+    from hvdx.callbacks import TrainingMethodCallback
+    from hvdx.lifecycle import reset_running
+
+    class Interrupt(tf.keras.callbacks.Callback):  # what Horovod's CommitStateCallback raises from
+        def on_train_batch_end(self, batch, logs=None):
+            raise RuntimeError("hosts updated")
+
+    Recorder = _recorder()
+
+    def reset(self, topology=None):
+        self.calls.append(("reset", topology))
+    Recorder.reset = reset
+    x, y = _data(64)
+    model = _model()
+    model.compile(tf.keras.optimizers.SGD(0.1), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    finished, interrupted = Recorder(), Recorder()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[TrainingMethodCallback(finished)])
+    with pytest.raises(RuntimeError, match="hosts updated"):
+        model.fit(x, y, batch_size=32, epochs=1, verbose=0,
+                  callbacks=[TrainingMethodCallback(interrupted), Interrupt()])
+    assert interrupted.calls[-1] == ("after_step",)  # neither finished nor closed
+    topology = object()
+    assert reset_running(topology) == ["Recorder"]
+    assert interrupted.calls[-2:] == [("close",), ("reset", topology)]
+    assert finished.calls[-1] == ("close",)  # its fit closed it: no reset
+    assert reset_running(topology) == []  # reset once; the next fit's start() rebuilds it
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, callbacks=[TrainingMethodCallback(interrupted)])
+    assert [c[0] for c in interrupted.calls[-2:]] == ["finish", "close"]
+
+
 # -- the driver on real methods, one rank --------------------------------------------------------------
 def test_the_driver_finds_daso_in_the_optimizer_and_drives_it(one_rank):
     import tensorflow as tf

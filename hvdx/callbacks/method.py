@@ -38,7 +38,7 @@ from hvdx.adpsgd.method import ADPSGD, check_cross_node_weight, check_fit_option
 from hvdx.asynchronous.method import SharedModelMethod
 from hvdx.callbacks.broadcast import check_same_steps
 from hvdx.daso.optimizer import DASO
-from hvdx.lifecycle import TrainingMethod, find_method
+from hvdx.lifecycle import TrainingMethod, find_method, running, stopped
 
 __all__ = ["ADPSGDCallback", "DASOCallback", "SharedModelCallback", "TrainingMethodCallback"]
 
@@ -99,6 +99,7 @@ class TrainingMethodCallback(tf.keras.callbacks.Callback):
         self._steps = params.get("steps")
         self._call(method.start, model, model.optimizer, steps_per_epoch=self._steps, epochs=params.get("epochs"))
         self._running = True
+        running(method)  # a membership change (hvdx.elastic) resets it
         if method.replaces_train_step:
             model.train_step = self._train_step
             model.train_function = model.make_train_function(force=True)
@@ -136,12 +137,14 @@ class TrainingMethodCallback(tf.keras.callbacks.Callback):
             method.finish()
         except BaseException:
             method.close()
+            stopped(method)
             raise
         finally:
             if "train_step" in vars(model):
                 del model.train_step
                 model.train_function = None
         method.close()
+        stopped(method)
         self.stats = method.stats()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -163,6 +166,7 @@ class TrainingMethodCallback(tf.keras.callbacks.Callback):
         try:
             if self.method is not None:
                 self.method.close()
+                stopped(self.method)
         finally:
             model = self.model
             if model is not None and "train_step" in vars(model):

@@ -381,20 +381,12 @@ class DASO(DistributedOptimizer, TrainingMethod):
     def reset(self, topology: Optional[Topology] = None) -> None:
         """The membership changed (default: `hvdx.topology()` now). Without collectives: closes
         the transport, forgets the exchange in flight (the schedule goes on from its position,
-        B, W and plateau), plans the groups for the new ranks per node. The next start() (or
+        B, W and plateau), averages gradients over the new node's process set from the next
+        trace, plans the groups for the new ranks per node. The next start() (or
         after_step()) takes rank 0's parameters and opens a new transport, collectively.
-
-        Raises:
-          ValueError: the ranks of this rank's node changed: the node-local gradient average
-            runs over the process set DASO was built with; build a new DASO for the new
-            membership and restore(state()) into it.
         """
         topology = topology if topology is not None else _get_topology()
-        if tuple(topology.local_ranks) != tuple(self._topo.local_ranks):
-            raise ValueError(f"hvdx.DASO averages gradients inside the node over the ranks it was built with "
-                             f"({list(self._topo.local_ranks)}); this rank's node now has "
-                             f"{list(topology.local_ranks)}: build a new hvdx.DASO for the new membership and "
-                             f"restore(state()) into it")
+        self._aggregator.use_process_set(topology.local_set)
         self.close()
         self._close_transport = None
         self._sync = None

@@ -4,7 +4,8 @@ under `horovodrun --gloo --min-np 2 --max-np 4 --host-discovery-script`.
     elastic_digits.py API COMMUNICATION HOSTS_FILE [EPOCHS [SCHEDULE]]
 
 API: "horovod" (`import horovod.tensorflow.keras as hvd`) or "hvdx" (`import hvdx.keras as
-hvd`, with `communication=COMMUNICATION`). HOSTS_FILE is what the discovery script prints:
+hvd`, with `communication=COMMUNICATION`; COMMUNICATION "daso", "adpsgd" or "assm": that
+training method instead, driven by `hvdx.callbacks.TrainingMethodCallback`). HOSTS_FILE is what the discovery script prints:
 rank 0 writes "127.0.0.1:2" into it at the end of epoch 1 (node localhost removed) and, with
 SCHEDULE "remove,add" (the default; "remove": only the removal), both hosts again at the end
 of epoch 3 (the node back); SCHEDULE "shrink": localhost keeps one of its two ranks at the end
@@ -48,7 +49,19 @@ hvd.init()
 x_train, x_test, y_train, y_test = digits.split()
 model = digits.mlp(seed=0)
 optimizer = tf.keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9)
-if API == "hvdx":
+method_callbacks = []
+if API == "hvdx" and COMMUNICATION in ("daso", "adpsgd", "assm"):
+    from hvdx.adpsgd import ADPSGD
+    from hvdx.asynchronous import ASSM
+    from hvdx.callbacks import TrainingMethodCallback
+
+    if COMMUNICATION == "daso":
+        optimizer = hvdx.DASO(optimizer, total_epochs=EPOCHS)
+        method_callbacks = [TrainingMethodCallback()]
+    else:
+        method = ADPSGD(topology="ring", timeout=60) if COMMUNICATION == "adpsgd" else ASSM(average_every=4)
+        method_callbacks = [TrainingMethodCallback(method)]
+elif API == "hvdx":
     optimizer = hvd.DistributedOptimizer(optimizer, communication=COMMUNICATION)
 else:
     optimizer = hvd.DistributedOptimizer(optimizer)
@@ -97,8 +110,9 @@ def on_state_reset():
 
 
 state.register_reset_callbacks([on_state_reset])
-callbacks = [Check(), hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
-             hvd.elastic.UpdateEpochStateCallback(state)]
+# the method's callback first: its start (one model on every rank) before Check's look at the weights
+callbacks = method_callbacks + [Check(), hvd.elastic.CommitStateCallback(state),
+                                hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)]
 rng = np.random.default_rng(0)
 
 
