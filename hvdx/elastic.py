@@ -32,6 +32,7 @@ from horovod.tensorflow.keras import elastic as _keras_elastic
 
 from hvdx.lifecycle import reset_running
 from hvdx.topology import initialized, reinit
+from hvdx.variables import build_optimizer
 
 __all__ = ["CommitStateCallback", "ElasticError", "KerasState", "ObjectState", "State", "TensorFlowKerasState",
            "TensorFlowState", "UpdateBatchStateCallback", "UpdateEpochStateCallback", "reset_hvdx", "run"]
@@ -64,21 +65,31 @@ def reset_hvdx(model: Optional[Any] = None) -> None:
                 setattr(model, name, None)
 
 
-class TensorFlowKerasState(_tf_elastic.TensorFlowKerasState):
+class _KerasStateMixin:
+    """What hvdx's Keras states add to Horovod's: the reset of hvdx, and a sync that first
+    builds the optimizer's state, so that a worker added by a reset (which never trained)
+    broadcasts as many optimizer variables as the workers that did: Horovod's sync broadcasts
+    `optimizer.variables()`, which a Keras optimizer creates at its first update, and the
+    ranks' broadcasts would not match (the job hangs where a node is added back)."""
+
+    def reset(self) -> None:
+        reset_hvdx(self.model)
+        super().reset()
+
+    def sync(self) -> None:
+        build_optimizer(self.optimizer, self.model.trainable_variables)
+        super().sync()
+
+
+class TensorFlowKerasState(_KerasStateMixin, _tf_elastic.TensorFlowKerasState):
     """Horovod's `TensorFlowKerasState` (model, optimizer, extra attributes) that also resets
-    hvdx after a membership change (`reset_hvdx(model)`)."""
-
-    def reset(self) -> None:
-        reset_hvdx(self.model)
-        super().reset()
+    hvdx after a membership change (`reset_hvdx(model)`) and builds the optimizer's state
+    before every sync (`hvdx.variables.build_optimizer`)."""
 
 
-class KerasState(_keras_elastic.KerasState):
-    """Horovod's Keras `KerasState` that also resets hvdx after a membership change."""
-
-    def reset(self) -> None:
-        reset_hvdx(self.model)
-        super().reset()
+class KerasState(_KerasStateMixin, _keras_elastic.KerasState):
+    """Horovod's Keras `KerasState` that also resets hvdx after a membership change and builds
+    the optimizer's state before every sync."""
 
 
 class TensorFlowState(_tf_elastic.TensorFlowState):

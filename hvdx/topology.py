@@ -82,10 +82,16 @@ def _node_key() -> str:
 UNEVEN_NODES_ENV = "HVDX_UNEVEN_NODES"
 
 
+def elastic_job() -> bool:
+    """Whether this process runs in an Elastic Horovod job (`horovodrun --min-np/--max-np/
+    --host-discovery-script` sets $HOROVOD_ELASTIC=1)."""
+    return os.environ.get("HOROVOD_ELASTIC", "0").strip() == "1"
+
+
 def _resolve_uneven(uneven_nodes: Optional[str]) -> str:
     value = uneven_nodes if uneven_nodes is not None else os.environ.get(UNEVEN_NODES_ENV, "").strip()
     if not value:
-        value = "flat" if os.environ.get("HOROVOD_ELASTIC", "0").strip() == "1" else "error"
+        value = "flat" if elastic_job() else "error"
     if value not in ("error", "flat"):
         raise ValueError(f"uneven_nodes (or ${UNEVEN_NODES_ENV}) is 'error' or 'flat', got {value!r}")
     return value

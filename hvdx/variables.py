@@ -14,7 +14,7 @@ from typing import Any, Iterable, List, Optional
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-__all__ = ["broadcast_variables", "slot_variables", "tf_variable"]
+__all__ = ["broadcast_variables", "build_optimizer", "slot_variables", "tf_variable"]
 
 
 def tf_variable(variable: Any) -> Any:
@@ -28,6 +28,24 @@ def tf_variable(variable: Any) -> Any:
         return variable
     value = getattr(variable, "value", None)
     return value if isinstance(value, tf.Variable) else variable
+
+
+def build_optimizer(optimizer: Any, variables: Iterable[Any]) -> None:
+    """Creates now the state `optimizer` creates at its first update of `variables` (its step
+    count, SGD's momentum, Adam's moments): afterwards `optimizer.variables()` lists what it
+    lists after training, so that a process that never trained (a worker Elastic Horovod
+    added) broadcasts as many optimizer variables as one that did. Idempotent.
+
+    Args:
+        optimizer: a Keras 2 legacy (`_create_all_weights`), Keras 2.11+ or Keras 3 (`build`)
+            optimizer, or one wrapping it (hvdx's DistributedOptimizer, a LossScaleOptimizer).
+        variables: the model variables it updates (`model.trainable_variables`).
+    """
+    variables = list(variables)
+    if hasattr(optimizer, "_create_all_weights"):  # Keras 2 legacy (OptimizerV2)
+        optimizer._create_all_weights(variables)
+    else:
+        optimizer.build(variables)
 
 
 def slot_variables(optimizer: Any, variable: Any) -> List[Any]:

@@ -181,8 +181,12 @@ class ADPSGD(TrainingMethod):
             self.step_budget = self._remaining(self.step_budget)
         self._resume = False
         self._retire()
-        name = self.name if self._runs == 0 else f"{self.name}.run{self._runs}"
-        self._runs += 1
+        # the transports' names number the gossips started; a process Elastic Horovod added
+        # has started none: every rank takes the largest count, so the names match
+        hvd = sys.modules["horovod.tensorflow"]
+        runs = int(hvd.allreduce(tf.constant([self._runs], tf.int64), op=hvd.Max, name="hvdx.adpsgd.runs")[0])
+        name = self.name if runs == 0 else f"{self.name}.run{runs}"
+        self._runs = runs + 1
         peers = PeerTransport.create(list(self.graph.neighbours(self.rank)), self.rank,
                                      name=f"{name}.peers", timeout=self.timeout)
         ring_timeout = 3600.0 if self.finish_timeout is None else max(self.timeout, float(self.finish_timeout))

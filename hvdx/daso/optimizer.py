@@ -50,7 +50,7 @@ from hvdx.agreement import check_agreement
 from hvdx.lifecycle import TrainingMethod, find_method
 from hvdx.optimizer import DistributedOptimizer
 from hvdx.plateau import PlateauDetector
-from hvdx.topology import Topology, initialized as _initialized, topology as _get_topology
+from hvdx.topology import Topology, elastic_job, initialized as _initialized, topology as _get_topology
 from hvdx.wrapped import check_not_horovods
 
 if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
@@ -187,15 +187,20 @@ class DASO(DistributedOptimizer, TrainingMethod):
 
     # -- between steps (eager) ---------------------------------------------------------
     def _setup(self) -> None:
-        """Collective, at the first step (or at the start after reset()): the ranks agree, the
-        parameter sync and its transport. After reset() every rank first takes rank 0's
-        parameters again (they are the blocking phase's x_ref)."""
+        """Collective, at the first step (or at the start after reset()): the ranks agree, take
+        rank 0's schedule, the parameter sync and its transport. After reset() every rank
+        first takes rank 0's parameters again (they are the blocking phase's x_ref)."""
         if self._params is None:
             raise RuntimeError("after_step() comes after the step's apply_gradients (no variables yet)")
         check_agreement({"DASO": json.dumps(self._daso_config, sort_keys=True),
                          "variables": f"{len(self._params)} of {sum(int(np.prod(v.shape)) for v in self._params)} "
                                       f"elements"},
                         "their DASO optimizer (same arguments, same model on every rank)", "hvdx.daso.setup")
+        # rank 0's schedule on every rank: after reset() a process Elastic Horovod added starts
+        # with a new schedule, and the ranks must take the same actions at the same steps
+        state = hvd.broadcast_object(self.schedule.state(), root_rank=0, name="hvdx.daso.schedule")
+        self.schedule = self._for_topology(Schedule.from_state(state))
+        self._write_state()
         if self._reference0 is None:  # after reset(): the ranks' parameters may differ
             self._start_identical()
         self._sync = ParameterSync(self._flat, self._topo, self._open_transport(),
@@ -340,10 +345,18 @@ class DASO(DistributedOptimizer, TrainingMethod):
     def start(self, model_or_variables: Any = None, optimizer: Any = None, *, steps_per_epoch: Optional[int] = None,
               epochs: Optional[int] = None) -> "DASO":
         """Collective where this DASO's variables are known and its transport is not built
-        (after reset()): every rank takes rank 0's parameters, the transport opens. Otherwise
-        nothing: DASO's variables are those of its first traced apply_gradients (which
-        broadcasts rank 0's parameters), and the first after_step() builds the transport.
-        The arguments are the lifecycle's (DASO is its own optimizer). Returns self."""
+        (after reset()): every rank takes rank 0's parameters, the transport opens. In an
+        elastic job a built Keras model (`model_or_variables`) makes its trainable variables
+        DASO's before the first step, so that a process Elastic Horovod added (which never
+        stepped) makes the same collectives here as the ranks that did (every trainable
+        variable must then get a gradient). Otherwise nothing: DASO's variables are
+        those of its first traced apply_gradients (which broadcasts rank 0's parameters), and
+        the first after_step() builds the transport. The arguments are the lifecycle's (DASO
+        is its own optimizer). Returns self."""
+        if self._params is None and elastic_job() and getattr(model_or_variables, "built", False):
+            variables = list(model_or_variables.trainable_variables)
+            if variables:
+                self._params = self._no_dependency(variables)
         if self._params is not None and self._sync is None:
             self._setup()
         return self
@@ -392,6 +405,7 @@ class DASO(DistributedOptimizer, TrainingMethod):
         self._sync = None
         self._reference0 = None
         self._identical = False
+        self._unsynced.assign(0)  # a step interrupted before its after_step() (a host change, a failure)
         self._topo = topology
         self.schedule = self._for_topology(Schedule.from_state(
             {**self.schedule.state(), "pending_group": None, "pending_step": None}))
