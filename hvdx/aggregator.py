@@ -31,7 +31,6 @@ their norms from the reduce-scattered slices it maps back to variables).
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -46,7 +45,7 @@ from hvdx.comm.choice import StrategyChoice, environment_default
 from hvdx.comm.allreduce import OP_NAMES
 from hvdx.comm.memory import commit
 from hvdx.comm.traits import OptimizerTraits
-from hvdx.agreement import check_agreement
+from hvdx.agreement import Agreed, check_agreement
 from hvdx.topology import initialized, topology
 from hvdx.variables import tf_variable
 
@@ -68,8 +67,7 @@ class _Book:
 
     def __init__(self) -> None:
         self.var_sets: Dict[Any, str] = {}
-        self.verified: set = set()
-        self.verified_under: Any = None  # the membership (hvdx.topology()) that verified them
+        self.verified = Agreed()  # the step layouts checked, per membership
         self.checks = 0
         self.choice: Optional[StrategyChoice] = None
         self.local_refs: set = set()
@@ -445,7 +443,7 @@ class GradientAggregator(tf.Module):
             "with the bucket layouts": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
         }
         signature = tuple(sorted(description.items()))
-        verified = self._verified_signatures()
+        verified = self._book.verified.under(topology() if initialized() else None)
         if signature in verified:
             return
         self._book.checks += 1
@@ -453,15 +451,6 @@ class GradientAggregator(tf.Module):
         verified.add(signature)
         for name, sizes, dtype in buckets:
             self._strategy.agreed(name, sizes, dtype)
-
-    def _verified_signatures(self) -> set:
-        """The step layouts the ranks of the current membership agreed on: none after Elastic
-        Horovod's reset (`hvdx.topology.reinit`), where the surviving ranks must check again
-        with the new ones (who check at their first trace), as the strategies do."""
-        current = topology() if initialized() else None
-        if current is not self._book.verified_under:
-            self._book.verified, self._book.verified_under = set(), current
-        return self._book.verified
 
     def _aggregate_fused(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int],
                          out: List[Any]) -> Tuple[List[Any], List[tf.Tensor]]:

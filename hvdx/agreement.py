@@ -12,16 +12,33 @@ that reach different checks still meet and compare, rather than wait for each ot
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Any, Dict, List, Set
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-__all__ = ["AGREEMENT", "RankMismatchError", "check_agreement", "checks_made", "describe_differences"]
+__all__ = ["AGREEMENT", "Agreed", "RankMismatchError", "check_agreement", "checks_made", "describe_differences"]
 
 #: The collective name of the layout checks of the aggregator and the strategies.
 AGREEMENT = "hvdx.layout.agree"
 _checks_made = 0
+
+
+class Agreed:
+    """The layouts the ranks of one membership checked (`check_agreement`): empty again under
+    another membership (Elastic Horovod's reset, `hvdx.topology.reinit`), whose ranks, the
+    survivors with the added ones, must check again together."""
+
+    def __init__(self) -> None:
+        self._layouts: Set[Any] = set()
+        self._membership: Any = None
+
+    def under(self, membership: Any) -> Set[Any]:
+        """The set of layouts agreed under `membership` (a `Topology`, or None before
+        `hvdx.init()`); the caller adds what it checked."""
+        if membership is not self._membership:
+            self._layouts, self._membership = set(), membership
+        return self._layouts
 
 
 def checks_made() -> int:

@@ -19,7 +19,7 @@ from hvdx import progress
 from hvdx.arguments import integer, real
 from hvdx.comm import registry
 from hvdx.comm.traits import OptimizerTraits
-from hvdx.agreement import check_agreement
+from hvdx.agreement import Agreed, check_agreement
 # the node-local collectives, below the strategies; re-exported here, where they were
 from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scatter,  # noqa: F401
                                    node_reduce_scatter_parts, node_slices, padded_length)
@@ -125,8 +125,7 @@ class Strategy:
 
     def __init__(self, topo: Optional[Topology] = None) -> None:
         self._topo = topo
-        self._agreed: Set[Layout] = set()
-        self._agreed_under: Optional[Topology] = None  # the membership the layouts were agreed by
+        self._agreed = Agreed()
 
     @classmethod
     def from_options(cls, *, strict: bool = True, **options: Any) -> "Strategy":
@@ -290,7 +289,7 @@ class Strategy:
             return
         check_agreement(self.describe(name, sizes, dtype), f"a call of a strategy on buffer {name!r}",
                         process_set=self.process_set or hvd.global_process_set)
-        self._agreed.add(layout)
+        self._agreed_layouts().add(layout)
 
     def agreed(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> None:
         """Records a layout that the caller has checked itself (the aggregator checks a
@@ -300,10 +299,7 @@ class Strategy:
     def _agreed_layouts(self) -> Set[Layout]:
         """The layouts the ranks of the current topology agreed on: none after a new
         membership (Elastic Horovod's reset, `hvdx.topology.reinit`), whose ranks check again."""
-        current = self._topo or (topology() if initialized() else None)
-        if current is not self._agreed_under:
-            self._agreed, self._agreed_under = set(), current
-        return self._agreed
+        return self._agreed.under(self._topo or (topology() if initialized() else None))
 
     # -- what a strategy implements -----------------------------------------------------
     def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
