@@ -102,14 +102,54 @@ class TensorFlowState(_tf_elastic.TensorFlowState):
         super().reset()
 
 
+#: What a collective that failed because a rank died or Horovod shut down says: Horovod's ops
+#: by type (eager calls, and Horovod's own DistributedOptimizer, whose node names carry the
+#: type), the shutdown message every pending collective gets, and Gloo's own error, which the
+#: collective running when the peer died gets (its source path, e.g. `.../gloo/transport/tcp/
+#: pair.cc:589] Read error ...: Connection reset by peer`). hvdx's graph-mode collectives are
+#: named after hvdx's buffers (e.g. `hvdx.2dtar.ar.v0_b1`), not after the op type.
+_COLLECTIVE_FAILURE = ("Horovod has been shut down", "HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast",
+                       "HorovodAlltoall", "HorovodReducescatter", "HorovodGroupedAllreduce", "/gloo/", "gloo::")
+
+
+def _is_collective_failure(error: BaseException) -> bool:
+    """Whether `error` is a TensorFlow op error from a Horovod collective that failed."""
+    import tensorflow as tf
+
+    return isinstance(error, tf.errors.OpError) and any(s in (error.message or "") for s in _COLLECTIVE_FAILURE)
+
+
+def _reset_horovod() -> None:
+    _hvd.shutdown()
+    _hvd.init()
+
+
 def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """Horovod's `hvd.elastic.run` (the decorator of the elastic training function), which
-    first checks that the job can be elastic.
+    first checks that the job can be elastic, and which tells every failed collective from
+    other errors: a TensorFlow error from a Horovod collective (`_COLLECTIVE_FAILURE`)
+    becomes Horovod's `HorovodInternalError` (restore the last commit, reset, go on), any
+    other error propagates. Horovod's own TensorFlow `run` returns None, as if training had
+    ended, on an `UnknownError` whose message names no Horovod op type: the shutdown error
+    of a collective named otherwise (hvdx's strategies' ops, in a traced step) ended the
+    training of every survivor of a dead rank without a word.
 
     Raises:
       ElasticError: when called in a job launched by MPI.
     """
-    elastic = _tf_elastic.run(func)
+    from horovod.common.elastic import run_fn
+    from horovod.common.exceptions import HorovodInternalError
+
+    @functools.wraps(func)
+    def classified(state: State, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(state, *args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - re-raised unless a collective failed
+            if _is_collective_failure(error):
+                raise HorovodInternalError(error) from error
+            raise
+
+    elastic = run_fn(classified, _reset_horovod)
 
     @functools.wraps(func)
     def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:

@@ -143,6 +143,28 @@ def test_a_residual_written_under_another_membership_is_read_as_zeros():
     assert np.all(memory.read("b0", 3, tf.float32).numpy() == 7.0)
 
 
+def test_run_resets_after_a_failed_collective_and_raises_every_other_error(monkeypatch):
+    """Horovod's TensorFlow `run` returned None (training over) on an UnknownError naming no
+    Horovod op type, e.g. the shutdown error of a traced hvdx collective after a rank died;
+    hvdx's run classifies by the shutdown message too, and lets any other error through."""
+    shut_down = tf.errors.UnknownError(None, None, "Horovod has been shut down. This was caused by an exception "
+                                       "on one of the ranks [[{{node hitopk/hvdx.hitopk.ag.v0_b0}}]]")
+    assert elastic._is_collective_failure(shut_down)
+    assert elastic._is_collective_failure(tf.errors.UnknownError(None, None, "in HorovodAllreduce_grads_0"))
+    reset = ("Graph execution error: Detected at node hierarchical_1/hvdx.2dtar.ar.v0_b1 ... [/tmp/horovod/third_party/"
+             "compatible17_gloo/gloo/transport/tcp/pair.cc:589] Read error [10.77.0.2]:46245: Connection reset by peer")
+    assert elastic._is_collective_failure(tf.errors.UnknownError(None, None, reset))  # the op running when it died
+    bug = tf.errors.UnknownError(None, None, "a user's layer failed")
+    assert not elastic._is_collective_failure(bug) and not elastic._is_collective_failure(ValueError("x"))
+
+    def train(state):
+        raise bug
+
+    monkeypatch.setattr(elastic._hvd, "mpi_enabled", lambda: False)  # this test process runs under MPI
+    with pytest.raises(tf.errors.UnknownError, match="a user's layer failed"):
+        elastic.run(train)(elastic.ObjectState(bcast_object=lambda obj: obj, get_rank=lambda: 0, epoch=0))
+
+
 # -- the elastic launch: 2 emulated nodes x 2 ranks -> node localhost removed -> 1 x 2 ---------
 
 ELASTIC_TIMEOUT = 300  # seconds: the job is killed (its whole process tree) past this
