@@ -79,6 +79,9 @@ def test_the_command_line_is_the_same_in_process(capsys):
     with pytest.raises(SystemExit) as info:
         cli.main([])
     assert info.value.code == 2 and "give a command after --" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--elastic", "--", "true"])
+    assert info.value.code == 2 and "--elastic needs --host-discovery-script" in capsys.readouterr().err
 
 
 def test_the_launcher_starts_without_tensorflow():
@@ -105,6 +108,24 @@ def test_every_rank_gets_horovodruns_environment():
         assert (env["HOROVOD_GLOO_RENDEZVOUS_ADDR"], env["HOROVOD_GLOO_RENDEZVOUS_PORT"]) == ("10.77.0.254", "1234")
         assert json.loads(env["HVDX_CLUSTER"])["ranks_per_node"] == 2
     assert len(plan) == 6
+
+
+def test_a_relaunch_on_the_nodes_left_places_ranks_there_only():
+    envs, plan = cluster.rank_environments(cluster.Cluster(3), ranks_per_node=2, rendezvous_port=1, nodes=[2])
+    assert [(e["HOROVOD_RANK"], e["HOROVOD_HOSTNAME"], e["HOROVOD_SIZE"]) for e in envs] == [
+        ("0", "node2", "2"), ("1", "node2", "2")]
+
+
+def test_pinned_nodes_split_the_cores_and_wrap_their_commands():
+    import os
+
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = cluster.Cluster(2, pin_cores=True)
+    shares = [pinned.node_cpus(i) for i in range(2)]
+    if len(cores) >= 2:
+        assert set(",".join(shares).split(",")) <= {str(c) for c in cores} and shares[0] != shares[1]
+    assert pinned.command(1, ["python"])[:3] == ["taskset", "-c", shares[1]]
+    assert cluster.Cluster(2).node_cpus(0) is None and cluster.Cluster(2).command(0, ["x"])[0] == "ip"
 
 
 # -- with namespaces -------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 `python hvdx/runner/cluster.py ...` (which starts without importing TensorFlow).
 
     python -m hvdx.runner [--nodes N] [--ranks-per-node M] [--rate R] [--delay D | --no-delay]
-                          [--loss L] [--mtu B] [--timeout S] [--mpi] (-- command ... | --probe | --cleanup)
+                          [--loss L] [--mtu B] [--timeout S] [--pin-cores]
+                          [--mpi | --elastic --host-discovery-script S [--min-np K] [--max-np L]]
+                          (-- command ... | --probe | --cleanup)
 
 Exit status: the job's (the first failing rank's, 124 on timeout), 2 when the cluster cannot
 be built or the options are wrong (the reason on stderr, after `hvdx-cluster: `), 130 on Ctrl-C.
@@ -17,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
-from .cluster import DESCRIPTION, Cluster, run_job, run_mpi_job
+from .cluster import DESCRIPTION, Cluster, run_elastic_job, run_job, run_mpi_job
 from .netns import ClusterError, cleanup_stale
 from .probe import client, endpoint, probe_links
 from .shaping import LinkSpec
@@ -42,6 +44,13 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--timeout", type=float, default=None, help="seconds before the job is killed")
     out.add_argument("--mpi", action="store_true",
                      help="start the ranks with mpirun (Open MPI) instead of Horovod's Gloo launcher")
+    out.add_argument("--pin-cores", action="store_true",
+                     help="run each node's processes on its own share of this machine's cores")
+    out.add_argument("--elastic", action="store_true",
+                     help="an elastic job: horovodrun --gloo with --host-discovery-script, in the switch namespace")
+    out.add_argument("--host-discovery-script", help="with --elastic: prints the nodes up, e.g. 'node0:2'")
+    out.add_argument("--min-np", type=int, default=None, help="with --elastic (default: --ranks-per-node)")
+    out.add_argument("--max-np", type=int, default=None, help="with --elastic (default: every node's ranks)")
     out.add_argument("--probe", action="store_true", help="measure the links and exit")
     out.add_argument("--cleanup", action="store_true", help="remove namespaces of dead launchers")
     for hidden in ("--endpoint", "--client"):  # the two ends of a probe (hvdx/runner/probe.py)
@@ -80,6 +89,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 0
     if not command and not args.probe:
         options.error("give a command after --, or --probe")
+    if args.elastic and (args.mpi or not args.host_discovery_script):
+        options.error("--elastic needs --host-discovery-script and Horovod's Gloo launcher (not --mpi)")
     previous = {sig: signal.signal(sig, _raise_on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return _on_cluster(args, command)
@@ -91,13 +102,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 def _on_cluster(args: argparse.Namespace, command: List[str]) -> int:
     try:
         link = LinkSpec(rate=args.rate, delay=None if args.no_delay else args.delay, loss=args.loss, mtu=args.mtu)
-        with Cluster(args.nodes, link) as built:
+        with Cluster(args.nodes, link, pin_cores=args.pin_cores) as built:
             print(f"hvdx-cluster: {args.nodes} node(s) x {args.ranks_per_node} rank(s), "
                   f"links {json.dumps(built.describe())}", flush=True)
             if args.probe:
                 _print_probe(probe_links(built))
                 return 0
             print(f"hvdx-cluster: running {shlex.join(command)}", flush=True)
+            if args.elastic:
+                return run_elastic_job(built, args.ranks_per_node, command, timeout=args.timeout,
+                                       discovery_script=args.host_discovery_script,
+                                       min_np=args.min_np or args.ranks_per_node, max_np=args.max_np)
             job = run_mpi_job if args.mpi else run_job
             return job(built, args.ranks_per_node, command, timeout=args.timeout)
     except ClusterError as exc:

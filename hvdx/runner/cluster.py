@@ -9,13 +9,15 @@ would, without ssh (needs root):
 
 Layout (every address exists only inside namespaces this launcher creates and removes):
 
-    hvdx-<pid>-<k>-sw   "switch": bridge br0 (10.77.0.254/24), one port p<i> per node
+    hvdx-<pid>-<k>-sw   "switch": bridge eth0 (10.77.0.254/24), one port p<i> per node
     hvdx-<pid>-<k>-n<i> node i: eth0 = 10.77.0.<i+1>/24, the far end of a veth pair from p<i>
 
 Both ends of each veth pair are shaped to `rate` (hvdx/runner/shaping.py): every node has a
 full-duplex NIC of that rate on a non-blocking switch; ranks of one node talk over their
 namespace's loopback, unshaped. Delay and loss need netem; where the kernel lacks it they are
-left out with a warning, and $HVDX_CLUSTER says `"delay_applied": false`.
+left out with a warning, and $HVDX_CLUSTER says `"delay_applied": false`. With `pin_cores`
+(`--pin-cores`) each node's processes run on their own share of this machine's cores, so that
+a node that leaves takes its compute with it.
 
 Each rank gets horovodrun's Gloo environment (rank r on node r // ranks_per_node,
 HOROVOD_HOSTNAME=node<i>, HOROVOD_GLOO_IFACE=eth0, Horovod's rendezvous server listening in
@@ -23,6 +25,11 @@ the switch namespace) and HVDX_CLUSTER, the network's JSON description. Output l
 prefixed `[rank]<stdout>:` / `[rank]<stderr>:` like horovodrun's. The job ends with the exit
 status of the first failing rank (the others are killed then), or 124 on timeout; everything
 created is removed, also on error, SIGTERM and Ctrl-C.
+
+`run_elastic_job` runs an elastic job instead (`--elastic`): horovodrun itself, in the switch
+namespace, with a host-discovery script that names nodes (`node0:2`), and as its ssh an agent
+that starts a node's workers in that node's namespace (uts_agent.sh); `Cluster.kill_node`
+preempts a node (SIGKILLs everything in it).
 """
 from __future__ import annotations
 
@@ -51,13 +58,16 @@ from .netns import (ClusterError, add_bridge, add_namespace, add_port, cleanup_s
                     in_namespace, write_hosts)
 from .shaping import LinkSpec, netem_available, shape  # noqa: E402
 
-__all__ = ["Cluster", "ClusterError", "LinkSpec", "rank_environments", "run_job", "run_mpi_job"]
+__all__ = ["Cluster", "ClusterError", "LinkSpec", "rank_environments", "run_elastic_job", "run_job", "run_mpi_job"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
 SUBNET = "10.77.0"
 SWITCH_ADDR = f"{SUBNET}.254"
 NODE_IFACE = "eth0"
+#: The switch's bridge has the nodes' interface name: horovodrun's elastic driver, which runs
+#: in the switch, looks its own address up on the interface the workers share.
+SWITCH_IFACE = NODE_IFACE
 _counter = 0
 
 
@@ -74,6 +84,7 @@ class Cluster:
 
     nodes: int
     link: LinkSpec = field(default_factory=LinkSpec)
+    pin_cores: bool = False
     delay_applied: bool = False
     created: List[str] = field(default_factory=list)
 
@@ -99,13 +110,32 @@ class Cluster:
     def node_hostname(node: int) -> str:
         return f"node{node}"
 
+    def node_cpus(self, node: int) -> Optional[str]:
+        """The cores node `node` runs on (taskset's list), None unless `pin_cores`: this
+        machine's cores split evenly, one core shared by several nodes when they outnumber them."""
+        if not self.pin_cores:
+            return None
+        cores = sorted(os.sched_getaffinity(0))
+        if self.nodes >= len(cores):
+            return str(cores[node % len(cores)])
+        share = len(cores) // self.nodes
+        return ",".join(str(c) for c in cores[node * share:(node + 1) * share])
+
+    def kill_node(self, node: int) -> int:
+        """Preempts node `node`: SIGKILLs every process in its namespace (its links stay);
+        returns how many were killed."""
+        from .netns import kill_all
+
+        return kill_all(self.node_namespace(node))
+
     def describe(self) -> dict:
         """What HVDX_CLUSTER tells the ranks (and benchmarks write next to their results)."""
         return {"nodes": self.nodes, "rate": self.link.rate, "rate_bps": self.link.rate_bps,
                 "delay": self.link.delay if self.delay_applied else None,
                 "loss": self.link.loss if self.delay_applied else None,
                 "delay_applied": self.delay_applied, "delay_requested": self.link.delay,
-                "mtu": self.link.mtu, "qdisc": "netem+tbf" if self.delay_applied else "tbf"}
+                "mtu": self.link.mtu, "qdisc": "netem+tbf" if self.delay_applied else "tbf",
+                "cpus": [self.node_cpus(i) for i in range(self.nodes)] if self.pin_cores else None}
 
     def __enter__(self) -> "Cluster":
         if os.geteuid() != 0:
@@ -127,7 +157,7 @@ class Cluster:
 
     def _build(self) -> None:
         self._add_namespace(self.switch)
-        add_bridge(self.switch, "br0", f"{SWITCH_ADDR}/24")
+        add_bridge(self.switch, SWITCH_IFACE, f"{SWITCH_ADDR}/24")
         self.delay_applied = self.link.wants_netem() and netem_available(self.switch)
         if self.link.wants_netem() and not self.delay_applied:
             print(f"hvdx-cluster: warning: this kernel has no netem qdisc, so delay {self.link.delay}"
@@ -136,10 +166,12 @@ class Cluster:
         for node in range(self.nodes):
             ns, port = self.node_namespace(node), f"p{node}"
             self._add_namespace(ns)
-            add_port(self.switch, "br0", port, ns, NODE_IFACE, f"{self.node_address(node)}/24", self.link.mtu)
+            add_port(self.switch, SWITCH_IFACE, port, ns, NODE_IFACE, f"{self.node_address(node)}/24", self.link.mtu)
             shape(ns, NODE_IFACE, self.link, netem=self.delay_applied)    # the NIC's transmit side
             shape(self.switch, port, self.link, netem=self.delay_applied)  # the NIC's receive side
             write_hosts(ns, self._hosts(node))
+        write_hosts(self.switch, [f"{self.node_address(j)} {self.node_hostname(j)}" for j in range(self.nodes)]
+                    + ["127.0.0.1 localhost", f"{SWITCH_ADDR} switch"])
 
     def _hosts(self, node: int) -> List[str]:
         """The node's /etc/hosts: this machine's host name is the node's own address there.
@@ -159,18 +191,20 @@ class Cluster:
             delete_namespace(self.created.pop())
 
     def command(self, node: int, argv: Sequence[str]) -> List[str]:
-        """`argv` wrapped to run inside node `node`'s namespace."""
-        return ["ip", "netns", "exec", self.node_namespace(node), *argv]
+        """`argv` wrapped to run inside node `node`'s namespace (on its cores with `pin_cores`)."""
+        cpus = self.node_cpus(node)
+        return [*(["taskset", "-c", cpus] if cpus else []), "ip", "netns", "exec", self.node_namespace(node), *argv]
 
 
-def rank_environments(cluster: Cluster, ranks_per_node: int,
-                      rendezvous_port: int) -> Tuple[List[Dict[str, str]], list]:
-    """horovodrun's Gloo environment for every rank, placed node by node (rank r on node r // n),
-    and Horovod's slot plan for the rendezvous server."""
+def rank_environments(cluster: Cluster, ranks_per_node: int, rendezvous_port: int,
+                      nodes: Optional[Sequence[int]] = None) -> Tuple[List[Dict[str, str]], list]:
+    """horovodrun's Gloo environment for every rank, placed node by node (rank r on the
+    (r // n)-th of `nodes`, default every node), and Horovod's slot plan for the rendezvous server."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
 
-    hosts = ",".join(f"{cluster.node_hostname(i)}:{ranks_per_node}" for i in range(cluster.nodes))
-    plan = get_host_assignments(parse_hosts(hosts), cluster.nodes * ranks_per_node)
+    nodes = list(range(cluster.nodes)) if nodes is None else list(nodes)
+    hosts = ",".join(f"{cluster.node_hostname(i)}:{ranks_per_node}" for i in nodes)
+    plan = get_host_assignments(parse_hosts(hosts), len(nodes) * ranks_per_node)
     description = json.dumps(dict(cluster.describe(), ranks_per_node=ranks_per_node))
     envs = []
     for slot in plan:
@@ -187,8 +221,10 @@ def rank_environments(cluster: Cluster, ranks_per_node: int,
 
 
 def run_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, timeout: Optional[float] = None,
-            env: Optional[Dict[str, str]] = None, out: IO[str] = sys.stdout) -> int:
-    """Runs `command` as ranks_per_node ranks in every node of `cluster`; 0 when every rank succeeds.
+            env: Optional[Dict[str, str]] = None, out: IO[str] = sys.stdout,
+            nodes: Optional[Sequence[int]] = None) -> int:
+    """Runs `command` as ranks_per_node ranks in every node of `cluster` (or in `nodes`: a job
+    relaunched on the nodes a preemption left); 0 when every rank succeeds.
 
     Returns the exit status of the first rank that fails (the others are killed then), or
     124 when `timeout` seconds pass first. Says which rank on `out` (launch.run_ranks).
@@ -206,13 +242,73 @@ def run_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, ti
     with in_namespace(cluster.switch):
         port = server.start()
     try:
-        envs, plan = rank_environments(cluster, ranks_per_node, port)
+        envs, plan = rank_environments(cluster, ranks_per_node, port, nodes)
         server.init(plan)
-        commands = [cluster.command(int(e["HOROVOD_CROSS_RANK"]), command) for e in envs]
+        node_of = {cluster.node_hostname(i): i for i in range(cluster.nodes)}
+        commands = [cluster.command(node_of[e["HOROVOD_HOSTNAME"]], command) for e in envs]
         return run_ranks(commands, [{**os.environ, **(env or {}), **e} for e in envs], ranks_per_node=ranks_per_node,
                          timeout=timeout, out=out, name="hvdx-cluster")
     finally:
         server.stop()
+
+
+def run_elastic_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, discovery_script: str,
+                    min_np: int, max_np: Optional[int] = None, np: Optional[int] = None,
+                    timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
+                    out: Optional[IO[str]] = sys.stdout, horovodrun_args: Sequence[str] = ()) -> int:
+    """Runs `command` as an elastic Horovod job on `cluster`, as a user runs one on a cloud:
+
+        horovodrun --gloo -np NP --min-np MIN --max-np MAX --host-discovery-script SCRIPT
+                   --network-interface eth0 COMMAND...
+
+    horovodrun (its elastic driver and rendezvous) runs in the switch namespace; it starts a
+    node's workers over "ssh", here uts_agent.sh: in that node's namespace, under its host name
+    (and on its cores with `pin_cores`). The discovery script runs in the switch too and prints
+    the nodes that are up as `node<i>:<slots>` lines (a script whose list a test or benchmark
+    changes); a node that leaves is removed from it, and, if preempted, `cluster.kill_node(i)`.
+
+    Args:
+        np: ranks to start with (default: every node's ranks_per_node).
+        max_np: default nodes x ranks_per_node.
+        out: where horovodrun's output goes when it ends (None: nowhere).
+        horovodrun_args: more of horovodrun's options, e.g. ("--blacklist-cooldown-range", "1", "10"):
+            without it a node whose workers were killed never rejoins (Horovod blacklists it).
+
+    Returns:
+        horovodrun's exit status, 124 when `timeout` seconds pass first.
+
+    Raises:
+        ClusterError: ranks_per_node < 1, an empty command or min_np outside 1..max_np.
+    """
+    import tempfile
+
+    from .launch import HOROVODRUN, run
+    from .mpi import AGENT
+
+    total = cluster.nodes * ranks_per_node
+    max_np = max_np or total
+    if ranks_per_node < 1 or not command or not 1 <= min_np <= max_np:
+        raise ClusterError(f"need ranks_per_node >= 1, a command and 1 <= min_np <= max_np, got {ranks_per_node}, "
+                           f"{list(command)}, min_np={min_np}, max_np={max_np}")
+    names = [cluster.node_hostname(i) for i in range(cluster.nodes)]
+    description = json.dumps(dict(cluster.describe(), ranks_per_node=ranks_per_node))
+    with tempfile.TemporaryDirectory(prefix="hvdx-elastic-") as folder:
+        os.symlink(AGENT, os.path.join(folder, "ssh"))  # horovodrun's `ssh HOST COMMAND`
+        horovodrun = [str(HOROVODRUN), "--gloo", "-np", str(np or total), "--min-np", str(min_np),
+                      "--max-np", str(max_np), "--host-discovery-script", discovery_script,
+                      "--network-interface", NODE_IFACE, *horovodrun_args, *command]
+        cpu_map = " ".join(f"{name}:{cluster.node_cpus(i)}" for i, name in enumerate(names) if cluster.pin_cores)
+        job = run(["ip", "netns", "exec", cluster.switch, *horovodrun], timeout=timeout,
+                  env={**os.environ, **(env or {}), "PATH": folder + os.pathsep + os.environ.get("PATH", ""),
+                       "HVDX_NETNS_MAP": " ".join(f"{name}:{cluster.node_namespace(i)}" for i, name in enumerate(names)),
+                       "HVDX_CPU_MAP": cpu_map, "HVDX_CLUSTER": description, "PYTHONUNBUFFERED": "1"})
+    if out is not None:
+        out.write(job.output or "")
+    if job.timed_out:
+        if out is not None:
+            print(f"hvdx-cluster: timed out after {timeout:g} s", file=out, flush=True)
+        return 124
+    return job.returncode
 
 
 def run_mpi_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, timeout: Optional[float] = None,

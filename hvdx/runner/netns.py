@@ -79,12 +79,18 @@ def write_hosts(ns: str, lines: Sequence[str]) -> None:
     (folder / "hosts").write_text("\n".join(lines) + "\n")
 
 
-def delete_namespace(ns: str) -> None:
-    """Kills what still runs in `ns`, then deletes it (its veth ends and qdiscs go with it)."""
+def kill_all(ns: str) -> int:
+    """SIGKILLs every process in `ns`; returns how many there were."""
     pids = ip("netns", "pids", ns, check=False).stdout.split()
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
+    return len(pids)
+
+
+def delete_namespace(ns: str) -> None:
+    """Kills what still runs in `ns`, then deletes it (its veth ends and qdiscs go with it)."""
+    kill_all(ns)
     ip("netns", "del", ns, check=False)
     shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
     with contextlib.suppress(OSError):

@@ -11,7 +11,12 @@
 #
 # On the emulated cluster (hvdx/runner/cluster.py) HVDX_NETNS_MAP="node0:ns0 node1:ns1" names
 # each host's network namespace: the daemon then starts in it (`ip netns exec`), so its ranks
-# reach the other nodes only over that node's shaped link.
+# reach the other nodes only over that node's shaped link. HVDX_CPU_MAP="node0:0 node1:1" pins each
+# host's command to its cores (taskset), as a node's processes have only that node's cores.
+#
+# Named `ssh` on PATH it is also horovodrun's ssh for an elastic job on the emulated cluster
+# (hvdx.runner.cluster.run_elastic_job): horovodrun starts a remote host's workers with
+# `ssh -o ... HOST 'cd DIR ; ENV... COMMAND'`.
 while [ $# -gt 0 ]; do
     case "$1" in
         -p|-i|-l|-o|-F) shift 2 ;;   # ssh options that take a value
@@ -25,9 +30,15 @@ if [ $# -lt 2 ]; then
 fi
 host="$1"
 shift
-for pair in ${HVDX_NETNS_MAP:-}; do
+pin=""
+for pair in ${HVDX_CPU_MAP:-}; do
     if [ "${pair%%:*}" = "$host" ]; then
-        exec ip netns exec "${pair#*:}" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+        pin="taskset -c ${pair#*:}"   # inherited by everything the command starts
     fi
 done
-exec unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+for pair in ${HVDX_NETNS_MAP:-}; do
+    if [ "${pair%%:*}" = "$host" ]; then
+        exec $pin ip netns exec "${pair#*:}" unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
+    fi
+done
+exec $pin unshare --uts sh -c 'hostname "$0" && exec sh -c "$1"' "$host" "$*"
