@@ -393,3 +393,33 @@ def test_stacks_tabulates_each_stack_side_by_side_with_the_new_over_the_old(tmp_
     assert "| mnist | hitopk | 0.950 (-0.5) | 0.960 (-0.5) |  |" in text
     with pytest.raises(SystemExit, match="run `python benchmarks/stacks.py --only topk` first"):
         stacks.tabulate(tmp_path / "none", ["tf2.15"], ["topk"], {})
+
+
+def test_elastic_summary_takes_medians_and_judges_the_goals_by_how_much():
+    from benchmarks import elastic
+
+    def run(case, reached_at, seconds):
+        return {"method": "hitopk", "case": case, "seconds": seconds,
+                "records": [{"t": reached_at - 5, "accuracy": 0.5, "size": 4}, {"t": reached_at, "accuracy": 0.95, "size": 4}]}
+
+    runs = [run("uninterrupted", 40, 60), run("uninterrupted", 50, 70), run("elastic", 60, 90), run("elastic", 54, 80),
+            run("relaunch", 100, 120), run("relaunch", 90, 110)]
+    summary = elastic.summarize(runs, 0.9)
+    cases = summary["hitopk"]
+    assert cases["uninterrupted"]["median_to_target"] == 45 and cases["elastic"]["median_to_target"] == 57
+    assert cases["ratios"]["elastic_over_uninterrupted"] == pytest.approx(57 / 45)
+    assert cases["ratios"]["relaunch_over_elastic"] == pytest.approx(95 / 57)
+    (line,) = elastic.verdicts(summary)
+    assert "1.27x the uninterrupted time (goal <= 1.15: missed by 0.12)" in line and "1.67x sooner" in line
+    assert "(goal >= 1.3: met)" in line
+    runs.append({"method": "hitopk", "case": "relaunch", "seconds": 30, "records": [{"t": 20, "accuracy": 0.5, "size": 4}]})
+    assert "did not reach the target in every repeat" in elastic.verdicts(elastic.summarize(runs, 0.9))[0]
+    assert "| hitopk | relaunch | - | 100.0 / 90.0 / - |" in elastic.table(elastic.summarize(runs, 0.9))
+
+
+def test_elastic_reset_cost_is_the_gap_at_a_size_change_less_an_epoch_of_the_new_size():
+    from benchmarks import elastic
+
+    epochs = [(10, 4), (13, 4), (16, 4), (50, 2), (55, 2), (60, 2), (100, 4), (103, 4)]
+    record = {"records": [{"t": t, "size": size, "accuracy": 0.9} for t, size in epochs]}
+    assert elastic.reset_costs(record) == [29.0, 37.0]  # 34 - 5 (an epoch on 2 ranks), 40 - 3
