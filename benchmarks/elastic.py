@@ -31,7 +31,7 @@ import argparse
 import contextlib
 import json
 import math
-import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -183,12 +183,12 @@ def _kill_jobs(dump: Path) -> None:
         kill_tree(child.pid)
 
 
-def run_case(case: str, method: str, args: argparse.Namespace, cluster) -> Dict[str, Any]:
+def run_case(case: str, method: str, args: argparse.Namespace, cluster, folder: Path) -> Dict[str, Any]:
     """Runs one case on `cluster` and returns its record: the launch time, rank 0's epochs
     (`records`), when the node was preempted and listed again, the jobs' exit statuses."""
     from hvdx.runner.cluster import run_elastic_job, run_job
 
-    folder = Path(tempfile.mkdtemp(prefix=f"hvdx-elastic-{case}-"))
+    folder.mkdir(parents=True)
     hosts, discovery = folder / "hosts", folder / "discover.sh"
     both = "".join(f"{cluster.node_hostname(i)}:{args.ranks_per_node}\n" for i in range(cluster.nodes))
     hosts.write_text(both)
@@ -384,6 +384,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--gloo-timeout", type=int, default=None,
                         help="HOROVOD_GLOO_TIMEOUT_SECONDS of every job (default: Horovod's, 30)")
     parser.add_argument("--stall", type=float, default=120.0, help="seconds without an epoch: the job is killed")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the jobs' logs (and py-spy dumps of hung jobs)")
     parser.add_argument("--smoke", action="store_true", help="a tiny MLP, 9 epochs of batches of 8 (tests)")
     # a rank's options
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -403,6 +404,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     from hvdx.runner.cluster import Cluster, LinkSpec
 
     runs: List[dict] = []
+    work = Path(tempfile.mkdtemp(prefix="hvdx-elastic-"))  # the jobs' logs, progress files, checkpoints
+    print(f"logs in {work}{'' if args.keep_logs else ' (removed at the end; --keep-logs keeps them)'}", flush=True)
     with common.load_during() as load, Cluster(2, LinkSpec(rate=args.rate, delay=None), pin_cores=True) as cluster:
         network = cluster.describe()
         for repeat in range(args.repeats):
@@ -410,14 +413,18 @@ def main(argv: Optional[List[str]] = None) -> None:
                 for case in args.cases:
                     if case == "horovod-elastic" and method != args.methods[0]:
                         continue  # Horovod's dense run does not depend on hvdx's method
-                    run = run_case(case, method, args, cluster)
+                    run = run_case(case, method, args, cluster, work / f"{method}-{case}-{repeat}")
                     run.update(repeat=repeat, seed=args.seed)
                     reached = seconds_to(run, args.target)
+                    if run["exit_codes"][-1:] != [0] and not args.keep_logs:
+                        print("".join(Path(run["log"]).read_text().splitlines(keepends=True)[-40:]), flush=True)
                     print(f"{method} {case} repeat {repeat}: exit {run['exit_codes']}, target "
                           f"{'-' if reached is None else f'{reached:.1f} s'}, final "
                           f"{run['records'][-1]['accuracy'] if run['records'] else None}, {run['seconds']:.1f} s in all, "
                           f"events {run['events']}", flush=True)
                     runs.append(run)
+    if not args.keep_logs:
+        shutil.rmtree(work, ignore_errors=True)
     summary = summarize(runs, args.target)
     result = {"runs": runs, "summary": summary, "verdicts": verdicts(summary), "network": network,
               "load_average": [load["start"][0], load["end"][0]],

@@ -106,10 +106,14 @@ class TensorFlowState(_tf_elastic.TensorFlowState):
 #: by type (eager calls, and Horovod's own DistributedOptimizer, whose node names carry the
 #: type), the shutdown message every pending collective gets, and Gloo's own error, which the
 #: collective running when the peer died gets (its source path, e.g. `.../gloo/transport/tcp/
-#: pair.cc:589] Read error ...: Connection reset by peer`). hvdx's graph-mode collectives are
-#: named after hvdx's buffers (e.g. `hvdx.2dtar.ar.v0_b1`), not after the op type.
+#: pair.cc:589] Read error ...: Connection reset by peer`), and what a collective enqueued on
+#: hvdx's node-local or cross-node process set gets once the failed loop has removed the sets
+#: (Horovod patch 0002: "Process set provided does not exist, or has not been registered").
+#: hvdx's graph-mode collectives are named after hvdx's buffers (e.g. `hvdx.2dtar.ar.v0_b1`),
+#: not after the op type.
 _COLLECTIVE_FAILURE = ("Horovod has been shut down", "HorovodAllreduce", "HorovodAllgather", "HorovodBroadcast",
-                       "HorovodAlltoall", "HorovodReducescatter", "HorovodGroupedAllreduce", "/gloo/", "gloo::")
+                       "HorovodAlltoall", "HorovodReducescatter", "HorovodGroupedAllreduce", "/gloo/", "gloo::",
+                       "Process set provided does not exist")
 
 
 def _is_collective_failure(error: BaseException) -> bool:
