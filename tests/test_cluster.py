@@ -145,9 +145,21 @@ def test_two_by_two_job_sees_a_real_topology(leaves_nothing_behind):
 @needs_namespaces
 def test_links_run_at_the_configured_rate_and_nodes_inside_are_fast(leaves_nothing_behind):
     rate = 200 * 10**6
+
+    def best(c, src, dst, nbytes, tries=3):
+        """The fastest of up to `tries` transfers: the link caps every one, and a transfer
+        whose ends lost their cores to the rest of the suite (running beside this test) is
+        slower than the link, not a measurement of it (CI on tf2.15: 63 Mbit/s one way once)."""
+        speeds = []
+        for _ in range(tries):
+            speeds.append(probe.throughput(c, src, dst, nbytes=nbytes))
+            if speeds[-1] >= 0.8 * rate:
+                break
+        return max(speeds)
+
     with cluster.Cluster(2, cluster.LinkSpec(rate="200mbit", delay=None)) as c:
-        there = probe.throughput(c, 0, 1, nbytes=8 << 20)
-        back = probe.throughput(c, 1, 0, nbytes=8 << 20)
+        there = best(c, 0, 1, 8 << 20)
+        back = best(c, 1, 0, 8 << 20)
         inside = probe.throughput(c, 0, 0, nbytes=64 << 20)
     for measured in (there, back):
         assert 0.8 * rate <= measured <= 1.2 * rate, (there, back)
