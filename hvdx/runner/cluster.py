@@ -55,7 +55,7 @@ from typing import IO, Dict, List, Optional, Sequence, Tuple  # noqa: E402
 
 from .launch import run_ranks  # noqa: E402
 from .netns import (ClusterError, add_bridge, add_namespace, add_port, cleanup_stale, delete_namespace,  # noqa: E402
-                    in_namespace, write_hosts)
+                    in_namespace, kill_all, write_hosts)
 from .shaping import LinkSpec, netem_available, shape  # noqa: E402
 
 __all__ = ["Cluster", "ClusterError", "LinkSpec", "rank_environments", "run_elastic_job", "run_job", "run_mpi_job"]
@@ -124,8 +124,6 @@ class Cluster:
     def kill_node(self, node: int) -> int:
         """Preempts node `node`: SIGKILLs every process in its namespace (its links stay);
         returns how many were killed."""
-        from .netns import kill_all
-
         return kill_all(self.node_namespace(node))
 
     def describe(self) -> dict:
@@ -252,6 +250,27 @@ def run_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, ti
         server.stop()
 
 
+def _agent_env(cluster: Cluster, ranks_per_node: int) -> Dict[str, str]:
+    """What uts_agent.sh (mpirun's rsh agent, horovodrun's ssh) needs to start a node's
+    processes in its namespace (HVDX_NETNS_MAP) and on its cores (HVDX_CPU_MAP, with
+    `pin_cores`), and what the ranks are told of the network (HVDX_CLUSTER)."""
+    names = [cluster.node_hostname(i) for i in range(cluster.nodes)]
+    return {"HVDX_NETNS_MAP": " ".join(f"{name}:{cluster.node_namespace(i)}" for i, name in enumerate(names)),
+            "HVDX_CPU_MAP": " ".join(f"{name}:{cluster.node_cpus(i)}" for i, name in enumerate(names)
+                                     if cluster.pin_cores),
+            "HVDX_CLUSTER": json.dumps(dict(cluster.describe(), ranks_per_node=ranks_per_node)),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def _exit_status(job, timeout: Optional[float], out: Optional[IO[str]]) -> int:
+    """A launcher's exit status (124 past `timeout`), its output written to `out` (None: nowhere)."""
+    if out is not None:
+        out.write(job.output or "")
+        if job.timed_out:
+            print(f"hvdx-cluster: timed out after {timeout:g} s", file=out, flush=True)
+    return 124 if job.timed_out else job.returncode
+
+
 def run_elastic_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, discovery_script: str,
                     min_np: int, max_np: Optional[int] = None, np: Optional[int] = None,
                     timeout: Optional[float] = None, env: Optional[Dict[str, str]] = None,
@@ -290,25 +309,15 @@ def run_elastic_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str
     if ranks_per_node < 1 or not command or not 1 <= min_np <= max_np:
         raise ClusterError(f"need ranks_per_node >= 1, a command and 1 <= min_np <= max_np, got {ranks_per_node}, "
                            f"{list(command)}, min_np={min_np}, max_np={max_np}")
-    names = [cluster.node_hostname(i) for i in range(cluster.nodes)]
-    description = json.dumps(dict(cluster.describe(), ranks_per_node=ranks_per_node))
     with tempfile.TemporaryDirectory(prefix="hvdx-elastic-") as folder:
         os.symlink(AGENT, os.path.join(folder, "ssh"))  # horovodrun's `ssh HOST COMMAND`
         horovodrun = [str(HOROVODRUN), "--gloo", "-np", str(np or total), "--min-np", str(min_np),
                       "--max-np", str(max_np), "--host-discovery-script", discovery_script,
                       "--network-interface", NODE_IFACE, *horovodrun_args, *command]
-        cpu_map = " ".join(f"{name}:{cluster.node_cpus(i)}" for i, name in enumerate(names) if cluster.pin_cores)
         job = run(["ip", "netns", "exec", cluster.switch, *horovodrun], timeout=timeout,
-                  env={**os.environ, **(env or {}), "PATH": folder + os.pathsep + os.environ.get("PATH", ""),
-                       "HVDX_NETNS_MAP": " ".join(f"{name}:{cluster.node_namespace(i)}" for i, name in enumerate(names)),
-                       "HVDX_CPU_MAP": cpu_map, "HVDX_CLUSTER": description, "PYTHONUNBUFFERED": "1"})
-    if out is not None:
-        out.write(job.output or "")
-    if job.timed_out:
-        if out is not None:
-            print(f"hvdx-cluster: timed out after {timeout:g} s", file=out, flush=True)
-        return 124
-    return job.returncode
+                  env={**os.environ, **(env or {}), **_agent_env(cluster, ranks_per_node),
+                       "PATH": folder + os.pathsep + os.environ.get("PATH", "")})
+    return _exit_status(job, timeout, out)
 
 
 def run_mpi_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *, timeout: Optional[float] = None,
@@ -339,8 +348,6 @@ def run_mpi_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *
     if np > (os.cpu_count() or 1):
         mca.update(OVERSUBSCRIBED_MCA)  # the nodes share this machine's cores (docs/launching.md)
     names = [cluster.node_hostname(i) for i in range(cluster.nodes)]
-    netns_map = " ".join(f"{name}:{cluster.node_namespace(i)}" for i, name in enumerate(names))
-    description = json.dumps(dict(cluster.describe(), ranks_per_node=ranks_per_node))
     with tempfile.TemporaryDirectory(prefix="hvdx-mpi-") as folder:
         hostfile = os.path.join(folder, "hostfile")
         with open(hostfile, "w") as f:
@@ -348,10 +355,5 @@ def run_mpi_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *
         mpirun = mpirun_command(command, np=np, hostfile=hostfile, agent=AGENT, bind_to="none", mca=mca,
                                 forward=("PATH", "PYTHONPATH", "HVDX_CLUSTER"))
         job = run(["ip", "netns", "exec", cluster.switch, *mpirun], timeout=timeout,
-                  env={**os.environ, **(env or {}), "HVDX_NETNS_MAP": netns_map, "HVDX_CLUSTER": description,
-                       "PYTHONUNBUFFERED": "1"})
-    out.write(job.output or "")
-    if job.timed_out:
-        print(f"hvdx-cluster: timed out after {timeout:g} s", file=out, flush=True)
-        return 124
-    return job.returncode
+                  env={**os.environ, **(env or {}), **_agent_env(cluster, ranks_per_node)})
+    return _exit_status(job, timeout, out)
