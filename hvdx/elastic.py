@@ -54,11 +54,15 @@ def reset_hvdx(model: Optional[Any] = None) -> None:
     (collective over the new ranks), resets every training method a driver is running
     (`hvdx.lifecycle.reset_running`: DASO, AD-PSGD, the shared-memory family, LocalSGD
     closed and planned for the new ranks, their `state()` kept; the next `fit` starts them
-    collectively) and drops `model`'s traced Keras functions so that its next `fit` /
+    collectively), splits every open DataCache again for the new ranks (`hvdx.data.datacache.
+    reset_open`: its node store kept) and drops `model`'s traced Keras functions so that its next `fit` /
     `evaluate` / `predict` traces again for the new topology. Does nothing to the topology
     where `hvdx.init()` never ran (a plain Horovod script)."""
     if initialized():
         reset_running(reinit())
+    from hvdx.data.datacache import reset_open
+
+    reset_open()
     if model is not None:
         for name in _TRACED:
             if getattr(model, name, None) is not None:

@@ -147,6 +147,63 @@ def test_a_restarted_job_finds_its_full_slab_with_one_look_up_and_serves_the_sam
     again.close()
 
 
+# -- an elastic job's membership change (issue 40): the data split again, the node store kept --
+
+def test_a_membership_change_splits_the_data_again_and_keeps_the_node_store(digits_root, tmp_path):
+    """Node 0 of 2 loses the other node, later gets it back (Elastic Horovod's resets,
+    `DataCache.reset`): on one node its rank reads the whole data set per epoch, the samples
+    of its own part from its store and the other node's from the source once; back on two
+    nodes its part is served from its slab again, nothing read. The samples are byte-identical
+    throughout, and a dataset made before a reset refuses to go on under the new split."""
+    source = CountingSource()
+    cache = make_cache(digits_root, tmp_path, source=source, placement=Placement(0, 2, 0, 1))
+    home = set(cache.part.tolist())
+    stale = cache.dataset(8, with_index=True, epochs=None)
+    _, _, ids = epoch(cache.dataset(8, with_index=True))
+    assert set(ids.tolist()) == home and source.total_reads == len(home) == 24
+    store = cache.store
+    source.reset()
+
+    cache.reset(Placement(0, 1, 0, 1))  # the other node is gone
+    assert cache.store is store and len(cache.part) == 48 and cache.per_rank == 48
+    for e in (1, 2):
+        images, _, ids = epoch(cache.dataset(8, with_index=True, first_epoch=e))
+        assert sorted(ids.tolist()) == list(range(48))  # every sample once per epoch
+        assert all(np.array_equal(x, direct(cache.catalog.paths[i])) for x, i in zip(images, ids))
+    paths = cache.catalog.paths
+    assert sorted(source.reads) == sorted(paths[i] for i in range(48) if i not in home)  # the other part, once
+    assert set(source.reads.values()) == {1}
+    with pytest.raises(tf.errors.InvalidArgumentError, match="made before an elastic reset"):
+        next(iter(stale))
+    source.reset()
+
+    cache.reset(Placement(0, 2, 0, 1))  # the node is back: the store's own part, from its slab
+    images, _, ids = epoch(cache.dataset(8, with_index=True, first_epoch=3))
+    assert set(ids.tolist()) == home and source.total_reads == 0
+    assert cache.reader.slab((RES, RES)) is not None and cache.store.slab_complete(cache.reader.slab((RES, RES)))
+    assert all(np.array_equal(x, direct(paths[i])) for x, i in zip(images, ids))
+    cache.close()
+
+
+def test_open_caches_are_split_again_in_the_order_they_were_made(digits_root, tmp_path, monkeypatch):
+    """`hvdx.elastic`'s reset calls `reset_open()`: every cache not closed, oldest first."""
+    import weakref
+
+    from hvdx.data import datacache
+
+    monkeypatch.setattr(datacache, "_OPEN", weakref.WeakSet())  # not the other tests' caches
+    train = make_cache(digits_root, tmp_path, placement=Placement(1, 2, 0, 1))
+    val = make_cache(digits_root, tmp_path, placement=Placement(1, 2, 0, 1), seed=1)
+    closed = make_cache(digits_root, tmp_path, placement=Placement(1, 2, 0, 1), seed=2)
+    closed.close()
+    order = []
+    for c in (train, val, closed):
+        c.reset = lambda placement=None, c=c: order.append(c)
+    assert datacache.reset_open(Placement(0, 1, 0, 1)) == 2 and order == [train, val]
+    train.close()
+    val.close()
+
+
 def test_progressive_resizing_keeps_each_resolution_under_its_own_key(digits_root, tmp_path):
     source = CountingSource()
     cache = make_cache(digits_root, tmp_path, source=source)
@@ -744,8 +801,8 @@ def test_batches_have_a_static_shape_so_keras_augmentation_maps_over_them(digits
 
 def test_a_run_replaces_the_stores_of_its_data_set_and_names_stale_ones(digits_root, tmp_path, capsys, caplog,
                                                                          monkeypatch):
-    """Issue 27 (7): another split or node count replaces the data set's store (the stores of
-    nodes the job no longer has go); stores of other data sets that no process uses are
+    """Issue 27 (7): another split rebuilds the node's store; another node count makes its
+    own (the unused stores of the old node count go); stores of other data sets that no process uses are
     named (in a log line while small: a job's validation set, a finished job's warm store;
     in a warning once they hold a share of the file system), listed and cleared by
     `python -m hvdx.data`, never one in use."""
@@ -758,9 +815,12 @@ def test_a_run_replaces_the_stores_of_its_data_set_and_names_stale_ones(digits_r
         epoch(c.dataset(8, with_index=True))
         c.close()
     assert len(os.listdir(shm)) == 2 * 3  # two stores (directory, .lock, .users)
-    one = make_cache(digits_root, tmp_path, split_seed=4)  # a 1-node job, another split
-    assert one.store.rebuilt and sorted(os.listdir(shm)) == sorted(os.path.basename(one.store.path) + s
-                                                                   for s in ("", ".lock", ".users"))
+    resplit = make_cache(digits_root, tmp_path, placement=Placement(0, 2, 0, 1), split_seed=3)  # another split
+    assert resplit.store.rebuilt and len(os.listdir(shm)) == 2 * 3
+    resplit.close()
+    one = make_cache(digits_root, tmp_path, split_seed=4)  # a 1-node job: its own store, the 2 nodes' go
+    assert not one.store.rebuilt and sorted(os.listdir(shm)) == sorted(os.path.basename(one.store.path) + s
+                                                                       for s in ("", ".lock", ".users"))
     other = write_digits(tmp_path / "other", 8)
     old = DataCache(other, resolution=RES, cache_dir=str(tmp_path / "disk-o"), store_dir=str(shm), memory_bytes=2**26)
     epoch(old.dataset(4, with_index=True))

@@ -173,8 +173,25 @@ def test_run_resets_after_a_failed_collective_and_raises_every_other_error(monke
 ELASTIC_TIMEOUT = 300  # seconds: the job is killed (its whole process tree) past this
 
 
-def _elastic_digits(tmp_path, communication: str, schedule: str):
-    """Runs tests/multirank/elastic_digits.py on 2x2 under a discovery script; returns (the job,
+def _write_digit_jpegs(root) -> str:
+    """The digits' training split as 8 px grayscale JPEGs in class folders "0".."9"."""
+    import os
+
+    import tensorflow as tf
+
+    from tests.multirank import digits
+
+    x_train, _, y_train, _ = digits.split((8, 8, 1))
+    for i, (x, y) in enumerate(zip(x_train, y_train)):
+        os.makedirs(root / str(y), exist_ok=True)
+        pixels = tf.constant((x * 255).round().astype("uint8"))
+        tf.io.write_file(str(root / str(y) / f"{i:04d}.jpg"), tf.io.encode_jpeg(pixels, quality=95))
+    return str(root)
+
+
+def _elastic_digits(tmp_path, communication: str, schedule: str, datacache: bool = False):
+    """Runs tests/multirank/elastic_digits.py on 2x2 under a discovery script (with
+    `datacache`: its batches from a DataCache over the digits as JPEGs); returns (the job,
     rank 0's record) after checking that it ended in time and rc 0."""
     import json
     import sys
@@ -191,7 +208,10 @@ def _elastic_digits(tmp_path, communication: str, schedule: str):
     command = [str(HOROVODRUN), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
                "--host-discovery-script", str(discover), sys.executable,
                str(harness.MULTIRANK / "elastic_digits.py"), "hvdx", communication, str(hosts), "5", schedule]
-    job = harness.run(command, timeout=ELASTIC_TIMEOUT, env=harness.test_env(str(tmp_path)), cwd=harness.ROOT)
+    env = harness.test_env(str(tmp_path))
+    if datacache:
+        env["HVDX_ELASTIC_DATACACHE"] = _write_digit_jpegs(tmp_path / "digits")
+    job = harness.run(command, timeout=ELASTIC_TIMEOUT, env=env, cwd=harness.ROOT)
     failed = sorted({line.split("]")[0][1:] for line in (job.output or "").splitlines()
                      if line.startswith("[") and "Traceback" in line})
     assert not job.timed_out, f"the elastic job hung past {ELASTIC_TIMEOUT} s:\n{(job.output or '')[-4000:]}"
@@ -204,13 +224,33 @@ def test_hitopk_keras_training_runs_flat_when_a_node_loses_one_rank_then_even_ag
     """2x2 -> nodes of 2 and 1 ranks: hvdx runs flat (every rank a node of its own, one
     warning), HiTopK's residuals of the old slices start from zero; the rank comes back (a new
     process that never trained: its optimizer is built before Horovod's sync, and the ranks
-    check the step's layout again together) -> 2x2, hierarchical again, and the job ends."""
-    job, record = _elastic_digits(tmp_path, "hitopk", "shrink,add")
+    check the step's layout again together) -> 2x2, hierarchical again, and the job ends.
+    The batches come from a DataCache that every reset splits again over the ranks (3 nodes
+    of one rank, then 2x2 again), its node stores kept."""
+    job, record = _elastic_digits(tmp_path, "hitopk", "shrink,add", datacache=True)
     assert record["sizes"] == [4, 3, 4], record
     assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
     assert record["size"] == 4 and record["accuracy"] > 0.8, record  # it learns (chance: 0.1; 0.90 seen)
     assert "every rank runs as a node of its own" in job.output, job.output[-4000:]
     assert "the layout now needs" in job.output  # the 2x2 slices' residuals, dropped with a warning
+    # The batches came from a DataCache, split again at each reset (2 nodes, 3 flat, 2): the
+    # surviving nodes' ranks read the samples their stores lacked under the flat split (more
+    # than their node's part), none of them twice, and ended on the split they began with
+    import json
+    from collections import Counter
+
+    ranks = [json.loads(p.read_text()) for p in tmp_path.glob("reads-*.json")]
+    survivors = [r for r in ranks if r["sizes"][:2] == [4, 3]]
+    assert len(ranks) == 4 and len(survivors) == 3, ranks
+    for host in {r["host"] for r in survivors}:
+        reads = Counter()
+        for r in survivors:
+            if r["host"] == host:
+                reads.update(r["reads"])
+        assert reads and max(reads.values()) == 1, (host, reads.most_common(3))
+        if sum(r["host"] == host for r in survivors) == 2:  # the node that kept both ranks
+            assert len(reads) > max(r["part"] for r in survivors if r["host"] == host), len(reads)
+    assert len({r["part"] for r in ranks}) <= 2 and all(r["part"] >= 1347 // 2 - 1 for r in ranks), ranks
 
 
 @pytest.mark.multirank

@@ -24,8 +24,10 @@ Raises ValueError for bad arguments (naming them), for an undecodable file with
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import os
+import weakref
 from typing import Callable, Optional, Sequence, Tuple, Union
 
 import numpy as np
@@ -43,9 +45,24 @@ from hvdx.data.source import GFileSource, Source
 from hvdx.data.split import REMAINDERS, Placement, RankSplit, catalog_part, epoch_share, node_part, samples_per_rank
 from hvdx.data.store import DEFAULT_STORE_DIR, NodeStore, tidy_stores
 
-__all__ = ["DataCache", "Placement", "default_cache_dir", "epoch_share", "node_part", "samples_per_rank"]
+__all__ = ["DataCache", "Placement", "default_cache_dir", "epoch_share", "node_part", "reset_open", "samples_per_rank"]
+
+_SERIAL = itertools.count()
 
 log = logging.getLogger(__name__)
+
+#: The caches not closed (weakly held): a membership change re-splits each (`reset_open`).
+_OPEN: "weakref.WeakSet[DataCache]" = weakref.WeakSet()
+
+
+def reset_open(placement: Optional[Placement] = None) -> int:
+    """Re-splits every open DataCache for the job's current ranks (`DataCache.reset`), in the
+    order they were made (every rank made them in the same order: collective with
+    `tfrecords`). Returns how many. Called by `hvdx.elastic`'s reset."""
+    caches = sorted(_OPEN, key=lambda c: c._serial)
+    for cache in caches:
+        cache.reset(placement)
+    return len(caches)
 
 
 class DataCache:
@@ -60,9 +77,10 @@ class DataCache:
       else node-local `$TMPDIR/hvdx-datacache-<uid>` or /tmp/..., plus a hash of the data
       set's location; logged at INFO and in `repr`); `disk_bytes` bounds it.
     - `store_dir`: where the node's store goes (default /dev/shm/hvdx-datacache); its name
-      holds a hash of the data set's location and the node, so a later run over the same
-      data set replaces it (another split, node count, file list, decoder or hvdx version
-      rebuilds it; the stores of nodes the job no longer has are removed). A warning names
+      holds a hash of the data set's location and the node's place (node k of m), so a later
+      run over the same data set and node count reuses it (another split seed, file list,
+      decoder or hvdx version rebuilds it; the unused stores of other node counts and of
+      nodes the job no longer has are removed). A warning names
       stale stores of other data sets that no process uses (`python -m hvdx.data list`,
       `clear`). `memory_bytes` bounds it (default:
       half of the free space of `store_dir`'s file system): a resolution's slab (the whole
@@ -78,6 +96,9 @@ class DataCache:
       `lookahead`: how many decoded samples the prefetcher may hold that the reader has not
       taken.
     - `placement`: override the node / local rank read from hvdx's topology.
+
+    In an elastic job (`hvdx.elastic`) a membership change re-splits every open cache
+    (`reset`); the interrupted epoch starts again under the new split (docs/elastic.md).
 
     With `tfrecords` on several nodes, building a DataCache is collective (the nodes agree
     on their parts' sizes through Horovod): every rank must build it.
@@ -107,6 +128,7 @@ class DataCache:
         self.seed, self.split_seed = integer(seed, "seed", 0), integer(split_seed, "split_seed", 0)
         self.remainder, self.on_error = remainder, on_error
         self.lookahead = lookahead
+        self._serial = next(_SERIAL)
         self.placement = placement or Placement.current()
         self.source = source or GFileSource()
         p = self.placement
@@ -129,18 +151,15 @@ class DataCache:
         else:
             log.info("hvdx.data: %s is on a local disk: level 1 keeps no copies", root or tfrecords)
 
-        part, sizes = catalog_part(self.catalog, p, self.split_seed, self.disk)
-        per_rank = samples_per_rank(sizes, p.local_size, remainder)
-        if per_rank == 0:
-            raise ValueError(f"the data set's node parts ({sizes} samples) are too small for {p.local_size} "
-                             f"rank(s) per node with remainder={remainder!r}")
-        self.split = RankSplit(part, p, self.seed, per_rank)
+        self.split = self._split(p)
 
         if memory_bytes is None:
             os.makedirs(store_dir, exist_ok=True)
             st = os.statvfs(store_dir)
             memory_bytes = max(2**24, st.f_bavail * st.f_frsize // 2)
-        name = f"{self.catalog.location[:16]}-node{p.node}"
+        # named by the split too: a process that joins an elastic job under another split never
+        # opens (and rebuilds) the store a surviving process of its host still serves from
+        name = f"{self.catalog.location[:16]}-node{p.node}of{p.num_nodes}"
         self.store = NodeStore(os.path.join(store_dir, name), meta={
             "location": self.catalog.location, "fingerprint": self.fingerprint, "decoder": DECODER,
             "node": p.node, "num_nodes": p.num_nodes, "split_seed": self.split_seed}, memory_bytes=memory_bytes)
@@ -150,6 +169,42 @@ class DataCache:
         self.loader = Loader(self.catalog, self.disk, self.source, channels, on_error, io_threads)
         self.prefetcher = Prefetcher(self.store, self.loader, io_threads, lookahead)
         self.reader = Reader(self.store, self.split, self.loader, self.prefetcher)
+        _OPEN.add(self)
+
+    def _split(self, placement: Placement) -> RankSplit:
+        """This rank's `RankSplit` under `placement` (collective with `tfrecords` on several
+        nodes). Raises ValueError when the node parts are too small for the ranks."""
+        part, sizes = catalog_part(self.catalog, placement, self.split_seed, self.disk)
+        per_rank = samples_per_rank(sizes, placement.local_size, self.remainder)
+        if per_rank == 0:
+            raise ValueError(f"the data set's node parts ({sizes} samples) are too small for "
+                             f"{placement.local_size} rank(s) per node with remainder={self.remainder!r}")
+        return RankSplit(part, placement, self.seed, per_rank)
+
+    # -- a membership change (Elastic Horovod) -------------------------------------------------
+
+    def reset(self, placement: Optional[Placement] = None) -> None:
+        """The job's ranks changed (`hvdx.elastic`'s reset calls this for every open cache):
+        splits the data set again for `placement` (default: the current topology's) with the
+        same `split_seed` and `seed`, and keeps both levels. The node store stays the one
+        this process opened: the samples it holds are served from it (its slab while this
+        node's part is the one the slab was made for, else from its LMDB values), the new
+        part's samples it lacks are read once (level 1, else the source) and kept as values.
+        Datasets made before the reset stop with a ValueError: make them again, inside the
+        function `hvd.elastic.run` wraps. Collective with `tfrecords` on several nodes.
+
+        Raises ValueError when the new node parts are too small for the ranks."""
+        new = placement or Placement.current()
+        split = self._split(new)
+        self.reader.slab(self.resolution)  # the store's slab, open in this process while the part is its own
+        held = int(np.sum(self.store.locate(self.reader.key(int(s), self.resolution) for s in split.part) > 0))
+        self.prefetcher.stop()
+        old, self.placement = self.placement, new
+        self.split = split
+        self.reader.resplit(split)
+        log.info("hvdx.data: re-split %s for node %d/%d (was %d/%d): %d samples in this node's part, %d of them "
+                 "in its store, %d per rank", self.catalog.location[:16], new.node, new.num_nodes, old.node,
+                 old.num_nodes, len(split.part), held, split.per_rank)
 
     # -- sizes -------------------------------------------------------------------------------
 
@@ -218,6 +273,7 @@ class DataCache:
     def close(self) -> None:
         """Stops the prefetchers and closes the store's handle (both levels stay for the
         node's other ranks and later runs). Datasets made by this cache stop working."""
+        _OPEN.discard(self)
         self.prefetcher.close()
         self.store.close()
 

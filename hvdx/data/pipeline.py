@@ -65,7 +65,8 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
     counter_lock = threading.Lock()
     h, w = resolution if resolution is not None else (None, None)
     c = reader.channels
-    per_rank = reader.split.per_rank
+    split = reader.split
+    per_rank = split.per_rank
     steps = steps_per_epoch(per_rank, batch_size, drop_remainder)
     usable = per_rank - per_rank % batch_size if drop_remainder else per_rank
     slab = reader.slab(resolution)
@@ -77,6 +78,10 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
     def batch_of(state: np.ndarray, step: np.ndarray) -> Tuple[int, np.ndarray, bool, np.ndarray]:
         """(epoch, the batch's samples, whether the epoch is all in the slab, their slots).
         The first batch of an epoch takes the next epoch number and plans it."""
+        if reader.split is not split:
+            raise ValueError("this DataCache dataset was made before an elastic reset split the data again for the "
+                             "new ranks: make the dataset again after the reset (inside the function "
+                             "hvd.elastic.run wraps)")
         k = int(step) % steps
         if k == 0:
             with counter_lock:

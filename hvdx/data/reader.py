@@ -40,22 +40,35 @@ class Reader:
 
     def __init__(self, store: NodeStore, split: RankSplit, loader: Loader, prefetcher: Prefetcher) -> None:
         self.store, self.split, self.loader, self.prefetcher = store, split, loader, prefetcher
+        self.home_part = split.part  # the part the store's metadata names: its slabs' (any other: values)
         self.channels = loader.channels
         self._lock = threading.Lock()
         self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
         self._full_slabs: set = set()  # resolutions whose slab holds the whole part
 
     def slab(self, resolution: Resolution) -> Optional[Slab]:
-        """The node's slab at `resolution` (None: no fixed resolution, or no room for it)."""
-        if resolution is None:
+        """The node's slab at `resolution` (None: no fixed resolution, no room for it, or a part
+        other than the one the store was opened for, after a re-split)."""
+        if resolution is None or not np.array_equal(self.split.part, self.home_part):
             return None
         with self._lock:
             if resolution not in self._slabs:
                 self._slabs[resolution] = self.store.slab(resolution, self.channels, self.split.part)
             return self._slabs[resolution]
 
-    def _key(self, sample: int, resolution: Resolution) -> bytes:
+    def key(self, sample: int, resolution: Resolution) -> bytes:
+        """`sample`'s key in the store at `resolution` and the loader's channel count."""
         return sample_key(sample, resolution, self.channels)
+
+    def resplit(self, split: RankSplit) -> None:
+        """Serves `split` from now on (a membership change): the next epoch plans from it; the
+        resolution's slab is looked up again (the store's slab serves only the part it was
+        made for: another part reads from the store's LMDB values)."""
+        self.prefetcher.stop()
+        with self._lock:
+            self.split = split
+            self._slabs.clear()
+            self._full_slabs.clear()
 
     def start_epoch(self, epoch: int, resolution: Resolution) -> EpochPlan:
         """Plans `epoch` at `resolution` and starts the prefetcher on the samples of the
@@ -71,9 +84,9 @@ class Reader:
         share_list = list(dict.fromkeys(int(s) for s in share))  # pad may repeat a sample
         leftover_list = [int(s) for s in leftover] if not self.store.full else []
         wanted = share_list + leftover_list
-        where = self.store.locate(self._key(s, resolution) for s in wanted)
+        where = self.store.locate(self.key(s, resolution) for s in wanted)
         if slab is not None and np.all(where == 2) and np.all(
-                self.store.locate(self._key(int(s), resolution) for s in self.split.part) == 2):
+                self.store.locate(self.key(int(s), resolution) for s in self.split.part) == 2):
             # slab slots are never taken back: full from now on, for every process of the node
             # and later runs (a restarted job: one look-up instead of one per sample)
             self.store.mark_slab_complete(slab)
@@ -94,7 +107,7 @@ class Reader:
         """Makes sure the samples of one batch are in the slab (decoding what the store lacks);
         returns the ids to gather (a skipped sample replaced by another of its batch)."""
         samples = [int(s) for s in samples]
-        keys = [self._key(s, resolution) for s in samples]
+        keys = [self.key(s, resolution) for s in samples]
         where = self.store.locate(keys)
         got: List[Optional[Sample]] = [None] * len(samples)
         in_values = [j for j, w in enumerate(where) if w == 1]  # stored without the slab: copy them in
@@ -113,7 +126,7 @@ class Reader:
         """(images, labels, ids) of one batch without a slab: from the store's values, else
         prefetched, else read and decoded now (and put into the store)."""
         samples = [int(s) for s in samples]
-        keys = [self._key(s, resolution) for s in samples]
+        keys = [self.key(s, resolution) for s in samples]
         if resolution is not None:  # the common case, all hits: one copy into the batch
             batch = self.store.get_batch(keys, (*resolution, self.channels))
             if batch is not None:

@@ -566,7 +566,8 @@ def remove_store(path: str) -> bool:
 
 def tidy_stores(directory: str, own: str, location: str, num_nodes: int) -> None:
     """Removes the stores in `directory` that a job with store `own` replaces (stores of data
-    set `location` of nodes >= `num_nodes`, which the job no longer has) and names the stores
+    set `location` that no process uses, made for another node count or for nodes >=
+    `num_nodes`, which the job no longer has) and names the stores
     of other data sets there that no process uses: in a RuntimeWarning once they hold
     STALE_WARNING_SHARE of the file system, else in a log line (hvdx.data, INFO)."""
     stale = []
@@ -575,7 +576,8 @@ def tidy_stores(directory: str, own: str, location: str, num_nodes: int) -> None
             continue
         meta = info.meta or {}
         if meta.get("location") == location:
-            if int(meta.get("node", 0)) >= num_nodes and remove_store(info.path):
+            other = int(meta.get("node", 0)) >= num_nodes or int(meta.get("num_nodes", num_nodes)) != num_nodes
+            if other and remove_store(info.path):
                 log.info("hvdx.data: removed %s (node %s of an earlier job)", info.path, meta.get("node"))
             continue  # a node of this job that has not opened its store yet
         stale.append(info)

@@ -14,7 +14,10 @@ of epoch 1 (nodes of 2 and 1 ranks: hvdx runs flat, `hvdx.init(uneven_nodes=)`);
 SIGKILLs itself at the end of epoch 1 (a preempted process; the host list stays). Every rank prints
 `ELASTIC size=S checksum_spread=X` at every `fit` start (after Horovod's sync: the weights'
 largest difference between ranks) and rank 0 writes its record (sizes seen, spreads, final
-accuracy) to $HVDX_RESULT_DIR/elastic.json.
+accuracy) to $HVDX_RESULT_DIR/elastic.json. With $HVDX_ELASTIC_DATACACHE (a folder tree of
+8 px grayscale digits) the ranks read their batches from an `hvdx.data.DataCache` over it
+(node stores under $HVDX_RESULT_DIR/shm; a reset splits it again) and every rank writes the
+files it read from the source to $HVDX_RESULT_DIR/reads-<pid>.json.
 """
 from __future__ import annotations
 
@@ -48,6 +51,15 @@ from tests.multirank.rank import spread  # noqa: E402
 
 hvd.init()
 x_train, x_test, y_train, y_test = digits.split()
+DATACACHE = os.environ.get("HVDX_ELASTIC_DATACACHE")
+if DATACACHE:  # made once per process, before the training function: a reset splits it again
+    from hvdx.data import CountingSource, DataCache
+
+    results = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp"))
+    source = CountingSource()
+    host = os.environ.get("HOROVOD_HOSTNAME", "node")  # level 1 is node-local, as on a cluster
+    cache = DataCache(DATACACHE, resolution=8, channels=1, cache_dir=str(results / f"disk-{host}"),
+                      store_dir=str(results / "shm"), memory_bytes=2**26, source=source)
 model = digits.mlp(seed=0)
 optimizer = tf.keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9)
 method_callbacks = []
@@ -126,9 +138,13 @@ rng = np.random.default_rng(0)
 
 @hvd.elastic.run
 def train(state):
-    shard = rng.permutation(len(x_train))
-    data = tf.data.Dataset.from_tensor_slices((x_train[shard], y_train[shard])).repeat().shuffle(
-        512, seed=hvd.rank()).batch(BATCH)
+    if DATACACHE:  # made after every reset: the split of that membership
+        data = cache.dataset(BATCH, epochs=None, first_epoch=state.epoch).map(
+            lambda x, y: (tf.reshape(tf.cast(x, tf.float32) / 255.0, [-1, 64]), y))
+    else:
+        shard = rng.permutation(len(x_train))
+        data = tf.data.Dataset.from_tensor_slices((x_train[shard], y_train[shard])).repeat().shuffle(
+            512, seed=hvd.rank()).batch(BATCH)
     model.fit(data, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, callbacks=callbacks,
               verbose=0)
 
@@ -138,6 +154,10 @@ _, accuracy = model.evaluate(x_test, y_test, verbose=0)
 final = spread(model.get_weights(), "elastic.final")
 print(f"ELASTIC_DONE rank={hvd.rank()} size={hvd.size()} accuracy={accuracy:.4f} checksum_spread={final}",
       flush=True)
+if DATACACHE:
+    (results / f"reads-{os.getpid()}.json").write_text(json.dumps({
+        "host": host, "sizes": record["sizes"], "reads": source.reads,
+        "store": cache.store.path, "part": len(cache.part)}))
 if hvd.rank() == 0:
     record.update(accuracy=float(accuracy), final_spread=final, size=hvd.size())
     out = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp")) / "elastic.json"
