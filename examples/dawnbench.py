@@ -76,6 +76,7 @@ class Config:
     comm_timing: bool = True
     se_steps: int = 0                 # > 0: time this many steps of each phase on each rank alone (SE)
     baseline_json: Optional[str] = None  # or: a 1-rank run's summary.json gives the 1-rank throughput
+    elastic: bool = False             # Elastic Horovod: a preempted or added node resets the job, no restart
 
     def source_resolution(self, phase: ph.Phase) -> int:
         return augment.source_resolution(phase.resolution, self.augment, self.crop_source)
@@ -132,6 +133,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-checkpoints", type=int, help="checkpoints kept per rank, the newest (default 3; 0: all)")
     p.add_argument("--seed", type=int)
     p.add_argument("--resume", action="store_true", default=None, help="continue from --out's newest checkpoint")
+    p.add_argument("--elastic", action="store_true", default=None,
+                   help="train under Elastic Horovod (launch: horovodrun --gloo --min-np --max-np "
+                        "--host-discovery-script): nodes may leave and join (docs/elastic.md)")
     p.add_argument("--stop-after", type=int, help="stop after this many epochs (resume later)")
     p.add_argument("--verbose", type=int, choices=[0, 1, 2], help="Keras progress on rank 0 (default 2)")
     p.add_argument("--deterministic", action="store_true", default=None,
@@ -252,7 +256,10 @@ def train(config: Config) -> dict:
     mixed = bool(tf.config.list_physical_devices("GPU")) if config.mixed_precision == "auto" \
         else config.mixed_precision == "on"  # float16 pays off on tensor cores, is slower on a CPU
     tf.keras.mixed_precision.set_global_policy("mixed_float16" if mixed else "float32")
-    say = print if topo.rank == 0 else (lambda *a, **k: None)
+    def say(*args, **kwargs) -> None:  # rank 0 of the current ranks (an elastic job's change them)
+        if hvdx.topology().rank == 0:
+            print(*args, **kwargs)
+
     os.makedirs(config.out, exist_ok=True)
     start_wall = time.perf_counter()
     caches = open_data(config, topo.local_rank)
@@ -266,7 +273,9 @@ def train(config: Config) -> dict:
     if config.resume:
         state = checkpoints.read_state(state_path)
         epoch, history = state["epoch"], state["history"]
-    epochs = hvd.allgather_object(epoch, name="dawnbench.resume_epoch")
+    # (elastic: a process that joins later runs this while the others are in Horovod's reset,
+    # so no collective here: the elastic state's sync gives every rank rank 0's epoch and model)
+    epochs = [epoch] if config.elastic else hvd.allgather_object(epoch, name="dawnbench.resume_epoch")
     if len(set(epochs)) != 1:
         raise RuntimeError(f"ranks would resume at different epochs {epochs}: give every rank the same --out")
     communication = config.communication_at(epoch)
@@ -281,33 +290,49 @@ def train(config: Config) -> dict:
         checkpoint.read(os.path.join(saved.directory, state["checkpoint"])).assert_existing_objects_matched()
         say(f"resumed at epoch {epoch} (phase {state['phase']}, {state['resolution']} px, "
             f"{state['communication']}) from {saved.directory}/{state['checkpoint']}", flush=True)
-    else:  # rank 0's initial state everywhere, before the first step (not in a batch hook of fit)
+    elif not config.elastic:  # rank 0's initial state everywhere, before the first step (not in a batch hook of fit)
         hvd.broadcast_variables(model.variables, root_rank=0)
         hvd.broadcast_variables(optimizer.variables, root_rank=0)
 
     say(f"DAWNBench recipe on {topo.num_nodes} node(s) x {topo.local_size} rank(s): phases "
         f"{', '.join(map(str, config.phases))} (epochs x px @ batch per rank), HiTopK (density {config.density}) "
         f"before epoch {config.switch_epoch}, 2DTAR after; LARS (PTO), mixed precision {'on' if mixed else 'off'}, "
-        f"{'synthetic data' if config.synthetic else 'DataCache'}", flush=True)
+        f"{'synthetic data' if config.synthetic else 'DataCache'}{', elastic' if config.elastic else ''}", flush=True)
     stop = min(ph.total_epochs(config.phases), config.stop_after or ph.total_epochs(config.phases))
-    callbacks = [hvdx.callbacks.SwitchCommunication(config.switch_epoch, "hierarchical"),
-                 hvd_callbacks.MetricAverageCallback(),  # validation metrics: the mean over ranks
-                 EpochLog(config.phases, topo.size, history, history[-1]["elapsed"] if history else 0.0),
-                 CheckpointCallback(saved, checkpoint, topo.rank, state_path, lambda e, name: dict(
-                     epoch=e + 1, phase=history[-1]["phase"], resolution=history[-1]["resolution"],
-                     communication=history[-1]["communication"], checkpoint=name, history=history))]
-    while epoch < stop:
-        index, phase = ph.phase_at(config.phases, epoch)
-        end = min(ph.phase_start(config.phases, index) + phase.epochs, stop)
-        train_ds, val_ds, val_steps = phase_data(config, phase, epoch, ph.first_step(config.phases, steps, epoch),
-                                                 caches, topo.rank)
-        hvdx.callbacks.check_same_steps({"steps": steps[index], "epochs": end})
-        say(f"phase {index}: epochs {epoch}-{end - 1} at {phase.resolution} px, batch {phase.batch_size} per rank "
-            f"({phase.batch_size * topo.size} global), {steps[index]} steps per epoch", flush=True)
-        model.fit(train_ds, steps_per_epoch=steps[index], initial_epoch=epoch, epochs=end, validation_data=val_ds,
-                  validation_steps=val_steps, verbose=config.verbose if topo.rank == 0 else 0, callbacks=callbacks)
-        epoch = end
 
+    def run_phases(epoch: int, history: List[dict], commit=None) -> List[dict]:
+        """Trains from `epoch` to `stop` on the current ranks; `commit(epoch, history)` after
+        every epoch (elastic). Returns the history."""
+        topo = hvdx.topology()
+        saved = checkpoints.EpochCheckpoints(os.path.join(config.out, "checkpoints", f"rank{topo.rank}"),
+                                             config.keep_checkpoints)
+        callbacks = [hvdx.callbacks.SwitchCommunication(config.switch_epoch, "hierarchical"),
+                     hvd_callbacks.MetricAverageCallback(),  # validation metrics: the mean over ranks
+                     EpochLog(config.phases, topo.size, history, history[-1]["elapsed"] if history else 0.0),
+                     CheckpointCallback(saved, checkpoint, topo.rank, state_path, lambda e, name: dict(
+                         epoch=e + 1, phase=history[-1]["phase"], resolution=history[-1]["resolution"],
+                         communication=history[-1]["communication"], checkpoint=name, history=history))]
+        if commit is not None:
+            callbacks.append(tf.keras.callbacks.LambdaCallback(on_epoch_end=lambda e, logs: commit(e + 1, history)))
+        while epoch < stop:
+            index, phase = ph.phase_at(config.phases, epoch)
+            end = min(ph.phase_start(config.phases, index) + phase.epochs, stop)
+            train_ds, val_ds, val_steps = phase_data(config, phase, epoch, ph.first_step(config.phases, steps, epoch),
+                                                     caches, topo.rank)
+            hvdx.callbacks.check_same_steps({"steps": steps[index], "epochs": end})
+            say(f"phase {index}: epochs {epoch}-{end - 1} at {phase.resolution} px, batch {phase.batch_size} per "
+                f"rank ({phase.batch_size * topo.size} global), {steps[index]} steps per epoch", flush=True)
+            model.fit(train_ds, steps_per_epoch=steps[index], initial_epoch=epoch, epochs=end, validation_data=val_ds,
+                      validation_steps=val_steps, verbose=config.verbose if topo.rank == 0 else 0,
+                      callbacks=callbacks)
+            epoch = end
+        return history
+
+    if config.elastic:
+        history = elastic_phases(run_phases, model, caches, config, steps, schedule, epoch, history)
+    else:
+        history = run_phases(epoch, history)
+    topo = hvdx.topology()
     summary = summarize(config, history, topo, model, time.perf_counter() - start_wall)
     if topo.rank == 0:
         checkpoints.write_json(os.path.join(config.out, "summary.json"), summary)
@@ -324,6 +349,36 @@ def train(config: Config) -> dict:
             cache.close()
     hvdx.barrier()
     return summary
+
+
+def elastic_phases(run_phases, model: tf.keras.Model, caches, config: Config, steps: List[int],
+                   schedule: ph.PhaseSchedule, epoch: int, history: List[dict]) -> List[dict]:
+    """`run_phases` under Elastic Horovod (`hvdx.elastic.run`): the model, its optimizer, the
+    epoch and the history are committed after every epoch; after a membership change the
+    job goes on from the last committed epoch on the new ranks. hvdx's reset has split the
+    DataCache again (docs/elastic.md): the steps per epoch are counted again, the learning
+    rate schedule maps the optimizer's step to the epoch with them, the optimizer's step is
+    set to the epoch's first, and a process that joins after the switch to 2DTAR switches
+    too. Returns the history."""
+    import hvdx.elastic
+
+    state = hvdx.elastic.KerasState(model, epoch=epoch, history=list(history))
+
+    def commit(done: int, history: List[dict]) -> None:
+        state.epoch, state.history = done, list(history)  # copies: the saved state is never appended to
+        state.commit()  # a changed host list interrupts here (HostsUpdatedInterrupt)
+
+    @hvdx.elastic.run
+    def train_elastic(state) -> List[dict]:
+        if caches[0] is not None:
+            steps[:] = [caches[0].steps_per_epoch(p.batch_size, drop_remainder=True) for p in config.phases]
+        schedule.steps_per_epoch = list(steps)  # read when the step is traced again (after a reset)
+        model.optimizer.iterations.assign(ph.first_step(config.phases, steps, state.epoch))
+        if state.epoch >= config.switch_epoch:  # a process that joined after the switch: the ranks' strategy
+            hvdx.callbacks.switch(model, "hierarchical")
+        return run_phases(state.epoch, list(state.history), commit)
+
+    return train_elastic(state)
 
 
 def summarize(config: Config, history: List[dict], topo, model: tf.keras.Model, wall: float) -> dict:

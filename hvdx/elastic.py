@@ -55,8 +55,9 @@ def reset_hvdx(model: Optional[Any] = None) -> None:
     (`hvdx.lifecycle.reset_running`: DASO, AD-PSGD, the shared-memory family, LocalSGD
     closed and planned for the new ranks, their `state()` kept; the next `fit` starts them
     collectively), splits every open DataCache again for the new ranks (`hvdx.data.datacache.
-    reset_open`: its node store kept) and drops `model`'s traced Keras functions so that its next `fit` /
-    `evaluate` / `predict` traces again for the new topology. Does nothing to the topology
+    reset_open`: its node store kept) and drops `model`'s traced Keras functions (and the
+    validation data an interrupted `fit` kept) so that its next `fit` / `evaluate` / `predict`
+    traces again for the new topology. Does nothing to the topology
     where `hvdx.init()` never ran (a plain Horovod script)."""
     if initialized():
         reset_running(reinit())
@@ -67,6 +68,11 @@ def reset_hvdx(model: Optional[Any] = None) -> None:
         for name in _TRACED:
             if getattr(model, name, None) is not None:
                 setattr(model, name, None)
+        # Keras' fit keeps its validation data's handler until it returns: one interrupted by
+        # the reset would serve the next fit the old validation dataset (a DataCache's: split
+        # for the old ranks)
+        if getattr(model, "_eval_data_handler", None) is not None:
+            model._eval_data_handler = None
 
 
 class _KerasStateMixin:

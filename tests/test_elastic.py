@@ -269,21 +269,82 @@ def test_hitopk_keras_training_survives_a_killed_rank(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.slow  # the methods' code is the same on both stacks; Horovod's (patched) part is the test above
-@pytest.mark.parametrize("method", ["daso", "adpsgd", "assm", "lars-pto"])
+@pytest.mark.parametrize("method", ["daso", "adpsgd", "assm"])  # LARS(pto): the DAWNBench test below
 def test_training_methods_and_lars_survive_a_membership_change(tmp_path, method):
     """DASO, AD-PSGD and ASSM under `TrainingMethodCallback`: a removed node interrupts `fit`
     with the method running; hvdx.elastic's reset closes it and plans it for the new ranks
     (`hvdx.lifecycle.reset_running`: DASO's node process set and groups, AD-PSGD's graph,
     ASSM's node segment), the next `fit` starts it collectively; the node added back starts
     new processes whose methods join the old ranks' (DASO takes rank 0's schedule, AD-PSGD's
-    transports the ranks' largest run count). LARS(parallel="pto") under HiTopK plans its
-    shares again at the retrace. Every rank ends with one model. (A killed rank with DASO and
+    transports the ranks' largest run count). Every rank ends with one model. (LARS(parallel=
+    "pto") under HiTopK, which plans its shares again at the retrace: the DAWNBench test below.) (A killed rank with DASO and
     AD-PSGD: ended rc 0 on 2 ranks by hand, docs/elastic.md.)"""
     job, record = _elastic_digits(tmp_path, method, "remove,add")
     assert record["sizes"] == [4, 2, 4], record
     assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
     assert record["size"] == 4 and record["accuracy"] > 0.85, record
 
+
+
+@pytest.mark.multirank
+@pytest.mark.slow  # hvdx's parts are the same on both stacks; Horovod's (patched) part is tested on both above
+def test_the_dawnbench_recipe_goes_on_when_a_node_leaves_and_comes_back(tmp_path):
+    """examples/dawnbench.py --elastic (LARS with the parallel tensor operator, HiTopK then
+    2DTAR, DataCache, a checkpoint per epoch) on 2x2 under a discovery script that drops
+    node localhost after epoch 1 and lists it again after epoch 3: the run ends rc 0 with all
+    6 epochs, trained on 4, then 2, then 4 ranks, each epoch with its DataCache's steps for
+    those ranks, the learning rate following the epochs through the size changes."""
+    import json
+    import subprocess
+    import sys
+    import time
+
+    from hvdx.runner.launch import HOROVODRUN, kill_tree
+    from tests import harness
+
+    data = _write_digit_jpegs(tmp_path / "digits")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:2\nlocalhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    out = tmp_path / "out"
+    command = [str(HOROVODRUN), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
+               "--host-discovery-script", str(discover), sys.executable, str(harness.ROOT / "examples" / "dawnbench.py"),
+               "--preset", "demo", "--elastic", "--data", data, "--val-data", data, "--phases", "2x16@16,4x20@16",
+               "--switch-epoch", "2", "--lr", "8", "--warmup-epochs", "1", "--se-steps", "0", "--no-plot", "--verbose", "0", "--out", str(out)]
+    log = open(tmp_path / "job.log", "w")
+    job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=harness.test_env(str(tmp_path)),
+                           cwd=str(tmp_path), start_new_session=True)
+    changes = [(2, "127.0.0.1:2\n"), (4, "127.0.0.1:2\nlocalhost:2\n")]  # (committed epochs, host list)
+    deadline = time.monotonic() + ELASTIC_TIMEOUT
+    try:
+        while job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+            try:
+                done = json.loads((out / "state.json").read_text())["epoch"]
+            except (OSError, ValueError, KeyError):
+                continue
+            if changes and done >= changes[0][0]:
+                hosts.write_text(changes.pop(0)[1])
+    finally:
+        if job.poll() is None:
+            kill_tree(job.pid)
+        log.close()
+    output = (tmp_path / "job.log").read_text()
+    assert job.returncode == 0, f"rc {job.returncode} (hung: {time.monotonic() >= deadline}):\n{output[-4000:]}"
+    summary = json.loads((out / "summary.json").read_text())
+    history = json.loads((out / "state.json").read_text())["history"]
+    ranks = [h["ranks"] for h in history]
+    assert [h["epoch"] for h in history] == list(range(6)) and not changes, (ranks, changes)
+    assert ranks[:2] == [4, 4] and 2 in ranks and ranks[-1] == 4, ranks
+    # 1347 samples: 2 nodes' parts of 674 and 673 -> 336 per rank; one node -> 673 per rank; batch 16
+    assert [h["steps"] for h in history] == [{4: 21, 2: 42}[r] for r in ranks], history
+    # the rate at each epoch's last step, lr(e) = 8 ((6 - e) / 5)^2 after the 1-epoch warm-up,
+    # e counted with the steps per epoch of the ranks that trained it
+    expected = [8 * ((6 - (h["epoch"] + 1 - 1 / h["steps"])) / 5) ** 2 for h in history[1:]]
+    assert np.allclose([h["lr"] for h in history[1:]], expected, rtol=1e-3, atol=1e-4), history
+    assert summary["epochs"] == 6, summary
 
 
 @pytest.mark.multirank

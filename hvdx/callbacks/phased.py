@@ -49,7 +49,7 @@ class EpochLog(EpochTimer):
     """After every epoch, appends to `history` a dict: "epoch", "phase" (index into
     `phases`), "resolution", "batch_size", "communication" (the class name of the
     hvdx.DistributedOptimizer's strategy), "steps", "seconds" (the training steps),
-    "epoch_seconds" (with validation), "elapsed" (the run's epochs so far, from `elapsed`:
+    "epoch_seconds" (with validation), "ranks", "elapsed" (the run's epochs so far, from `elapsed`:
     the time of the epochs before a resume), "step_s" and "samples_per_s" (over `ranks`
     ranks; `EpochTime`), "lr" (the wrapped optimizer's), and the epoch's logs as floats (put
     Horovod's MetricAverageCallback before it for metrics averaged over ranks)."""
@@ -69,6 +69,6 @@ class EpochLog(EpochTimer):
         self.history.append(dict(
             epoch=epoch, phase=index, resolution=phase.resolution, batch_size=phase.batch_size,
             communication=type(optimizer.communication).__name__, steps=time.steps, seconds=time.seconds,
-            epoch_seconds=time.epoch_seconds, elapsed=self.elapsed, step_s=time.step_s,
+            epoch_seconds=time.epoch_seconds, ranks=self.ranks, elapsed=self.elapsed, step_s=time.step_s,
             samples_per_s=time.samples_per_s(phase.batch_size, self.ranks),
             lr=float(optimizer.inner_optimizer.learning_rate), **{k: float(v) for k, v in (logs or {}).items()}))
