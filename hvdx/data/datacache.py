@@ -198,7 +198,6 @@ class DataCache:
         split = self._split(new)
         self.reader.slab(self.resolution)  # the store's slab, open in this process while the part is its own
         held = int(np.sum(self.store.locate(self.reader.key(int(s), self.resolution) for s in split.part) > 0))
-        self.prefetcher.stop()
         old, self.placement = self.placement, new
         self.split = split
         self.reader.resplit(split)

@@ -49,7 +49,8 @@ class Reader:
     def slab(self, resolution: Resolution) -> Optional[Slab]:
         """The node's slab at `resolution` (None: no fixed resolution, no room for it, or a part
         other than the one the store was opened for, after a re-split)."""
-        if resolution is None or not np.array_equal(self.split.part, self.home_part):
+        if resolution is None or not (self.split.part is self.home_part or
+                                      np.array_equal(self.split.part, self.home_part)):
             return None
         with self._lock:
             if resolution not in self._slabs:
