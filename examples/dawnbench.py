@@ -227,6 +227,14 @@ def open_data(config: Config, local_rank: int):
     return train, val
 
 
+def phase_steps(config: Config, caches) -> List[int]:
+    """Every phase's steps per epoch: the training DataCache's for its batch (whole batches),
+    or --synthetic-steps."""
+    if caches[0] is None:
+        return [config.synthetic_steps] * len(config.phases)
+    return [caches[0].steps_per_epoch(p.batch_size, drop_remainder=True) for p in config.phases]
+
+
 def phase_data(config: Config, phase: ph.Phase, epoch: int, step: int, caches, rank: int):
     """(training batches from `epoch` / global `step` on, validation batches, validation steps)."""
     train_cache, val_cache = caches
@@ -263,9 +271,7 @@ def train(config: Config) -> dict:
     os.makedirs(config.out, exist_ok=True)
     start_wall = time.perf_counter()
     caches = open_data(config, topo.local_rank)
-    steps = [config.synthetic_steps if caches[0] is None else caches[0].steps_per_epoch(p.batch_size,
-                                                                                      drop_remainder=True)
-             for p in config.phases]
+    steps = phase_steps(config, caches)
     schedule = ph.PhaseSchedule.over(config.phases, steps, config.lr, config.warmup_epochs, config.decay_power)
 
     # Resume: every rank reads the run's state and its own newest checkpoint.
@@ -370,8 +376,7 @@ def elastic_phases(run_phases, model: tf.keras.Model, caches, config: Config, st
 
     @hvdx.elastic.run
     def train_elastic(state) -> List[dict]:
-        if caches[0] is not None:
-            steps[:] = [caches[0].steps_per_epoch(p.batch_size, drop_remainder=True) for p in config.phases]
+        steps[:] = phase_steps(config, caches)  # the DataCache's split for these ranks
         schedule.steps_per_epoch = list(steps)  # read when the step is traced again (after a reset)
         model.optimizer.iterations.assign(ph.first_step(config.phases, steps, state.epoch))
         if state.epoch >= config.switch_epoch:  # a process that joined after the switch: the ranks' strategy

@@ -189,6 +189,16 @@ def _write_digit_jpegs(root) -> str:
     return str(root)
 
 
+def _discovery_script(tmp_path):
+    """(the hosts file, the discovery script printing it): 2 emulated nodes of 2 slots."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:2\nlocalhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    return hosts, discover
+
+
 def _elastic_digits(tmp_path, communication: str, schedule: str, datacache: bool = False):
     """Runs tests/multirank/elastic_digits.py on 2x2 under a discovery script (with
     `datacache`: its batches from a DataCache over the digits as JPEGs); returns (the job,
@@ -198,11 +208,7 @@ def _elastic_digits(tmp_path, communication: str, schedule: str, datacache: bool
 
     from tests import harness
 
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1:2\nlocalhost:2\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
+    hosts, discover = _discovery_script(tmp_path)
     from hvdx.runner.launch import HOROVODRUN
 
     command = [str(HOROVODRUN), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
@@ -277,8 +283,8 @@ def test_training_methods_and_lars_survive_a_membership_change(tmp_path, method)
     ASSM's node segment), the next `fit` starts it collectively; the node added back starts
     new processes whose methods join the old ranks' (DASO takes rank 0's schedule, AD-PSGD's
     transports the ranks' largest run count). Every rank ends with one model. (LARS(parallel=
-    "pto") under HiTopK, which plans its shares again at the retrace: the DAWNBench test below.) (A killed rank with DASO and
-    AD-PSGD: ended rc 0 on 2 ranks by hand, docs/elastic.md.)"""
+    "pto") under HiTopK, which plans its shares again at the retrace: the DAWNBench test below.
+    A killed rank with DASO and AD-PSGD: ended rc 0 on 2 ranks by hand, docs/elastic.md.)"""
     job, record = _elastic_digits(tmp_path, method, "remove,add")
     assert record["sizes"] == [4, 2, 4], record
     assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
@@ -303,16 +309,13 @@ def test_the_dawnbench_recipe_goes_on_when_a_node_leaves_and_comes_back(tmp_path
     from tests import harness
 
     data = _write_digit_jpegs(tmp_path / "digits")
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1:2\nlocalhost:2\n")
-    discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
-    discover.chmod(0o755)
+    hosts, discover = _discovery_script(tmp_path)
     out = tmp_path / "out"
     command = [str(HOROVODRUN), "--gloo", "-np", "4", "--min-np", "2", "--max-np", "4",
                "--host-discovery-script", str(discover), sys.executable, str(harness.ROOT / "examples" / "dawnbench.py"),
                "--preset", "demo", "--elastic", "--data", data, "--val-data", data, "--phases", "2x16@16,4x20@16",
-               "--switch-epoch", "2", "--lr", "8", "--warmup-epochs", "1", "--se-steps", "0", "--no-plot", "--verbose", "0", "--out", str(out)]
+               "--switch-epoch", "2", "--lr", "8", "--warmup-epochs", "1", "--se-steps", "0", "--no-plot",
+               "--verbose", "0", "--out", str(out)]
     log = open(tmp_path / "job.log", "w")
     job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=harness.test_env(str(tmp_path)),
                            cwd=str(tmp_path), start_new_session=True)

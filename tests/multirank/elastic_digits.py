@@ -5,8 +5,7 @@ under `horovodrun --gloo --min-np 2 --max-np 4 --host-discovery-script`.
 
 API: "horovod" (`import horovod.tensorflow.keras as hvd`) or "hvdx" (`import hvdx.keras as
 hvd`, with `communication=COMMUNICATION`; COMMUNICATION "daso", "adpsgd" or "assm": that
-training method instead, driven by `hvdx.callbacks.TrainingMethodCallback`; "lars-pto": hvdx.LARS with
-parallel="pto" under HiTopK). HOSTS_FILE is what the discovery script prints:
+training method instead, driven by `hvdx.callbacks.TrainingMethodCallback`). HOSTS_FILE is what the discovery script prints:
 rank 0 writes "127.0.0.1:2" into it at the end of epoch 1 (node localhost removed) and, with
 SCHEDULE "remove,add" (the default; "remove": only the removal), both hosts again at the end
 of epoch 3 (the node back); SCHEDULE "shrink": localhost keeps one of its two ranks at the end
@@ -74,12 +73,6 @@ if API == "hvdx" and COMMUNICATION in ("daso", "adpsgd", "assm"):
     else:
         method = ADPSGD(topology="ring", timeout=60) if COMMUNICATION == "adpsgd" else ASSM(average_every=4)
         method_callbacks = [TrainingMethodCallback(method)]
-elif API == "hvdx" and COMMUNICATION.startswith("lars-"):  # "lars-pto": LARS(parallel="pto") under HiTopK
-    from hvdx.optimizers import LARS
-
-    optimizer = hvd.DistributedOptimizer(
-        LARS(0.5, momentum=0.9, weight_decay=1e-4, eeta=0.02, parallel=COMMUNICATION[len("lars-"):]),
-        communication="hitopk")
 elif API == "hvdx":
     optimizer = hvd.DistributedOptimizer(optimizer, communication=COMMUNICATION)
 else:
@@ -125,8 +118,7 @@ state = hvd.elastic.KerasState(model, batch=0, epoch=0)
 
 
 def on_state_reset():
-    if not COMMUNICATION.startswith("lars-"):  # LARS' trust ratio sets the step: its rate stays
-        tf.keras.backend.set_value(state.model.optimizer.learning_rate, 0.05 * hvd.size())
+    tf.keras.backend.set_value(state.model.optimizer.learning_rate, 0.05 * hvd.size())
 
 
 state.register_reset_callbacks([on_state_reset])
