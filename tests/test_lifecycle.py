@@ -398,6 +398,27 @@ def test_adpsgd_reset_reconnects_and_every_rank_ends_with_the_average(ranks):
         assert data["closed_twice"], (rank, data)
 
 
+@suite.runs(suite.check("adpsgd.join", "2x2"))
+def test_adpsgd_budget_after_a_process_joins_is_what_the_ranks_had_not_run(ranks):
+    """A process Elastic Horovod added (a new ADPSGD) starts beside ranks that reset(): one
+    collective, one budget: the run's less the steps run, the departed process' as last heard."""
+    for rank, data in ranks.items():
+        assert len(set(data["budgets"])) == 1, (rank, data)
+        assert data["budget_left"] <= data["budget"] <= data["budget_left"] + data["steps"], (rank, data)
+    assert [data["joined"] for _, data in sorted(ranks.items())] == [False, False, False, True]
+
+
+@suite.runs(suite.check("adpsgd.callback_join", "2x2"))
+def test_adpsgd_callback_goes_on_with_the_budget_left_when_a_process_joins(ranks):
+    """ADPSGDCallback's next fit after a membership change: the ranks going on keep their
+    reset ADPSGD, the added process makes its first; one name, one budget: the run's less
+    the steps of the first fit; every rank ends with the average model."""
+    for rank, data in ranks.items():
+        assert len(set(data["names"])) == 1, (rank, data)
+        assert data["budget"] == data["first_budget"] - data["ran"], (rank, data)
+        assert data["spread"] == 0.0, (rank, data)
+
+
 @suite.runs(suite.check("asynchronous.reset", "2x2"))
 def test_shared_model_reset_makes_new_segments_and_every_rank_ends_with_one_model(ranks):
     for rank, data in ranks.items():

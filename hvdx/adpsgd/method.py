@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import time
 import warnings
-from typing import Any, Callable, Dict, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -120,7 +120,14 @@ class ADPSGD(TrainingMethod):
         self._runs = 0                            # gossips started: the transports' names
         self._counts = {"steps": 0, "exchanges": 0, "averages": 0}  # of the gossips before the current one
         self._averages = 0                        # of the current gossip
-        self._resume = False                      # the next start() goes on from state() (restore, reset)
+        # after reset(): the next start() goes on with what is left of the budget, from what the
+        # ranks agreed at the last start() the steps before it were (over all ranks, departed
+        # ones included) and what this rank knew of that gossip's counts when it ended (per
+        # rank of that gossip); after restore(): from a checkpoint's own steps
+        self._resume = False
+        self._ran_before = 0
+        self._ran_known: List[int] = []
+        self._restored_steps: Optional[int] = None
         self._last_stats: Dict[str, Any] = {}
         hvd = sys.modules.get("horovod.tensorflow")
         if hvd is None or not hvd.is_initialized():
@@ -174,13 +181,11 @@ class ADPSGD(TrainingMethod):
                                 else model_or_variables)
         if not self.variables:
             raise ValueError("ADPSGD needs the model's variables: ADPSGD(variables) or start(model)")
-        if self.global_epochs is not None and (steps_per_epoch or self._budget_total is None):
-            self._budget_total = self._budget(steps_per_epoch)
-        self.step_budget = self._budget_total
-        if self._resume and self.step_budget is not None:  # after reset() / restore(): what is left of it
-            self.step_budget = self._remaining(self.step_budget)
-        self._resume = False
         self._retire()
+        if self.global_epochs is not None and steps_per_epoch:  # every rank: fit passes its steps
+            self._budget_total = self._budget(steps_per_epoch)
+        if self.global_epochs is not None or self._budget_total is not None:  # every rank: the same options
+            self.step_budget = self._agree_budget()
         # the transports' names number the gossips started; a process Elastic Horovod added
         # has started none: every rank takes the largest count, so the names match
         hvd = sys.modules["horovod.tensorflow"]
@@ -220,12 +225,38 @@ class ADPSGD(TrainingMethod):
                                   name=f"{self.name}.steps").numpy()[0])
         return max(1, int(round(self.global_epochs * total)))
 
-    def _remaining(self, budget: int) -> int:
-        """After reset() / restore(): the budget less the steps every rank already ran (collective)."""
+    def _agree_budget(self) -> int:
+        """Collective: the step budget of the gossip about to start, the same on every rank: the
+        run's budget less the steps all ranks ran before. After `restore()` (a checkpoint of the
+        same ranks) those are the sum of the ranks' restored counts; otherwise what the ranks
+        agreed at the last start plus, per rank of the last gossip, the largest count any rank
+        knows (a rank's own count is exact, a departed rank's as last heard): the ranks that
+        `reset()`; a process Elastic Horovod added knows none and takes the run's budget from the
+        others. A start that follows no reset or restore (a new `fit`) has the whole budget.
+
+        Raises ValueError when no rank knows the run's budget (global_epochs without steps per
+        epoch at the first start)."""
         hvd = sys.modules["horovod.tensorflow"]
-        ran = int(hvd.allreduce(tf.constant([self._counts["steps"]], tf.int64), op=hvd.Sum,
-                                name=f"{self.name}.ran").numpy()[0])
-        return max(1, budget - ran)
+        rows = hvd.allgather_object({"budget": self._budget_total, "resume": self._resume,
+                                     "before": self._ran_before, "known": self._ran_known,
+                                     "restored": self._restored_steps}, name=f"{self.name}.budget")
+        totals = [r["budget"] for r in rows if r["budget"] is not None]
+        if not totals:
+            raise ValueError("global_epochs needs fit to know its steps per epoch: pass arrays, or a dataset of "
+                             "known length, or steps_per_epoch")
+        restored = [r["restored"] for r in rows if r["restored"] is not None]
+        resumed = [r for r in rows if r["resume"]]
+        ran = 0
+        if restored:
+            ran = sum(restored)
+        elif resumed:
+            known = np.zeros((len(resumed), max(len(r["known"]) for r in resumed)), np.int64)
+            for i, r in enumerate(resumed):
+                known[i, :len(r["known"])] = r["known"]
+            ran = max(r["before"] for r in resumed) + int(known.max(axis=0).sum())
+        self._budget_total = max(totals)
+        self._ran_before, self._ran_known, self._restored_steps, self._resume = ran, [], None, False
+        return max(1, self._budget_total - ran)
 
     def step(self) -> None:
         """After the optimizer applied this rank's gradient: the update joins the model, and
@@ -237,6 +268,12 @@ class ADPSGD(TrainingMethod):
     def after_step(self) -> None:
         """The lifecycle's name of `step()`."""
         self.step()
+
+    @property
+    def resuming(self) -> bool:
+        """Whether a membership change `reset()` this method and it has not started since: the
+        next `start()` goes on with its counts and what is left of the step budget."""
+        return self._resume
 
     @property
     def done(self) -> bool:
@@ -299,9 +336,10 @@ class ADPSGD(TrainingMethod):
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Takes back a `state()` (before `start()`): the counts go on from it, and the next
-        start() spends only what is left of a step budget (one allreduce of the steps run)."""
+        start() spends only what is left of a step budget (the ranks' restored steps summed:
+        every rank restores its own state)."""
         self._counts = {k: int(state[k]) for k in ("steps", "exchanges", "averages")}
-        self._resume = True
+        self._restored_steps = self._counts["steps"]
 
     def reset(self, topology: Optional[Topology] = None) -> None:
         """The membership changed (`topology`; default: Horovod's rank and size now, and
@@ -323,6 +361,7 @@ class ADPSGD(TrainingMethod):
             return
         self._counts = self.state()
         self._last_stats = self.gossip.stats()
+        self._ran_known = [int(k) for k in self.gossip.known_steps()]
         self.gossip.close()
         self.gossip = None
         self._averages = 0

@@ -197,7 +197,9 @@ class DASOCallback(TrainingMethodCallback):
 
 class ADPSGDCallback(TrainingMethodCallback):
     """AD-PSGD in `Model.fit`: a new `hvdx.adpsgd.ADPSGD` over the model's float weights per
-    `fit`, driven as `TrainingMethodCallback` drives it (they gossip after every batch).
+    `fit`, driven as `TrainingMethodCallback` drives it (they gossip after every batch); in
+    an elastic job the fit after a membership change goes on with the reset one (its counts,
+    what is left of `global_epochs`).
 
     Args:
       topology, seed, timeout, finish_timeout, switch_interval, cross_node_weight: as `ADPSGD`.
@@ -211,7 +213,8 @@ class ADPSGDCallback(TrainingMethodCallback):
       average_every_epoch: every rank averages at each epoch's end (a collective: the
         validation and callbacks after this one, e.g. ModelCheckpoint, see the average model;
         needs the same number of epochs on every rank, so not with `max_seconds`).
-      name: the prefix of the collectives' names (each fit adds its count).
+      name: the prefix of the collectives' names (each fit adds its count, the ranks' largest:
+        one Horovod allreduce at the start of every fit).
 
     At the end of `fit` every rank holds the average model (`Model.evaluate` and
     `Model.save` are then well defined). `adpsgd` is the last fit's ADPSGD, `stats` its
@@ -241,7 +244,17 @@ class ADPSGDCallback(TrainingMethodCallback):
         return self.method
 
     def _method_for_fit(self) -> ADPSGD:
-        self._calls += 1
+        """A new ADPSGD, or the last one where a membership change reset it (`hvdx.elastic`:
+        it goes on with its counts and what is left of the budget). Collective: the ranks agree
+        on the fit's count, which names the collectives, so that a process Elastic Horovod
+        added (its first fit) names them as the ranks going on with theirs."""
+        import horovod.tensorflow as hvd
+
+        resuming = self.method is not None and self.method.resuming
+        mine = self._calls if resuming else self._calls + 1
+        self._calls = int(hvd.allreduce(tf.constant([mine], tf.int64), op=hvd.Max, name="hvdx.adpsgd.fits")[0])
+        if resuming:
+            return self.method
         kwargs = dict(self._kwargs, name=f"{self._kwargs['name']}.{self._calls}")
         return ADPSGD(None, **kwargs, global_epochs=self.global_epochs, max_seconds=self.max_seconds,
                       average_every_epoch=self.average_every_epoch)

@@ -258,7 +258,66 @@ def check_reset(topo, steps=20):
             "closed_twice": adp.gossip._closed}
 
 
+def check_join(topo, steps=20):
+    """Elastic Horovod adds a process: with a step budget, the ranks gossip, then the last rank
+    starts over as a new process would (a new ADPSGD, no counts, no reset) while the others
+    reset(); start() is collective over both kinds: every rank takes the same budget, the
+    run's less the steps the ranks ran, the new one's predecessor's as last heard."""
+    model = make_model(width=8)
+    adp = ADPSGD(topology="ring", timeout=60, step_budget=10_000).start(model)
+    rng = np.random.default_rng(400 + topo.rank)
+    for _ in range(steps):
+        for v in model.trainable_variables:
+            v.assign_add((rng.normal(size=v.shape) * 1e-3).astype(np.float32))
+        adp.after_step()
+        time.sleep(0.001)
+    adp.average()  # every rank's count heard by its neighbours (lagging only by the exchanges in flight)
+    joined = topo.rank == topo.size - 1
+    if joined:
+        adp.close()
+        adp = ADPSGD(topology="ring", timeout=60, step_budget=10_000)
+    else:
+        adp.reset(hvdx.topology())
+    adp.start(model)
+    budget = adp.step_budget
+    adp.finish()
+    adp.close()
+    return {"budget": budget, "joined": joined, "budget_left": 10_000 - topo.size * steps, "steps": steps,
+            "budgets": [int(b) for b in hvd.allgather_object(budget, name="adpsgd.join.budgets")]}
+
+
+def check_callback_join(topo, global_epochs=2):
+    """ADPSGDCallback(global_epochs) in an elastic job: a first fit ends after one epoch of the
+    budget's two; a membership change then resets the ranks' ADPSGD (as hvdx.elastic's reset
+    does) while the last rank starts over as an added process would (a new callback, its
+    first fit). The next fit names its collectives alike on every rank and gives every rank
+    one budget: what the first fit left of the run's."""
+    import warnings
+
+    x_train, _, y_train, _ = digits.split()
+    shard = equal_shard(topo, len(x_train))
+    model = make_model(width=8)
+    model.compile(tf.keras.optimizers.SGD(0.05), LOSS)
+    gossip = ADPSGDCallback(topology="ring", global_epochs=global_epochs, timeout=60)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "fit's epochs ended before the ranks' steps reached global_epochs"
+        model.fit(x_train[shard], y_train[shard], batch_size=16, epochs=1, verbose=0, callbacks=[gossip])
+    first = gossip.stats
+    joined = topo.rank == topo.size - 1
+    if joined:
+        gossip = ADPSGDCallback(topology="ring", global_epochs=global_epochs, timeout=60)
+    else:
+        gossip.adpsgd.reset(hvdx.topology())
+    model.fit(x_train[shard], y_train[shard], batch_size=16, epochs=global_epochs * topo.size, verbose=0,
+              callbacks=[gossip])
+    return {"joined": joined, "first_budget": first["step_budget"], "first_steps": first["steps"],
+            "ran": sum(hvd.allgather_object(first["steps"], name="adpsgd.callback_join.ran")),
+            "budget": gossip.stats["step_budget"], "name": gossip.adpsgd.name,
+            "names": hvd.allgather_object(gossip.adpsgd.name, name="adpsgd.callback_join.names"),
+            "spread": spread(model.get_weights(), "callback_join")}
+
+
 CHECKS = {"consensus": check_consensus, "exchanges": check_exchanges, "slow_rank": check_slow_rank,
           "global_budget": check_global_budget,
           "convergence": check_convergence, "checkpoint": check_checkpoint, "errors": check_errors,
-          "reset": check_reset}
+          "reset": check_reset, "join": check_join, "callback_join": check_callback_join}
