@@ -82,10 +82,24 @@ def _node_key() -> str:
 UNEVEN_NODES_ENV = "HVDX_UNEVEN_NODES"
 
 
+#: How long a Gloo rendezvous waits for its peers in an elastic job (hvdx's Horovod patch 0003:
+#: apart from the collectives' $HOROVOD_GLOO_TIMEOUT_SECONDS, so a short collective timeout
+#: detects a dead node sooner while a reset still waits for an added host's new processes).
+RENDEZVOUS_TIMEOUT_ENV = "HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS"
+ELASTIC_RENDEZVOUS_TIMEOUT = 120
+
+
 def elastic_job() -> bool:
     """Whether this process runs in an Elastic Horovod job (`horovodrun --min-np/--max-np/
     --host-discovery-script` sets $HOROVOD_ELASTIC=1)."""
     return os.environ.get("HOROVOD_ELASTIC", "0").strip() == "1"
+
+
+def elastic_defaults() -> None:
+    """In an elastic job, $HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS = `ELASTIC_RENDEZVOUS_TIMEOUT`
+    unless set (Horovod reads it at every initialisation, the elastic resets' too)."""
+    if elastic_job():
+        os.environ.setdefault(RENDEZVOUS_TIMEOUT_ENV, str(ELASTIC_RENDEZVOUS_TIMEOUT))
 
 
 def _resolve_uneven(uneven_nodes: Optional[str]) -> str:
@@ -181,6 +195,9 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
     every rank as a node of its own (hierarchical strategies run flat over all ranks; rank 0
     warns once) until a later init (Elastic Horovod's reset) finds even nodes again. None:
     $HVDX_UNEVEN_NODES, else "flat" in an elastic job ($HOROVOD_ELASTIC=1), else "error".
+    In an elastic job it also sets $HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS to 120 unless set
+    (`RENDEZVOUS_TIMEOUT_ENV`: a reset waits that long for an added host's processes, however
+    short the collectives' $HOROVOD_GLOO_TIMEOUT_SECONDS).
 
     Uses no Keras: it works where tf.keras is Keras 3 too (docs/keras3.md). Raises
     TopologyError for nodes of different sizes under "error", ValueError for a bad option.
@@ -194,6 +211,7 @@ def init(comm: Optional[Sequence[int]] = None, stall_timeout: Optional[float] = 
     uneven = _resolve_uneven(uneven_nodes)
     _stall_timeout, _uneven_nodes = stall_timeout, uneven_nodes
     hvd = _horovod()
+    elastic_defaults()
     if not hvd.is_initialized():
         mpi_defaults.apply_mpi_defaults()
         hvd.init(comm=comm, process_sets="dynamic")

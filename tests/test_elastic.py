@@ -6,6 +6,8 @@ The elastic launches (2x2 -> 2 or 3 ranks under horovodrun's host discovery: a r
 a node that loses a rank, a SIGKILLed rank; HiTopK and the training methods) run
 tests/multirank/elastic_digits.py (docs/elastic.md).
 """
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -257,6 +259,46 @@ def test_hitopk_keras_training_runs_flat_when_a_node_loses_one_rank_then_even_ag
         if sum(r["host"] == host for r in survivors) == 2:  # the node that kept both ranks
             assert len(reads) > max(r["part"] for r in survivors if r["host"] == host), len(reads)
     assert len({r["part"] for r in ranks}) <= 2 and all(r["part"] >= 1347 // 2 - 1 for r in ranks), ranks
+
+
+def test_an_elastic_job_waits_longer_at_a_rendezvous_than_in_a_collective(monkeypatch):
+    """hvdx.init in an elastic job sets Horovod's rendezvous timeout (patch 0003) unless set."""
+    import importlib
+
+    topology_module = importlib.import_module("hvdx.topology")
+
+    monkeypatch.delenv(topology_module.RENDEZVOUS_TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv("HOROVOD_ELASTIC", raising=False)
+    topology_module.elastic_defaults()
+    assert topology_module.RENDEZVOUS_TIMEOUT_ENV not in os.environ  # not elastic: Horovod's one timeout
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    topology_module.elastic_defaults()
+    assert os.environ[topology_module.RENDEZVOUS_TIMEOUT_ENV] == "120"
+    monkeypatch.setenv(topology_module.RENDEZVOUS_TIMEOUT_ENV, "45")
+    topology_module.elastic_defaults()
+    assert os.environ[topology_module.RENDEZVOUS_TIMEOUT_ENV] == "45"  # the user's
+
+
+@pytest.mark.multirank
+def test_a_rendezvous_waits_for_a_late_rank_beyond_the_collective_timeout(tmp_path):
+    """Horovod patch 0003: with a 3 s collective timeout (HOROVOD_GLOO_TIMEOUT_SECONDS) and a
+    60 s rendezvous timeout, rank 1 starting Horovod 8 s after rank 0 (as an added host's
+    processes do while they import TensorFlow) joins; without the patch rank 0 gave up after
+    3 s ("Wait timeout")."""
+    import sys
+
+    from hvdx.runner.launch import HOROVODRUN
+    from tests import harness
+
+    script = ("import os, time; rank = int(os.environ['HOROVOD_RANK']); time.sleep(8 * rank); "
+              "import horovod.tensorflow as hvd, tensorflow as tf; hvd.init(); "
+              "print('SUM', int(hvd.allreduce(tf.constant(rank + 1), op=hvd.Sum)), flush=True)")
+    env = dict(harness.test_env(str(tmp_path)), HOROVOD_GLOO_TIMEOUT_SECONDS="3",
+               HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS="60")
+    job = harness.run([str(HOROVODRUN), "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-c", script],
+                      timeout=120, env=env, cwd=tmp_path)
+    assert not job.timed_out and job.returncode == 0, (job.output or "")[-3000:]
+    assert (job.output or "").count("SUM 3") == 2, (job.output or "")[-3000:]
 
 
 @pytest.mark.multirank
