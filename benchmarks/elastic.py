@@ -196,8 +196,8 @@ def run_case(case: str, method: str, args: argparse.Namespace, cluster, folder: 
     discovery.chmod(0o755)
     progress = folder / "progress.jsonl"
     env = {"PYTHONPATH": str(common.ROOT)}
-    if args.gloo_timeout:
-        env["HOROVOD_GLOO_TIMEOUT_SECONDS"] = str(args.gloo_timeout)
+    if args.gloo_timeout:  # the rendezvous (patch 0003) waits for a returning node's new processes
+        env.update(HOROVOD_GLOO_TIMEOUT_SECONDS=str(args.gloo_timeout), HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS="120")
     codes: List[int] = []
     mode = "fixed" if case == "relaunch" else "elastic"
     worker_method = "horovod" if case == "horovod-elastic" else method
@@ -382,7 +382,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--ranks-per-node", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per job")
     parser.add_argument("--gloo-timeout", type=int, default=None,
-                        help="HOROVOD_GLOO_TIMEOUT_SECONDS of every job (default: Horovod's, 30)")
+                        help="HOROVOD_GLOO_TIMEOUT_SECONDS of every job (default: Horovod's, 30); the "
+                             "rendezvous then waits 120 s (HOROVOD_GLOO_RENDEZVOUS_TIMEOUT_SECONDS, Horovod patch 0003)")
     parser.add_argument("--stall", type=float, default=120.0, help="seconds without an epoch: the job is killed")
     parser.add_argument("--keep-logs", action="store_true", help="keep the jobs' logs (and py-spy dumps of hung jobs)")
     parser.add_argument("--smoke", action="store_true", help="a tiny MLP, 9 epochs of batches of 8 (tests)")
