@@ -16,10 +16,12 @@ Each round is cold (new stores, new caches); the methods take turns. Epoch 1 of 
 epochs 2+ of `.cache()` and DataCache taking turns: without augmentation, with the same
 uncompiled Keras augmentation mapped over the batches of either (`keras`), and with a
 per-sample pad-crop-flip (`crop`: `.map` per sample before `.batch` for tf.data,
-DataCache's `augment=`, compiled with XLA). Then a restarted job (`restart`): DataCache is
-closed and built again over the node's store, as a relaunched job on the same nodes does,
-and its first epoch is timed; --repeats times, the ratio taking the median as for epochs 2+
-(an epoch of 2x2 is ~0.3 s: one sample of it is mostly scheduling noise). An epoch's time
+DataCache's `augment=`, compiled with XLA). Then a restarted job (`restart`): after the last
+round the node stores are kept and the job is launched again on the same nodes (--relaunches
+times, a new process per rank, as after a crash or a preemption): it builds DataCache over
+its node's store and times its epoch 1, then --repeats epochs 2+; the ratio is the median
+over relaunches of (its epochs 2+ / its epoch 1) (an epoch of 2x2 is ~0.3 s: one sample of
+it is mostly scheduling noise). An epoch's time
 is split into its fixed cost (the first batch: the iterator's start and the epoch's
 planning) and the time per sample after it.
 Memory per node: DataCache's store (allocated blocks on /dev/shm), `.cache()`'s RSS growth
@@ -37,6 +39,8 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -166,21 +170,57 @@ def bench(root: Path, store_root: Path, args: argparse.Namespace) -> dict:
             keep(key, epochs)
         cache.close()
         del runs
-        restarts = []
-        for i in range(args.repeats):  # a relaunched job on the same nodes, as often as later epochs repeat
-            again, cache = datacache_datasets(root, store_dir, args)
-            restarts.append(epoch(again["none"], f"scale.{r}.restart.{i}", size))
-            cache.close()
-            del again
-        keep("datacache_restart", restarts)
         if size > 1:
             hvdx.barrier()
-        if cache.placement.local_rank == 0:
+        # the last round's stores stay for the relaunched jobs (`relaunched`); main removes them
+        if cache.placement.local_rank == 0 and (r < args.rounds - 1 or args.relaunches == 0):
             remove_store(cache.store.path)
             shutil.rmtree(store_dir, ignore_errors=True)
         if rank == 0:
             print(json.dumps({"round": r, **{k: v[-1] for k, v in out.items()}}), flush=True)
     return {"rounds": out, "memory_bytes": memory, "ranks": size}
+
+
+def relaunched(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
+    """A relaunched job on the nodes of the last round (a new process per rank): DataCache
+    over its node's store, epoch 1 and --repeats epochs 2+ (seconds, first-batch seconds,
+    samples: the slowest rank's), and whether the store served epoch 1 without a file read."""
+    size = 1
+    if under_launcher():
+        size = hvdx.init().size
+    datasets, cache = datacache_datasets(root, store_dir, args)
+    try:
+        first = epoch(datasets["none"], "relaunch.1", size)
+        read = cache.stats["store"]["misses"] + cache.stats["disk"]["misses"]  # decoded or read again
+        later = [epoch(datasets["none"], f"relaunch.{i + 2}", size) for i in range(args.repeats)]
+    finally:
+        cache.close()
+    return {"epoch1": first, "later": later, "epoch1_misses": read}
+
+
+def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path, args: argparse.Namespace) -> List[dict]:
+    """--relaunches new jobs of `topology` ("1" or NxM) over the stores of the last round
+    (`relaunched` in each), then the stores removed. Raises SystemExit if one fails."""
+    results = []
+    try:
+        for i in range(args.relaunches):
+            path = work / f"relaunch-{topology}-{i}.json"
+            command = [str(Path(__file__).resolve()), "--relaunch-json", str(path), "--data-root", str(root),
+                       "--store-root", str(store_dir), *worker_argv(args)]
+            if topology == "1":
+                env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+                failed = subprocess.run([sys.executable, *command], env=env).returncode
+            else:
+                failed = launch_ranks(command, *(int(x) for x in topology.split("x")))
+            if failed:
+                raise SystemExit(f"the relaunched {topology} job failed")
+            results.append(json.loads(path.read_text()))
+    finally:
+        for store in store_dir.glob("*"):
+            if store.is_dir() and (store.parent / (store.name + ".users")).exists():
+                remove_store(str(store))
+        shutil.rmtree(store_dir, ignore_errors=True)
+    return results
 
 
 def over_budget(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
@@ -256,8 +296,9 @@ def summary(result: dict, batch: int) -> dict:
     ratios["epoch2_none_whole"] = [med(e[0] for e in a) / med(e[0] for e in b)
                                    for a, b in zip(t["tf_cache_none"], t["datacache_none"])]
     ratios["epoch1"] = [a[0] / b[0] for a, b in zip(t["plain_epoch1"], t["datacache_epoch1"])]
-    ratios["restart"] = [med(e[0] for e in later) / med(e[0] for e in restarts)
-                         for later, restarts in zip(t["datacache_none"], t["datacache_restart"])]
+    ratios["restart"] = [med(e[0] for e in job["later"]) / job["epoch1"][0] for job in result["relaunched"]]
+    ratios["restart_per_sample"] = [med(sample_time(e) for e in job["later"]) / sample_time(job["epoch1"])
+                                    for job in result["relaunched"]]
     fixed = {m: med(med(e[1] for e in r) for r in t[f"{m}_none"]) * 1e3 for m in ("tf_cache", "datacache")}
     per = {m: med(med(sample_time(e) for e in r) for r in t[f"{m}_none"]) * 1e6 for m in ("tf_cache", "datacache")}
     mem = {k: med(v) for k, v in result["memory_bytes"].items()}
@@ -301,8 +342,11 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
                 "its share (one store per node). Speed ratios of the slowest rank (baseline time / DataCache time; "
                 "per sample: after an epoch's first batch), medians of per-round ratios over "
                 f"{c['rounds']} cold rounds (epochs 2-{c['epochs']}, without augmentation {c['repeats']} passes each, "
-                "methods taking turns); the restarted job is "
-                "DataCache built again over the node's store (as many times as the passes, the median). "
+                "methods taking turns); the restarted job is the job launched again on the same nodes after "
+                f"the last round ({c['relaunches']} times, new processes): its epoch 1 over the median of its "
+                f"{c['repeats']} epochs 2+, the median of the relaunches (per sample after the first batch: "
+                + ", ".join(f"{t} {statistics.median(summary(r, c['batch'])['ratios']['restart_per_sample']):.2f}x"
+                            for t, r in result["topologies"].items()) + "). "
                 "Load average (1 min, start/end) "
                 f"{loads}. Raw times: `results/datacache_scale.json`.\n\n" + text
                 + budget_text(result.get("over_budget"), result))
@@ -311,8 +355,8 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
 
 def worker_argv(args: argparse.Namespace) -> List[str]:
     return [f"--{k.replace('_', '-')}={getattr(args, k)}"
-            for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "repeats", "seed", "latency_ms",
-                      "mib_per_s")]
+            for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "repeats", "relaunches", "seed",
+                      "latency_ms", "mib_per_s")]
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -325,6 +369,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=3, help="epochs without augmentation per later epoch")
+    parser.add_argument("--relaunches", type=int, default=3,
+                        help="restarted jobs (new processes) over the last round's node stores")
     parser.add_argument("--latency-ms", type=float, default=5.0, help="emulated NFS latency per open (0: local disk)")
     parser.add_argument("--mib-per-s", type=float, default=100.0, help="emulated NFS bandwidth")
     parser.add_argument("--seed", type=int, default=0)
@@ -340,12 +386,23 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     parser.add_argument("--data-root", help=argparse.SUPPRESS)
     parser.add_argument("--store-root", help=argparse.SUPPRESS)
+    parser.add_argument("--relaunch-json", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.images, args.size, args.resolution, args.batch = 96, 32, 24, 16
-        args.epochs, args.rounds, args.repeats, args.latency_ms = 2, 1, 1, 1.0
+        args.epochs, args.rounds, args.repeats, args.relaunches, args.latency_ms = 2, 1, 1, 1, 1.0
     if args.epochs < 2:
         parser.error("--epochs must be >= 2 (epoch 1 cold, then epochs 2+)")
+    if args.relaunches < 1:
+        parser.error("--relaunches must be >= 1 (the restarted job's row)")
+    if args.relaunch_json:  # a rank of a relaunched job
+        freeze_start_up()
+        result = relaunched(Path(args.data_root), Path(args.store_root), args)
+        if not under_launcher() or hvdx.topology().rank == 0:
+            Path(args.relaunch_json).write_text(json.dumps(result))
+        if under_launcher():
+            hvdx.barrier()
+        return
     if args.worker_json:  # a rank of a launched job
         freeze_start_up()
         result = bench(Path(args.data_root), Path(args.store_root), args)
@@ -390,6 +447,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                     if launch_ranks(command, nodes, per_node):
                         raise SystemExit(f"the {topology} run failed")
                     result = json.loads(path.read_text())
+                result["relaunched"] = relaunch_all(topology, root, store / f"round{args.rounds - 1}", work, args)
             result["load_average"] = [round(load["start"][0], 2), round(load["end"][0], 2)]
             results[topology] = result
         budget = over_budget(root, store / "budget", args) if args.budget_fraction > 0 else None
@@ -397,7 +455,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
     config = {k: getattr(args, k) for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "repeats",
-                                            "seed", "latency_ms", "mib_per_s", "budget_fraction", "quick")}
+                                            "relaunches", "seed", "latency_ms", "mib_per_s", "budget_fraction", "quick")}
     machine = {"cpus": os.cpu_count(), "tensorflow": tf.__version__, "hvdx": hvdx.__version__}
     render({"config": config, "machine": machine, "topologies": results, "over_budget": budget}, args.out, readme)
 
