@@ -55,12 +55,13 @@ from hvdx.data import DataCache, GFileSource, SlowSource  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402
 from hvdx.data.store import remove_store  # noqa: E402
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
+    from common import (ROOT, add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
                         markdown_table, readme_path, slowest, under_launcher, update_readme)
     from datacache import augment, keras_augmented, make_dataset, rss, source_loader, verdict  # noqa: E402
 except ImportError:
-    from benchmarks.common import (add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
-                                   markdown_table, readme_path, slowest, under_launcher, update_readme)
+    from benchmarks.common import (ROOT, add_output_arguments, freeze_start_up, launch_ranks,  # noqa: E402
+                                   load_during, markdown_table, readme_path, slowest, under_launcher,
+                                   update_readme)
     from benchmarks.datacache import augment, keras_augmented, make_dataset, rss, source_loader, verdict  # noqa: E402
 
 #: Issue 45's goals: speed ratios (baseline time / DataCache time) and the restart's.
@@ -208,17 +209,14 @@ def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path, args: a
             command = [str(Path(__file__).resolve()), "--relaunch-json", str(path), "--data-root", str(root),
                        "--store-root", str(store_dir), *worker_argv(args)]
             if topology == "1":
-                env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+                env = dict(os.environ, PYTHONPATH=str(ROOT))
                 failed = subprocess.run([sys.executable, *command], env=env).returncode
             else:
                 failed = launch_ranks(command, *(int(x) for x in topology.split("x")))
             if failed:
                 raise SystemExit(f"the relaunched {topology} job failed")
             results.append(json.loads(path.read_text()))
-    finally:
-        for store in store_dir.glob("*"):
-            if store.is_dir() and (store.parent / (store.name + ".users")).exists():
-                remove_store(str(store))
+    finally:  # no process has the stores open any more: their files go with the folder
         shutil.rmtree(store_dir, ignore_errors=True)
     return results
 

@@ -310,9 +310,9 @@ def check_callback_join(topo, global_epochs=2):
         gossip.adpsgd.reset(hvdx.topology())
     model.fit(x_train[shard], y_train[shard], batch_size=16, epochs=global_epochs * topo.size, verbose=0,
               callbacks=[gossip])
-    return {"joined": joined, "first_budget": first["step_budget"], "first_steps": first["steps"],
+    return {"joined": joined, "first_budget": first["step_budget"],
             "ran": sum(hvd.allgather_object(first["steps"], name="adpsgd.callback_join.ran")),
-            "budget": gossip.stats["step_budget"], "name": gossip.adpsgd.name,
+            "budget": gossip.stats["step_budget"],
             "names": hvd.allgather_object(gossip.adpsgd.name, name="adpsgd.callback_join.names"),
             "spread": spread(model.get_weights(), "callback_join")}
 
