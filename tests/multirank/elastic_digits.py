@@ -13,7 +13,9 @@ of epoch 1 (nodes of 2 and 1 ranks: hvdx runs flat, `hvdx.init(uneven_nodes=)`);
 SIGKILLs itself at the end of epoch 1 (a preempted process; the host list stays). Every rank prints
 `ELASTIC size=S checksum_spread=X` at every `fit` start (after Horovod's sync: the weights'
 largest difference between ranks) and rank 0 writes its record (sizes seen, spreads, final
-accuracy) to $HVDX_RESULT_DIR/elastic.json. With $HVDX_ELASTIC_DATACACHE (a folder tree of
+accuracy, when it was told of each host change) to $HVDX_RESULT_DIR/elastic.json and every
+process when it called `hvd.init` and whether Horovod started it ahead of its reset (patch 0004)
+to $HVDX_RESULT_DIR/process-<pid>.json. With $HVDX_ELASTIC_DATACACHE (a folder tree of
 8 px grayscale digits) the ranks read their batches from an `hvdx.data.DataCache` over it
 (node stores under $HVDX_RESULT_DIR/shm; a reset splits it again) and every rank writes the
 files it read from the source to $HVDX_RESULT_DIR/reads-<pid>.json.
@@ -37,7 +39,7 @@ EPOCHS = int(sys.argv[4]) if len(sys.argv) > 4 else 8
 SCHEDULE = sys.argv[5].split(",") if len(sys.argv) > 5 else ["remove", "add"]
 BATCH = 32
 STEPS = 12  # per epoch, whatever the size: enough commits for a host change to be seen
-HOST_CHANGE_WAIT = 5.0  # seconds rank 0 waits after changing the host list
+HOST_NOTICE_WAIT = 120.0  # at most, seconds rank 0 waits for the driver's notice of a host change
 
 if API == "hvdx":
     import hvdx.keras as hvd
@@ -48,6 +50,7 @@ import tensorflow as tf  # noqa: E402
 from tests.multirank import digits  # noqa: E402
 from tests.multirank.rank import spread  # noqa: E402
 
+BEFORE_INIT = time.time()  # an added host's processes reach here before the survivors are told (patch 0004)
 hvd.init()
 x_train, x_test, y_train, y_test = digits.split()
 DATACACHE = os.environ.get("HVDX_ELASTIC_DATACACHE")
@@ -108,10 +111,15 @@ class Check(tf.keras.callbacks.Callback):
         if hosts is not None and epoch not in record.setdefault("changed", []):
             record["changed"].append(epoch)
             Path(HOSTS_FILE).write_text(hosts)
-            # Horovod's driver polls the discovery script about once a second and the workers
-            # see its notice at their next commit: without this wait a fast job could end
-            # before it (the other ranks wait for this one in the next step's collective).
-            time.sleep(HOST_CHANGE_WAIT)
+            # Horovod's driver polls the discovery script about once a second and tells rank 0
+            # (of an added host once its new processes wait in their first init: Horovod patch
+            # 0004); the ranks see the notice at their next commit. Without this wait a fast job
+            # could end before it. The other ranks wait in the next step's collective meanwhile
+            # (Horovod's background threads keep talking: no collective times out).
+            deadline = time.monotonic() + HOST_NOTICE_WAIT
+            while state._host_messages.empty() and time.monotonic() < deadline:  # Horovod's State
+                time.sleep(0.2)
+            record.setdefault("notices", []).append(time.time())
 
 
 state = hvd.elastic.KerasState(model, batch=0, epoch=0)
@@ -150,6 +158,8 @@ if DATACACHE:
     (results / f"reads-{os.getpid()}.json").write_text(json.dumps({
         "host": host, "sizes": record["sizes"], "reads": source.reads,
         "store": cache.store.path, "part": len(cache.part)}))
+(Path(os.environ.get("HVDX_RESULT_DIR", "/tmp")) / f"process-{os.getpid()}.json").write_text(json.dumps({
+    "before_init": BEFORE_INIT, "prelaunched": os.environ.get("HOROVOD_ELASTIC_PRELAUNCHED") == "1"}))
 if hvd.rank() == 0:
     record.update(accuracy=float(accuracy), final_spread=final, size=hvd.size())
     out = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp")) / "elastic.json"
