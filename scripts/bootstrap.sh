@@ -120,7 +120,7 @@ stamp_hvd=$VENV/.hvdx-horovod
 if [ "$(cat "$stamp_hvd" 2>/dev/null)" != "$hvd_key" ]; then
   wheels=${HVDX_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdx/wheels}/$hvd_key
   if ! ls "$wheels"/horovod-*.whl >/dev/null 2>&1; then
-    log "building Horovod $HOROVOD_VERSION from source against TensorFlow $TF_VERSION with ${#patches[@]} patch(es) (10-30 minutes on 2 cores)"
+    log "building Horovod $HOROVOD_VERSION from source against TensorFlow $TF_VERSION with ${#patches[@]} patch(es) (3-6 minutes on 2 idle cores)"
     cmake_major=$(cmake --version | sed -n 's/^cmake version \([0-9]*\).*/\1/p')
     [ "${cmake_major:-3}" -lt 4 ] || export CMAKE_POLICY_VERSION_MINIMUM=3.5  # Horovod's bundled Gloo
     src=$(mktemp -d "${TMPDIR:-/tmp}/hvdx-horovod.XXXXXX")
