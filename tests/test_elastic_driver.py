@@ -150,3 +150,27 @@ def test_horovods_order_when_turned_off(monkeypatch):
         assert workers.started[2:] == [("host-b", 0, False), ("host-b", 1, False)]
     finally:
         driver.stop()
+
+
+def test_an_update_that_also_removes_a_host_is_told_at_once():
+    """A removed host is not kept waiting for an added one: the notice goes at once, the added
+    host's processes started ahead go on starting and the reset admits them."""
+    discovery = FixedHosts({"host-a": 2, "host-b": 2})
+    driver = driver_module.ElasticDriver(mock.MagicMock(), discovery, min_num_proc=2, max_num_proc=4)
+    workers = Workers()
+    driver.start(4, workers)
+    coordinator = mock.MagicMock()
+    driver._worker_clients[("host-a", 0)] = coordinator
+    try:
+        discovery.set({"host-a": 2, "host-c": 2})  # host-b replaced by host-c in one update
+        wait_for(lambda: coordinator.notify_hosts_updated.called, "the notice")
+        wait_for(lambda: len(workers.started) == 6, "host-c's processes")
+        assert workers.started[4:] == [("host-c", 0, True), ("host-c", 1, True)], workers.started
+        answers: Dict[Slot, object] = {}
+        ask_rank(driver, ("host-c", 0), answers)
+        ask_rank(driver, ("host-c", 1), answers)
+        reset(driver, [("host-a", 0), ("host-a", 1), ("host-b", 0), ("host-b", 1)])
+        wait_for(lambda: len(answers) == 2, "the new processes' ranks")
+        assert sorted(a.rank for a in answers.values()) == [2, 3] and len(workers.started) == 6
+    finally:
+        driver.stop()
