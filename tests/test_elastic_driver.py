@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 from unittest import mock
 
 import pytest
@@ -57,14 +57,17 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 20.0) ->
         time.sleep(0.02)
 
 
-def start_job():
-    """A running job on host-a (2 slots, 2-4 processes); rank 0's notification client a mock."""
-    discovery = FixedHosts({"host-a": 2})
+def start_job(hosts: Optional[Dict[str, int]] = None):
+    """A running job on `hosts` (default host-a with 2 slots; 2-4 processes); rank 0's
+    notification client a mock."""
+    hosts = hosts or {"host-a": 2}
+    discovery = FixedHosts(hosts)
     driver = driver_module.ElasticDriver(mock.MagicMock(), discovery, min_num_proc=2, max_num_proc=4)
     workers = Workers()
-    driver.start(2, workers)
+    driver.start(sum(hosts.values()), workers)
     coordinator = mock.MagicMock()  # what rank 0's hvd.elastic.run registers with the driver
-    driver._worker_clients[("host-a", 0)] = coordinator
+    rank0 = driver.get_coordinator_info()  # the driver orders the hosts as a set: rank 0 on any
+    driver._worker_clients[(rank0.hostname, rank0.local_rank)] = coordinator
     return driver, discovery, workers, coordinator
 
 
@@ -155,13 +158,8 @@ def test_horovods_order_when_turned_off(monkeypatch):
 def test_an_update_that_also_removes_a_host_is_told_at_once():
     """A removed host is not kept waiting for an added one: the notice goes at once, the added
     host's processes started ahead go on starting and the reset admits them."""
-    discovery = FixedHosts({"host-a": 2, "host-b": 2})
-    driver = driver_module.ElasticDriver(mock.MagicMock(), discovery, min_num_proc=2, max_num_proc=4)
-    workers = Workers()
-    driver.start(4, workers)
-    coordinator = mock.MagicMock()
-    rank0 = driver.get_coordinator_info()  # the hosts' order is a set's: rank 0 on either host
-    driver._worker_clients[(rank0.hostname, rank0.local_rank)] = coordinator
+    driver, discovery, workers, coordinator = start_job({"host-a": 2, "host-b": 2})
+    rank0 = driver.get_coordinator_info()
     try:
         discovery.set({rank0.hostname: 2, "host-c": 2})  # the other host replaced in one update
         wait_for(lambda: coordinator.notify_hosts_updated.called, "the notice")

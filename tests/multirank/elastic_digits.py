@@ -40,6 +40,7 @@ SCHEDULE = sys.argv[5].split(",") if len(sys.argv) > 5 else ["remove", "add"]
 BATCH = 32
 STEPS = 12  # per epoch, whatever the size: enough commits for a host change to be seen
 HOST_NOTICE_WAIT = 120.0  # at most, seconds rank 0 waits for the driver's notice of a host change
+RESULTS = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp"))
 
 if API == "hvdx":
     import hvdx.keras as hvd
@@ -57,11 +58,10 @@ DATACACHE = os.environ.get("HVDX_ELASTIC_DATACACHE")
 if DATACACHE:  # made once per process, before the training function: a reset splits it again
     from hvdx.data import CountingSource, DataCache
 
-    results = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp"))
     source = CountingSource()
     host = os.environ.get("HOROVOD_HOSTNAME", "node")  # level 1 is node-local, as on a cluster
-    cache = DataCache(DATACACHE, resolution=8, channels=1, cache_dir=str(results / f"disk-{host}"),
-                      store_dir=str(results / "shm"), memory_bytes=2**26, source=source)
+    cache = DataCache(DATACACHE, resolution=8, channels=1, cache_dir=str(RESULTS / f"disk-{host}"),
+                      store_dir=str(RESULTS / "shm"), memory_bytes=2**26, source=source)
 model = digits.mlp(seed=0)
 optimizer = tf.keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9)
 method_callbacks = []
@@ -155,12 +155,12 @@ final = spread(model.get_weights(), "elastic.final")
 print(f"ELASTIC_DONE rank={hvd.rank()} size={hvd.size()} accuracy={accuracy:.4f} checksum_spread={final}",
       flush=True)
 if DATACACHE:
-    (results / f"reads-{os.getpid()}.json").write_text(json.dumps({
+    (RESULTS / f"reads-{os.getpid()}.json").write_text(json.dumps({
         "host": host, "sizes": record["sizes"], "reads": source.reads,
         "store": cache.store.path, "part": len(cache.part)}))
-(Path(os.environ.get("HVDX_RESULT_DIR", "/tmp")) / f"process-{os.getpid()}.json").write_text(json.dumps({
+(RESULTS / f"process-{os.getpid()}.json").write_text(json.dumps({
     "before_init": BEFORE_INIT, "prelaunched": os.environ.get("HOROVOD_ELASTIC_PRELAUNCHED") == "1"}))
 if hvd.rank() == 0:
     record.update(accuracy=float(accuracy), final_spread=final, size=hvd.size())
-    out = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp")) / "elastic.json"
+    out = RESULTS / "elastic.json"
     out.write_text(json.dumps(record))
