@@ -11,3 +11,30 @@ def load_data(path=None):
     labels = digits.target.astype(np.uint8)
     cut = len(images) * 3 // 4
     return (images[:cut], labels[:cut]), (images[cut:], labels[cut:])
+
+
+def seed(rank):
+    """Seeds Python, NumPy and TensorFlow with $HVDX_SEED + rank when $HVDX_SEED is set
+    (benchmarks/horovod_examples.py: every method of a seed draws the same initial weights,
+    shuffles and dropout masks); otherwise does nothing, as the unseeded example."""
+    import os
+
+    if "HVDX_SEED" in os.environ:
+        import tensorflow as tf
+
+        tf.keras.utils.set_random_seed(int(os.environ["HVDX_SEED"]) + rank)
+
+
+def report(model, rank):
+    """Rank 0 writes the model's accuracy on the test split to $HVDX_RESULT_FILE (JSON), when set."""
+    import json
+    import os
+
+    path = os.environ.get("HVDX_RESULT_FILE")
+    if rank != 0 or not path:
+        return
+    _, (images, labels) = load_data()
+    probs = model(images[..., None].astype(np.float32) / 255.0, training=False)
+    accuracy = float(np.mean(np.argmax(np.asarray(probs), axis=1) == labels))
+    with open(path, "w") as f:
+        json.dump({"accuracy": accuracy}, f)
