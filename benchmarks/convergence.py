@@ -20,7 +20,8 @@ Methods: `horovod` (hvd.DistributedOptimizer), `allreduce` (hvdx, dense), `hitop
 clipping at --clip-norm), `warmup` (density warm-up from 25 % over --warmup-steps),
 `dense` (the warm-up starts dense: warmup_density=1), `decay` (residual decay 0.9), `lt`
 (LARS' trust ratio applied to each rank's gradient before the strategy: local_trust_ratio),
-`layer` (one bucket per gradient, bucket_bytes=1: the density applies to each layer).
+`layer` (one bucket per gradient, bucket_bytes=1: the density applies to each layer),
+`small` (gradients of fewer than --dense-below elements sent whole: dense_below).
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
 rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
@@ -163,7 +164,7 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
     options: Dict[str, Any] = {"communication": base, "density": args.density}
     if "plain" in aids or aids:  # every aid not named is off
         options.update(momentum_correction=False, clip_norm=None, warmup_steps=0, residual_decay=1.0,
-                       local_trust_ratio=False)
+                       local_trust_ratio=False, dense_below=0)
     for aid in aids:
         if aid == "mc":
             options["momentum_correction"] = True
@@ -179,8 +180,11 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
             options["local_trust_ratio"] = True
         elif aid == "layer":  # one bucket per gradient: the density (top-k) applies to each layer
             options["bucket_bytes"] = 1
+        elif aid == "small":  # gradients below --dense-below elements sent whole
+            options["dense_below"] = args.dense_below
         elif aid != "plain":
-            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, layer, plain)")
+            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, layer, small, "
+                             "plain)")
     return options
 
 
@@ -473,6 +477,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--clip-norm", type=float, default=5.0)
+    parser.add_argument("--dense-below", type=int, default=1024, help="the `small` aid's dense_below (elements)")
     parser.add_argument("--warmup-steps", type=int, default=0, help="density warm-up steps (0: steps / 5)")
     parser.add_argument("--mlp-scale", type=float, default=0.5, help="width of the MLP (1: train_step.py's)")
     parser.add_argument("--lr-warmup-steps", type=int, default=0,

@@ -89,7 +89,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         strategies that take it): density, num_samplings (MSTopK's, for the sparse
         strategies: density 0.01 by default there), wire_dtype (float32, float16,
         bfloat16), DGC's aids for the sparse strategies (clip_norm, warmup_steps,
-        warmup_density, residual_decay, momentum_masking; docs/comm.md), and a registered
+        warmup_density, residual_decay, momentum_masking; docs/comm.md), dense_below (the
+        sparse strategies send a bucket's gradients of fewer elements whole; 1024 by
+        default), and a registered
         strategy's own options (node_engine=, flat_below=, ...). Where the user gives none,
         the strategy decides the aids for the wrapped optimizer's traits
         (`hvdx.comm.traits.traits_of`, `Strategy.defaults_for`); for the sparse strategies

@@ -64,9 +64,10 @@ class DistributedGradientTape:
     Deep Gradient Compression's aids for the sparse strategies (`hvdx.comm.dgc`): momentum
     (momentum correction: the strategy accumulates the velocity, so apply the gradients
     with an optimizer without momentum), clip_norm, warmup_steps, warmup_density,
-    residual_decay, momentum_masking, and a registered strategy's own options. The tape
-    wraps no optimizer: a strategy named gets the defaults it decides for no traits
-    (`Strategy.defaults_for`; none for hvdx's strategies).
+    residual_decay, momentum_masking, dense_below (gradients of fewer elements sent whole;
+    1024 by default, a strategy option, not an aid), and a registered strategy's own
+    options. The tape wraps no optimizer: a strategy named gets the defaults it decides for
+    no traits (`Strategy.defaults_for`; no aid for hvdx's strategies).
     """
 
     def __init__(self, gradtape: Optional[tf.GradientTape] = None, device_dense: str = "",

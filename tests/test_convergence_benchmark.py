@@ -46,10 +46,12 @@ def test_summary_gap_and_time_to_target_follow_the_curves():
 def test_method_names_map_to_the_aids():
     from benchmarks import convergence
 
-    args = convergence.main.__globals__["argparse"].Namespace(density=0.01, clip_norm=5.0, warmup_steps=0, steps=100)
+    args = convergence.main.__globals__["argparse"].Namespace(density=0.01, clip_norm=5.0, warmup_steps=0, steps=100,
+                                                              dense_below=512)
     options = convergence.method_options("hitopk+mc+dense", "resnet", args)
     assert options["momentum_correction"] is True and options["warmup_steps"] == 20
-    assert options["warmup_density"] == 1.0 and options["clip_norm"] is None
+    assert options["warmup_density"] == 1.0 and options["clip_norm"] is None and options["dense_below"] == 0
+    assert convergence.method_options("hitopk+mc+small", "resnet", args)["dense_below"] == 512
     assert convergence.method_options("allreduce", "mnist", args) == {"communication": "allreduce"}
     with pytest.raises(ValueError, match="unknown aid"):
         convergence.method_options("hitopk+nope", "mnist", args)

@@ -9,6 +9,7 @@ import tensorflow as tf
 import hvdx
 from hvdx import comm
 from hvdx.comm import dgc
+from hvdx.comm.memory import commit
 from hvdx.zoo import mlp
 from tests import suite
 
@@ -100,6 +101,56 @@ def test_sparse_strategy_with_every_aid_equals_the_numpy_rule(one_rank, cls, tra
     np.testing.assert_allclose(strategy.variables["b"].numpy(), v, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(strategy.velocities["b"].numpy(), u, rtol=2e-5, atol=1e-6)
     assert int(strategy.memory.counter("b").numpy()) == steps
+
+
+@pytest.mark.parametrize("cls", [comm.HiTopK, comm.SparseAllgather])
+@pytest.mark.parametrize("traced", [False, True])
+def test_small_gradients_are_sent_whole_and_the_rest_competes_in_the_top_k(one_rank, cls, traced):
+    """dense_below: a bucket's pieces of fewer elements (biases, batch norm) are sent whole
+    every step, so with momentum correction they follow momentum SGD exactly (velocity kept,
+    residual zero); the other pieces follow DGC's rule with k of the whole bucket."""
+    small, large, steps = 10, 400, 6
+    rng = np.random.default_rng(7)
+    grads = [(rng.permutation(np.arange(1, small + large + 1)) * rng.choice([-1, 1], small + large)
+              / (small + large)).astype(np.float32) for _ in range(steps)]
+    strategy = cls(density=0.02, momentum=0.9, dense_below=64)
+    k = int(round(0.02 * (small + large)))
+    sent, v, u = reference_dgc([g[small:] for g in grads], lambda step: k / large, 0.9, 1.0, None)
+    velocity = np.zeros(small)
+
+    def call(g):  # as the aggregator: the bucket's pieces, then the state's updates committed
+        pieces, result = strategy.aggregate_pieces([g[:small], g[small:]], "b")
+        with tf.control_dependencies([commit(result.updates, result.finite)]):
+            return tf.concat(pieces, 0)
+
+    call = tf.function(call) if traced else call
+    for step, g in enumerate(grads):
+        got = call(tf.constant(g)).numpy()
+        velocity = 0.9 * velocity + g[:small]
+        np.testing.assert_allclose(got[:small], velocity, rtol=2e-5, err_msg=f"small piece, step {step}")
+        np.testing.assert_array_equal(got[small:] != 0, sent[step] != 0, err_msg=f"selection at step {step}")
+        np.testing.assert_allclose(got[small:], sent[step], rtol=2e-5, atol=1e-6, err_msg=f"step {step}")
+    np.testing.assert_allclose(strategy.variables["b"].numpy()[:small + large], np.r_[np.zeros(small), v],
+                               rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(strategy.velocities["b"].numpy()[:small + large], np.r_[velocity, u],
+                               rtol=2e-5, atol=1e-6)
+
+
+def test_a_bucket_of_small_gradients_only_is_sparsified_as_one(one_rank):
+    strategy = comm.HiTopK(density=0.1, dense_below=64)
+    pieces, _ = strategy.aggregate_pieces([tf.range(1.0, 11.0), tf.range(11.0, 31.0)], "b")
+    got = tf.concat(pieces, 0).numpy()
+    assert np.count_nonzero(got) == 3 and got[-1] == 30.0  # k = 0.1 x 30 of the whole bucket
+    whole = comm.HiTopK(density=0.1, dense_below=16)  # the 10-element piece whole, 0.1 x 30 of the rest
+    got = tf.concat(whole.aggregate_pieces([tf.range(1.0, 11.0), tf.range(11.0, 31.0)], "b")[0], 0).numpy()
+    np.testing.assert_array_equal(got[:10], np.arange(1.0, 11.0))
+    assert np.count_nonzero(got[10:]) == 3 and "dense_below=16" in repr(whole)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, "64", True])
+def test_dense_below_must_be_a_count_of_elements(bad):
+    with pytest.raises(ValueError, match="dense_below must be an int >= 0"):
+        comm.HiTopK(dense_below=bad)
 
 
 def test_a_non_finite_step_leaves_velocity_residual_and_warmup_step_as_they_were(one_rank):
@@ -210,12 +261,12 @@ def test_aids_are_rejected_with_a_dense_strategy_and_momentum_correction_needs_m
 
 @suite.runs(suite.check("dgc.aids", "2x2", timeout=300))
 def test_aids_on_two_nodes_follow_the_rule_and_keep_the_training_path_guarantees(ranks):
-    """Every rank: HiTopK with every aid equals a NumPy simulation on the node slices;
-    Keras training with every aid under mixed precision and backward_passes_per_step keeps
+    """Every rank: HiTopK with every aid equals a NumPy simulation on the node slices, a
+    small gradient sent whole is the exact mean also across two ranks' slices; Keras training with every aid under mixed precision and backward_passes_per_step keeps
     identical weights on every rank, and its residuals and velocities per rank through a
     checkpoint."""
     for rank, data in ranks.items():
-        assert data["simulation_steps"] == 6, rank
+        assert data["simulation_steps"] == 6 and data["dense_below_steps"] == 3, rank
         assert data["weights_spread"] == 0.0, rank
         assert data["finite"], rank
         assert data["restored_own_velocity"], rank

@@ -29,7 +29,8 @@ class HiTopK(TopKStrategy):
        rho d m / n elements, not the dense slice), then one sparse_accumulate of all of them
        into the d-vector (lines 15-22), divided by the number of ranks.
     The node's slices are those of `node_slices` (aligned, the last one shorter; no copy
-    of the buffer), and k = density * slice length on each.
+    of the buffer), and k = density * slice length on each, plus the slice's entries of the
+    gradients sent whole (`dense_below`).
     Set `record_times = True` to keep each step's wall time (eager mode, a barrier of all
     ranks before each step) in `last_times`.
 
@@ -78,7 +79,7 @@ class HiTopK(TopKStrategy):
         clock.lap("reduce_scatter")  # (the n parts are added to the residual in the next step)
         parts = timeline.span(parts, label, name, "mstopk + error feedback", "begin")
         values, indices, k, updates = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name,
-                                                   residual_scale, stored=self.residual_length(d))
+                                                   residual_scale, stored=self.residual_length(d), offset=offset)
         values, indices = timeline.span([values, indices], label, name, "mstopk + error feedback", "end")
         clock.lap("mstopk")
         # The cross set's members hold the same slice (same k); the node's hold slices of
@@ -88,7 +89,7 @@ class HiTopK(TopKStrategy):
         values, indices = timeline.span([values, indices], label, name, "inter_allgather", "end")
         clock.lap("inter_allgather")
         values, indices = timeline.span([values, indices], label, name, "intra_allgather + accumulate", "begin")
-        node_k = [topo.num_nodes * self.k(length) for _, length in slices]
+        node_k = [topo.num_nodes * self.k_sent(start, length) for start, length in slices]
         values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype),
                                          node_k if len(set(node_k)) > 1 else node_k[0],
                                          topo.local_set, f"hvdx.hitopk.ag2.{name}", self.node_engine)

@@ -9,7 +9,9 @@ Deep Gradient Compression's convergence aids (`hvdx.comm.dgc`) are options of ev
 strategy: `momentum` (momentum correction), `momentum_masking`, `clip_norm` (local
 gradient clipping), `warmup_steps` / `warmup_density` (density warm-up) and
 `residual_decay`. They are applied here, around the selection, so each strategy only
-says how its pairs travel (`_sparse_aggregate`).
+says how its pairs travel (`_sparse_aggregate`). So is `dense_below`: a bucket's gradients
+of fewer elements (biases, batch norm, small layers, as DGC and CGX leave them
+uncompressed) are sent whole every step, beside the top-k of the rest, in the same exchange.
 
 Which aids a sparse strategy applies by default for an optimizer is decided here too
 (`TopKStrategy.defaults_for`, from the optimizer's `hvdx.comm.traits.OptimizerTraits`),
@@ -25,7 +27,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import ops
-from hvdx.arguments import is_real
+from hvdx.arguments import is_integer, is_real
 from hvdx.comm import dgc, wire
 from hvdx.comm.base import Aggregated, Strategy, check_density, check_positive_int
 from hvdx.comm.memory import ResidualMemory, Update
@@ -33,8 +35,8 @@ from hvdx.comm.traits import OptimizerTraits
 from hvdx.node.collectives import node_allgather
 from hvdx.topology import Topology
 
-__all__ = ["ADAM_WARMUP_STEPS", "AIDS", "AUTO_MOMENTUM_CORRECTION_DENSITY", "LARS_MOMENTUM_CORRECTION_DENSITY",
-           "TopKStrategy"]
+__all__ = ["ADAM_WARMUP_STEPS", "AIDS", "AUTO_MOMENTUM_CORRECTION_DENSITY", "DENSE_BELOW",
+           "LARS_MOMENTUM_CORRECTION_DENSITY", "TopKStrategy"]
 
 #: The density the sparse strategies use when none is given.
 DEFAULT_DENSITY = 0.01
@@ -52,6 +54,9 @@ AUTO_MOMENTUM_CORRECTION_DENSITY = 0.1
 #: helps at density 0.01 (0.829 against 0.501 without, 3 seeds) and hurts above it (0.02:
 #: 0.573 against 0.642, one seed; 0.05: 0.391 against 0.900, 3 seeds).
 LARS_MOMENTUM_CORRECTION_DENSITY = 0.01
+#: A bucket's gradients with fewer elements than this are sent whole every step, not
+#: sparsified (`TopKStrategy(dense_below=)`; 0: every gradient competes in the top-k).
+DENSE_BELOW = 1024
 #: The density warm-up an adaptive (Adam-family) optimizer gets by default (measured:
 #: benchmarks/README.md, convergence.py): 4 stages of 25 steps from 25 %, below that density.
 ADAM_WARMUP_STEPS = 100
@@ -61,24 +66,32 @@ class TopKStrategy(Strategy):
     """Base of NaiveAG and HiTopK: error feedback + MSTopK + (value, index) all-gather."""
 
     lossy = True
-    options = ("density", "num_samplings", "wire_dtype", *AIDS)
-    quiet_defaults = AIDS
+    options = ("density", "num_samplings", "wire_dtype", "dense_below", *AIDS)
+    quiet_defaults = {**AIDS, "dense_below": DENSE_BELOW}
 
     def __init__(self, density: float = DEFAULT_DENSITY, num_samplings: int = 30,
                  wire_dtype: tf.DType = tf.float32, topo: Optional[Topology] = None,
-                 index_dtype: Optional[tf.DType] = None, *, momentum: float = 0.0, momentum_masking: bool = True,
-                 clip_norm: Optional[float] = None, warmup_steps: int = 0, warmup_density: float = 0.25,
-                 residual_decay: float = 1.0) -> None:
-        """Args: density, num_samplings (MSTopK), wire_dtype, and DGC's aids (`hvdx.comm.dgc`):
-        momentum (momentum correction; 0: off), momentum_masking, clip_norm (local
-        clipping; None: off), warmup_steps (density warm-up; 0: off) from warmup_density,
-        residual_decay (1: plain error feedback). ValueError on a bad value."""
+                 index_dtype: Optional[tf.DType] = None, *, dense_below: int = DENSE_BELOW, momentum: float = 0.0,
+                 momentum_masking: bool = True, clip_norm: Optional[float] = None, warmup_steps: int = 0,
+                 warmup_density: float = 0.25, residual_decay: float = 1.0) -> None:
+        """Args: density, num_samplings (MSTopK), wire_dtype, dense_below (a bucket's
+        gradients of fewer elements are sent whole every step: their residual stays zero
+        and, with momentum correction, their velocity is kept, i.e. momentum SGD; 0: off;
+        only where the strategy is given the bucket's pieces, `aggregate_pieces`), and DGC's
+        aids (`hvdx.comm.dgc`): momentum (momentum correction; 0: off), momentum_masking,
+        clip_norm (local clipping; None: off), warmup_steps (density warm-up; 0: off) from
+        warmup_density, residual_decay (1: plain error feedback). ValueError on a bad value."""
         super().__init__(topo)
         #: MSTopK's index type: None picks int32 below 2**31 elements (the aggregator's
         #: buckets always are), int64 above; tf.int64 forces the wide path end to end.
         self.index_dtype = index_dtype
         self.density = check_density(density)
         self.num_samplings = check_positive_int(num_samplings, "num_samplings")
+        if not is_integer(dense_below) or dense_below < 0:
+            raise ValueError(f"dense_below must be an int >= 0 (elements; 0: every gradient sparsified), got "
+                             f"{dense_below!r}")
+        self.dense_below = int(dense_below)
+        self._whole: List[Tuple[int, int]] = []  # the pieces sent whole while a bucket's call is built
         self.wire_dtype = wire.check_dtype(wire_dtype)
         dgc.check_aids(momentum, momentum_masking, clip_norm, warmup_steps, warmup_density, residual_decay,
                        self.density)
@@ -171,6 +184,36 @@ class TopKStrategy(Strategy):
         density = self._density_now if self._density_now is not None else self.density
         return max(1, int(round(density * length)))
 
+    def whole_indices(self, offset: int, length: int) -> List[int]:
+        """The entries of elements [offset, offset + length) of the bucket being aggregated
+        that belong to pieces sent whole (`dense_below`), relative to `offset`."""
+        out: List[int] = []
+        for start, stop in self._whole:
+            lo, hi = max(start, offset), min(stop, offset + length)
+            out.extend(range(lo - offset, hi - offset))
+        return out
+
+    def k_sent(self, offset: int, length: int) -> int:
+        """Pairs sent for elements [offset, offset + length): the top-k's `k(length)` plus the
+        entries sent whole there."""
+        return self.k(length) + len(self.whole_indices(offset, length))
+
+    def _aggregate_pieces(self, pieces: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
+                          grouped: bool = False) -> Tuple[List[tf.Tensor], Aggregated]:
+        """As `Strategy._aggregate_pieces`, the pieces of fewer than `dense_below` elements
+        marked to be sent whole (unless every piece is: the bucket then goes sparse as one)."""
+        whole, start = [], 0
+        for piece in pieces:
+            stop = start + int(piece.shape[0])
+            if stop - start < self.dense_below:
+                whole.append((start, stop))
+            start = stop
+        self._whole = whole if len(whole) < len(pieces) else []
+        try:
+            return super()._aggregate_pieces(pieces, name, residual_scale, grouped)
+        finally:
+            self._whole = []
+
     def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         """Local clipping of this rank's buffer, then the strategy's `_sparse_aggregate`, at the
         density of the warm-up's stage (one branch per stage, chosen by the buffer's step
@@ -215,10 +258,12 @@ class TopKStrategy(Strategy):
         raise NotImplementedError
 
     def _select(self, grads: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor],
-                stored: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor, int, List[Update]]:
+                stored: Optional[int] = None, offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor, int, List[Update]]:
         """Error feedback around MSTopK: (values, indices, k, residual updates) for
         acc = sum(grads) + residual; the new residual is acc with the sent values taken out.
-        `stored`: the residual's length where it exceeds the grads' (its tail stays zero)."""
+        The pairs are MSTopK's k(length) of the entries not sent whole, then every entry sent
+        whole (`whole_indices`; k counts both). `stored`: the residual's length where it
+        exceeds the grads' (its tail stays zero); `offset`: where the grads sit in the bucket."""
         length = int(grads[0].shape[0])
         if grads[0].dtype != tf.float32:
             raise ValueError(f"{type(self).__name__} aggregates float32 buffers, got {grads[0].dtype.name}")
@@ -236,11 +281,21 @@ class TopKStrategy(Strategy):
             else:
                 acc = tf.add_n([*grads, residual])
         k = self.k(length)
+        whole = self.whole_indices(offset, length)
+        candidates = acc
+        if whole:  # the entries sent whole do not compete in the top-k (nor are sent twice)
+            at = tf.constant(whole, tf.int64)[:, None]
+            candidates = tf.tensor_scatter_nd_update(acc, at, tf.zeros([len(whole)], acc.dtype))
         # The window's offset: a function of (buffer, step), both checkpointed, so that a resumed
         # run selects what the uninterrupted one would have.
         seed = tf.stack([tf.constant(zlib.crc32(name.encode()), tf.int64), self._memory.counter(name)])
-        values, indices = ops.stateless_mstopk(acc, k, seed, num_samplings=self.num_samplings,
+        values, indices = ops.stateless_mstopk(candidates, k, seed, num_samplings=self.num_samplings,
                                                index_dtype=self.index_dtype)
+        selected = indices
+        if whole:
+            values = tf.concat([values, tf.gather_nd(acc, at)], axis=0)
+            indices = tf.concat([indices, tf.constant(whole, indices.dtype)], axis=0)
+            k += len(whole)
         sent = wire.decode_sent(values, self.wire_dtype)
         # What was not sent stays: unselected entries whole, and the wire's rounding at the
         # selected ones. sparse_accumulate updates acc in place (nothing else reads it now).
@@ -250,8 +305,8 @@ class TopKStrategy(Strategy):
                 new_residual = tf.pad(new_residual, [[0, stored - length]])
             updates = self._memory.updates(name, new_residual, residual_scale)
             if velocity is not None:
-                if self.momentum_masking:
-                    velocity = dgc.mask_velocity(velocity, indices)
+                if self.momentum_masking:  # not the entries sent whole: their momentum runs on
+                    velocity = dgc.mask_velocity(velocity, selected)
                 if stored != length:
                     velocity = tf.pad(velocity, [[0, stored - length]])
                 updates += self._velocities.updates(name, velocity, residual_scale)

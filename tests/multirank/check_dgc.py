@@ -67,8 +67,34 @@ def check_simulation(topo, d: int = 64 * 16 + 5, steps: int = 6, momentum: float
     return steps
 
 
+def check_dense_below(topo, steps: int = 3) -> int:
+    """HiTopK(dense_below=64) on pieces [500, 40, 489]: the 40-element piece, which straddles
+    two ranks' node slices, is the exact mean of every rank's every step and its residual
+    stays zero; the large pieces stay sparse (at most k of each slice per rank sent)."""
+    from hvdx.comm.memory import commit
+
+    strategy = comm.HiTopK(density=0.02, dense_below=64)
+    sizes = (500, 40, 489)
+    for step in range(steps):
+        grads = np.random.default_rng(10 * step + topo.rank).integers(-8000, 8000, sum(sizes)) / 8
+        everyone = gather_rows(tf.constant(grads, tf.float32), f"dbw.{step}")
+        pieces, result = strategy.aggregate_pieces(tf.split(tf.constant(grads, tf.float32), sizes), "w")
+        commit(result.updates, result.finite)
+        small = pieces[1].numpy()
+        np.testing.assert_allclose(small, everyone[:, 500:540].mean(axis=0), rtol=1e-6)
+        slices = comm.base.node_slices(sum(sizes), topo.local_size)
+        sparse = np.count_nonzero(np.concatenate([pieces[0].numpy(), pieces[2].numpy()]))
+        assert 0 < sparse <= topo.num_nodes * sum(strategy.k(length) for _, length in slices), sparse
+        residuals = gather_rows(strategy.variables["w"].value(), f"dbw.r.{step}")
+        for r, j in ((r, ranks.index(r)) for ranks in topo.node_ranks for r in ranks):
+            offset, length = slices[j]
+            lo, hi = max(500, offset), min(540, offset + length)
+            assert not residuals[r][lo - offset:hi - offset].any(), (r, step)
+    return steps
+
+
 def check_aids(topo) -> dict:
-    out = {"simulation_steps": check_simulation(topo)}
+    out = {"simulation_steps": check_simulation(topo), "dense_below_steps": check_dense_below(topo)}
     tf.keras.mixed_precision.set_global_policy("mixed_float16")
     folder = tempfile.mkdtemp(prefix=f"hvdx-dgc-r{topo.rank}-")
     try:
