@@ -171,8 +171,10 @@ def report(args: argparse.Namespace, runs: Dict[str, Dict[str, List[dict]]], loa
             rows.append([SCRIPTS[script], LABELS[method], f"{s['mean']:.3f} ({s['min']:.3f}-{s['max']:.3f})",
                          f"{s.get('points_vs_horovod', 0):+.1f}",
                          ", ".join(f"{p:+.1f}" for p in s.get("paired_points", [])), f"{s['mean_seconds']:.0f}"])
-    body = (f"`python benchmarks/horovod_examples.py --scripts {','.join(scripts)} --seeds {args.seeds} "
-            f"--epochs {args.epochs} --steps-per-epoch {args.steps_per_epoch}`: {args.topology} over loopback, "
+    reuse = f" --reuse results/{args.reuse.name}" if args.reuse else ""
+    body = (f"`python benchmarks/horovod_examples.py --scripts {','.join(scripts)} --methods {args.methods} --seeds "
+            f"{args.seeds} --epochs {args.epochs} --steps-per-epoch {args.steps_per_epoch}{reuse}`: {args.topology} "
+            f"over loopback, "
             f"density {args.density}, seeds {args.seed_list[0]}-{args.seed_list[-1]}, load average "
             f"{load['start'][0]:.1f} -> {load['end'][0]:.1f}; the launch's seconds include start-up and are not "
             f"results under load. `results/horovod_examples.json`, `.png`."
