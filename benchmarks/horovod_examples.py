@@ -60,9 +60,10 @@ def changes(script: str, method: str, epochs: int, steps_per_epoch: int) -> List
     if method != "horovod":
         edits.append(HVDX_IMPORT[script])
     if script == "keras":
-        fit = "mnist_model.fit(dataset, steps_per_epoch=500 // hvd.size(), callbacks=callbacks, epochs=24, verbose=verbose)"
-        edits.append((fit, fit.replace("500 // hvd.size()", str(steps_per_epoch)).replace("epochs=24", f"epochs={epochs}")
-                      + "\n    digits_as_mnist.report(mnist_model, hvd.rank())"))
+        fit = ("mnist_model.fit(dataset, steps_per_epoch=500 // hvd.size(), callbacks=callbacks, epochs=24, "
+               "verbose=verbose)")
+        run = fit.replace("500 // hvd.size()", str(steps_per_epoch)).replace("epochs=24", f"epochs={epochs}")
+        edits.append((fit, run + "\n    digits_as_mnist.report(mnist_model, hvd.rank())"))
     else:
         edits.append(("dataset.take(10000 // hvd.size())", f"dataset.take({epochs * steps_per_epoch})"))
         save = "    # Horovod: save checkpoints only on worker 0 to prevent other workers from\n"

@@ -136,6 +136,22 @@ def test_small_gradients_are_sent_whole_and_the_rest_competes_in_the_top_k(one_r
                                rtol=2e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("cls", [comm.HiTopK, comm.SparseAllgather])
+def test_a_top_k_short_of_nonzero_entries_never_masks_a_whole_gradients_velocity(one_rank, cls):
+    """Where fewer than k entries outside the small pieces are nonzero, MSTopK fills up with
+    zeros, also at the small pieces' positions: those must still keep their velocity."""
+    strategy = cls(density=0.1, momentum=0.9, dense_below=16)
+    velocity = np.zeros(10)
+    for step in range(4):
+        g = np.zeros(110, np.float32)
+        g[:10] = np.arange(1, 11) * (step + 1)
+        g[50] = 1000.0
+        pieces, result = strategy.aggregate_pieces([tf.constant(g[:10]), tf.constant(g[10:])], "b")
+        commit(result.updates, result.finite)
+        velocity = 0.9 * velocity + g[:10]
+        np.testing.assert_allclose(pieces[0].numpy(), velocity, rtol=1e-6, err_msg=f"step {step}")
+
+
 def test_a_bucket_of_small_gradients_only_is_sparsified_as_one(one_rank):
     strategy = comm.HiTopK(density=0.1, dense_below=64)
     pieces, _ = strategy.aggregate_pieces([tf.range(1.0, 11.0), tf.range(11.0, 31.0)], "b")
@@ -262,7 +278,8 @@ def test_aids_are_rejected_with_a_dense_strategy_and_momentum_correction_needs_m
 @suite.runs(suite.check("dgc.aids", "2x2", timeout=300))
 def test_aids_on_two_nodes_follow_the_rule_and_keep_the_training_path_guarantees(ranks):
     """Every rank: HiTopK with every aid equals a NumPy simulation on the node slices, a
-    small gradient sent whole is the exact mean also across two ranks' slices; Keras training with every aid under mixed precision and backward_passes_per_step keeps
+    small gradient sent whole is the exact mean also across two ranks' slices; Keras
+    training with every aid under mixed precision and backward_passes_per_step keeps
     identical weights on every rank, and its residuals and velocities per rank through a
     checkpoint."""
     for rank, data in ranks.items():

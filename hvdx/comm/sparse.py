@@ -10,8 +10,8 @@ strategy: `momentum` (momentum correction), `momentum_masking`, `clip_norm` (loc
 gradient clipping), `warmup_steps` / `warmup_density` (density warm-up) and
 `residual_decay`. They are applied here, around the selection, so each strategy only
 says how its pairs travel (`_sparse_aggregate`). So is `dense_below`: a bucket's gradients
-of fewer elements (biases, batch norm, small layers, as DGC and CGX leave them
-uncompressed) are sent whole every step, beside the top-k of the rest, in the same exchange.
+of fewer elements (biases, batch norm, small layers) are sent whole every step, beside the
+top-k of the rest, in the same exchange.
 
 Which aids a sparse strategy applies by default for an optimizer is decided here too
 (`TopKStrategy.defaults_for`, from the optimizer's `hvdx.comm.traits.OptimizerTraits`),
@@ -305,8 +305,9 @@ class TopKStrategy(Strategy):
                 new_residual = tf.pad(new_residual, [[0, stored - length]])
             updates = self._memory.updates(name, new_residual, residual_scale)
             if velocity is not None:
-                if self.momentum_masking:  # not the entries sent whole: their momentum runs on
-                    velocity = dgc.mask_velocity(velocity, selected)
+                if self.momentum_masking:  # not the entries sent whole: their momentum runs on, also
+                    masked = dgc.mask_velocity(velocity, selected)  # where MSTopK filled up with their zeros
+                    velocity = tf.tensor_scatter_nd_update(masked, at, tf.gather_nd(velocity, at)) if whole else masked
                 if stored != length:
                     velocity = tf.pad(velocity, [[0, stored - length]])
                 updates += self._velocities.updates(name, velocity, residual_scale)
