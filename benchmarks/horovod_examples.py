@@ -155,9 +155,9 @@ def report(args: argparse.Namespace, runs: Dict[str, Dict[str, List[dict]]], loa
     fig, axes = plt.subplots(1, len(scripts), figsize=(5 * len(scripts), 3.6), squeeze=False)
     for ax, script in zip(axes[0], scripts):
         for i, method in enumerate(runs[script]):
-            acc = result["summary"][script][method]["accuracy"]
-            ax.scatter([i] * len(acc), acc, s=14, alpha=0.7)
-            ax.hlines(statistics.fmean(acc), i - 0.25, i + 0.25, color="black")
+            stats = result["summary"][script][method]
+            ax.scatter([i] * len(stats["accuracy"]), stats["accuracy"], s=14, alpha=0.7)
+            ax.hlines(stats["mean"], i - 0.25, i + 0.25, color="black")
         ax.set_xticks(range(len(runs[script])), [LABELS[m] for m in runs[script]], fontsize=7)
         ax.set_title(f"{SCRIPTS[script]}, {args.topology}, {len(args.seed_list)} seeds", fontsize=9)
         ax.set_ylabel("final test accuracy (450 digits)")
@@ -208,6 +208,7 @@ def main(argv=None) -> None:
             parser.error(f"unknown {sorted(unknown)}; choose from {', '.join(allowed)}")
     args.seed_list = list(range(args.seed, args.seed + args.seeds))
     reused = reused_runs(args, scripts, methods)
+    args.reused = {script: list(by_method) for script, by_method in reused.items()}  # for the README
     runs: Dict[str, Dict[str, List[dict]]] = {s: {m: [] for m in methods} for s in scripts}
     with common.load_during() as load:
         for seed in args.seed_list:
@@ -235,8 +236,7 @@ def reused_runs(args: argparse.Namespace, scripts: List[str], methods: List[str]
     missing = [s for s in scripts if s not in earlier["runs"]]
     if missing:
         raise SystemExit(f"--reuse {args.reuse} has no runs of {missing}")
-    args.reused = {s: [m for m in earlier["runs"][s] if m not in methods] for s in scripts}
-    return {s: {m: earlier["runs"][s][m] for m in args.reused[s]} for s in scripts}
+    return {s: {m: runs for m, runs in earlier["runs"][s].items() if m not in methods} for s in scripts}
 
 
 if __name__ == "__main__":

@@ -81,8 +81,9 @@ def test_reuse_takes_the_other_methods_of_an_earlier_run_of_the_same_seeds_only(
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
     args = hx.argparse.Namespace(reuse=path, **earlier["args"])
-    assert hx.reused_runs(args, ["keras"], ["hitopk"]) == {"keras": {"horovod": earlier["runs"]["keras"]["horovod"]}}
-    assert args.reused == {"keras": ["horovod"]}
+    reused = hx.reused_runs(args, ["keras"], ["hitopk"])
+    assert reused == {"keras": {"horovod": earlier["runs"]["keras"]["horovod"]}}
+    assert list(reused["keras"]) == ["horovod"]  # only the methods this run does not make
     args.seeds = 5
     with pytest.raises(SystemExit, match="its seeds is 2, this run's 5"):
         hx.reused_runs(args, ["keras"], ["hitopk"])

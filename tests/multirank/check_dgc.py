@@ -19,6 +19,7 @@ import tensorflow as tf
 
 import hvdx
 from hvdx import comm
+from hvdx.comm.memory import commit
 from tests.multirank.check_comm import gather_ragged, gather_rows, simulate_selection
 from tests.multirank.check_training_path import digits, digits_model, same_on_every_rank
 
@@ -71,8 +72,6 @@ def check_dense_below(topo, steps: int = 3) -> int:
     """HiTopK(dense_below=64) on pieces [500, 40, 489]: the 40-element piece, which straddles
     two ranks' node slices, is the exact mean of every rank's every step and its residual
     stays zero; the large pieces stay sparse (at most k of each slice per rank sent)."""
-    from hvdx.comm.memory import commit
-
     strategy = comm.HiTopK(density=0.02, dense_below=64)
     sizes = (500, 40, 489)
     for step in range(steps):
