@@ -501,6 +501,7 @@ def test_an_epoch_counts_every_ranks_samples_so_the_fast_ranks_do_the_slow_ones_
     assert all(data["spread"] == 0.0 for data in ranks.values())  # and every rank holds the average model
 
 
+@pytest.mark.slow  # the claim is the method's (Python, the same on both stacks); its steps run on both (exchanges)
 @suite.runs(suite.check("adpsgd.convergence", "2x2", timeout=600))
 def test_convergence_matches_allreduce_sgd_at_equal_epochs(ranks):
     data = ranks[0]
