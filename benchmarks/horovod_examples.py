@@ -173,7 +173,7 @@ def report(args: argparse.Namespace, runs: Dict[str, Dict[str, List[dict]]], loa
                          f"{s.get('points_vs_horovod', 0):+.1f}",
                          ", ".join(f"{p:+.1f}" for p in s.get("paired_points", [])), f"{s['mean_seconds']:.0f}"])
     reuse = f" --reuse results/{args.reuse.name}" if args.reuse else ""
-    body = (f"`python benchmarks/horovod_examples.py --scripts {','.join(scripts)} --methods {args.methods} --seeds "
+    body = (f"`python benchmarks/horovod_examples.py --scripts {args.scripts} --methods {args.methods} --seeds "
             f"{args.seeds} --epochs {args.epochs} --steps-per-epoch {args.steps_per_epoch}{reuse}`: {args.topology} "
             f"over loopback, "
             f"density {args.density}, seeds {args.seed_list[0]}-{args.seed_list[-1]}, load average "
@@ -209,22 +209,23 @@ def main(argv=None) -> None:
     args.seed_list = list(range(args.seed, args.seed + args.seeds))
     reused = reused_runs(args, scripts, methods)
     args.reused = {script: list(by_method) for script, by_method in reused.items()}  # for the README
-    runs: Dict[str, Dict[str, List[dict]]] = {s: {m: [] for m in methods} for s in scripts}
+    made: Dict[str, Dict[str, List[dict]]] = {s: {m: [] for m in methods} for s in scripts}
     with common.load_during() as load:
         for seed in args.seed_list:
             for script in scripts:
                 for method in methods:  # taking turns: a slow spell hits every method of the seed
-                    runs[script][method].append(run_one(script, method, seed, args))
-    for script in scripts:
-        runs[script] = {**reused.get(script, {}), **runs[script]}
+                    made[script][method].append(run_one(script, method, seed, args))
+    runs = {s: {**reused.get(s, {}), **made.get(s, {})} for s in SCRIPTS if s in made or s in reused}
     report(args, runs, load)
 
 
 def reused_runs(args: argparse.Namespace, scripts: List[str], methods: List[str]) -> Dict[str, Dict[str, List[dict]]]:
-    """The runs of `--reuse` for the methods this run does not make, by script (none without it).
+    """The runs of `--reuse` that this run does not make, by script (none without it): the other
+    methods of this run's scripts, and every method of the earlier run's other scripts.
 
     Raises:
-        SystemExit: the earlier run's seeds, length, density or topology differ, or it lacks a script.
+        SystemExit: the earlier run's seeds, length, density or topology differ, or it lacks one
+            of this run's scripts while this run does not make Horovod's runs (the baseline).
     """
     if args.reuse is None:
         return {}
@@ -234,9 +235,10 @@ def reused_runs(args: argparse.Namespace, scripts: List[str], methods: List[str]
             raise SystemExit(f"--reuse {args.reuse}: its {key} is {earlier['args'][key]!r}, this run's "
                              f"{getattr(args, key)!r}; reuse only a run of the same seeds and length")
     missing = [s for s in scripts if s not in earlier["runs"]]
-    if missing:
-        raise SystemExit(f"--reuse {args.reuse} has no runs of {missing}")
-    return {s: {m: runs for m, runs in earlier["runs"][s].items() if m not in methods} for s in scripts}
+    if missing and "horovod" not in methods:
+        raise SystemExit(f"--reuse {args.reuse} has no runs of {missing}: add horovod to --methods for the baseline")
+    return {s: {m: runs for m, runs in by_method.items() if s not in scripts or m not in methods}
+            for s, by_method in earlier["runs"].items()}
 
 
 if __name__ == "__main__":

@@ -88,5 +88,7 @@ def test_reuse_takes_the_other_methods_of_an_earlier_run_of_the_same_seeds_only(
     with pytest.raises(SystemExit, match="its seeds is 2, this run's 5"):
         hx.reused_runs(args, ["keras"], ["hitopk"])
     args.seeds = 2
-    with pytest.raises(SystemExit, match=r"no runs of \['tape'\]"):
+    with pytest.raises(SystemExit, match=r"no runs of \['tape'\]: add horovod"):
         hx.reused_runs(args, ["keras", "tape"], ["hitopk"])
+    # a run of another script with its own baseline keeps the earlier script whole
+    assert hx.reused_runs(args, ["tape"], ["horovod", "hitopk"]) == earlier["runs"]
