@@ -19,9 +19,12 @@ Methods: `horovod` (hvd.DistributedOptimizer), `allreduce` (hvdx, dense), `hitop
 `plain` (every aid off), `mc` (momentum correction with factor masking), `clip` (local
 clipping at --clip-norm), `warmup` (density warm-up from 25 % over --warmup-steps),
 `dense` (the warm-up starts dense: warmup_density=1), `decay` (residual decay 0.9), `lt`
-(LARS' trust ratio applied to each rank's gradient before the strategy: local_trust_ratio),
+(LARS' trust ratio applied to each rank's gradient before the strategy: local_trust_ratio,
+with the norm of the ranks' average gradient, sketched), `ltr` (the same with each rank's own
+norm: trust_norms="rank"),
 `layer` (one bucket per gradient, bucket_bytes=1: the density applies to each layer),
-`small` (gradients of fewer than --dense-below elements sent whole: dense_below).
+`small` (gradients of fewer than --dense-below elements sent whole: dense_below), `nomask`
+(momentum correction without DGC's momentum factor masking: momentum_masking=False).
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
 rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
@@ -176,14 +179,18 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
                 options["warmup_density"] = 1.0
         elif aid == "decay":
             options["residual_decay"] = 0.9
-        elif aid == "lt":
+        elif aid in ("lt", "ltr"):
             options["local_trust_ratio"] = True
+            if aid == "ltr":
+                options["trust_norms"] = "rank"
         elif aid == "layer":  # one bucket per gradient: the density (top-k) applies to each layer
             options["bucket_bytes"] = 1
         elif aid == "small":  # gradients below --dense-below elements sent whole
             options["dense_below"] = args.dense_below
+        elif aid == "nomask":  # the velocity of the entries sent is kept (DGC masks it)
+            options["momentum_masking"] = False
         elif aid != "plain":
-            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, layer, small, "
+            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, ltr, layer, small, nomask, "
                              "plain)")
     return options
 

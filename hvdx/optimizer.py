@@ -29,6 +29,7 @@ from hvdx.comm import sparse
 from hvdx.comm.base import HOROVOD_OPTIONS
 from hvdx.comm.allreduce import OP_NAMES
 from hvdx.comm.traits import OptimizerTraits, plain_number, traits_of
+from hvdx.optimizers import lars
 from hvdx.wrapped import Momentum, check_not_horovods, subclass_for
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
@@ -84,6 +85,10 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
       local_trust_ratio: hvdx's LARS only: eq. 11's trust ratio is applied to each rank's
         gradient before the sparse strategy accumulates it, and the step applies the
         aggregate with ratio 1 (hvdx.optimizers.lars). None (default): the strategy's default.
+      trust_norms: what that trust ratio divides by: "average" (default), the norm of the
+        gradients averaged over the ranks, estimated before aggregating them from one small
+        allreduce of their CountSketches (hvdx.optimizers.sketch); "rank", each rank's own
+        norm (smaller steps where the ranks' gradients are mostly noise).
       strategy_options: the strategy's options, one mapping validated by the registry
         (`hvdx.comm.choice`; an option the strategy does not take is rejected, naming the
         strategies that take it): density, num_samplings (MSTopK's, for the sparse
@@ -125,7 +130,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  process_set: hvd.ProcessSet = hvd.global_process_set, scale_local_gradients: bool = True, *,
                  communication: Union[str, comm.Strategy, None] = None,
                  bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
-                 local_trust_ratio: Optional[bool] = None, **strategy_options: Any) -> None:
+                 local_trust_ratio: Optional[bool] = None, trust_norms: str = "average",
+                 **strategy_options: Any) -> None:
         if isinstance(name, comm.Strategy) or comm.is_name(name):
             raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
                              f"as communication={name!r}")
@@ -148,6 +154,9 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         self._optimizer = optimizer
         traits = traits_of(optimizer)
         _check_local_trust_ratio(local_trust_ratio, optimizer, traits)
+        if trust_norms not in lars.NORMS:
+            raise ValueError(f"trust_norms must be one of {', '.join(map(repr, lars.NORMS))}, got {trust_norms!r}")
+        self._trust_norms = trust_norms
         momentum = _corrected_momentum(optimizer, momentum_correction)
         self._aggregator = GradientAggregator(
             communication, bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
@@ -249,7 +258,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         `AggregationObserver` (LARS / LAMB compute their layer norms on the strategy's
         reduce-scattered slices)."""
         if self._local_trust:  # LARS' eq. 11 on this rank's gradient, before the strategy accumulates it
-            grads = self._optimizer.local_trusted(list(grads), list(variables))
+            grads = self._optimizer.local_trusted(list(grads), list(variables), norms=self._trust_norms,
+                                                  process_set=self._aggregator.process_set)
         aggregated = self._aggregator(grads, variables)
         if isinstance(self._optimizer, AggregationObserver) and self._aggregator.last_aggregation is not None:
             self._optimizer.observe_aggregation(self._aggregator.last_aggregation)
@@ -431,6 +441,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if strategy.lossy:  # explicit, so that a reload does not apply other defaults
             config["momentum_correction"] = bool(getattr(strategy, "momentum", 0.0))
             config["local_trust_ratio"] = self._local_trust
+            config["trust_norms"] = self._trust_norms
         config.update(self._aggregator.choice.pinned(strategy, config))
         return config
 

@@ -38,17 +38,63 @@ def test_local_trust_ratio_is_eq_11_on_the_rank_own_gradient():
     g = [rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal(5).astype(np.float32),
          np.zeros(4, np.float32), None]
     opt = lars(exclude_from_weight_decay=["bias"])
-    got = opt.local_trusted([None if x is None else tf.constant(x) for x in g], w)
+    got = opt.local_trusted([None if x is None else tf.constant(x) for x in g], w, norms="rank")
     wn = np.linalg.norm(w[0].numpy())
     want = 0.01 * wn / (np.linalg.norm(g[0]) + 1e-3 * wn) * (g[0] + 1e-3 * w[0].numpy())
     np.testing.assert_allclose(got[0].numpy(), want, rtol=1e-5)
     np.testing.assert_allclose(got[1].numpy(), g[1], rtol=1e-6)  # excluded: ratio 1, no decay
     np.testing.assert_allclose(got[2].numpy(), 1e-3 * w[2].numpy(), rtol=1e-6)  # ||g|| = 0: ratio 1
     assert got[3] is None
-    clipped = lars(max_trust_ratio=1e-4).local_trusted([tf.constant(g[0])], w[:1])[0].numpy()
+    clipped = lars(max_trust_ratio=1e-4).local_trusted([tf.constant(g[0])], w[:1], norms="rank")[0].numpy()
     np.testing.assert_allclose(clipped, 1e-4 * (g[0] + 1e-3 * w[0].numpy()), rtol=1e-5)
     with pytest.raises(ValueError, match="classic_momentum"):
         lars(classic_momentum=False).local_trusted([tf.constant(g[0])], w[:1])
+
+
+def test_count_sketch_is_linear_and_its_squared_norm_estimates_the_norm():
+    """S(a + b) = S(a) + S(b) (so the average of the ranks' sketches is the sketch of their
+    average); E ||S(g)||^2 = ||g||^2 over the hash, relative spread about sqrt(2 / width)
+    whatever the entries' distribution; a layer of at most `width` entries is itself."""
+    from hvdx.optimizers import sketch
+
+    rng = np.random.default_rng(0)
+    a, b = (tf.constant(rng.standard_normal((300, 100)), tf.float32) for _ in range(2))
+    np.testing.assert_allclose(sketch.count_sketch(a + b, 64, layer=3).numpy(),
+                               (sketch.count_sketch(a, 64, layer=3) + sketch.count_sketch(b, 64, layer=3)).numpy(),
+                               rtol=1e-4, atol=1e-4)
+    small = tf.constant(rng.standard_normal((4, 8)), tf.float32)
+    np.testing.assert_array_equal(sketch.count_sketch(small, 32).numpy(), small.numpy().ravel())
+    for entries in (rng.standard_normal(30000), rng.standard_t(2, 30000), np.eye(1, 30000, 17)[0] * 3.0):
+        g = tf.constant(entries, tf.float32)
+        ratios = [float(tf.reduce_sum(tf.square(sketch.count_sketch(g, 256, seed=seed)))) / np.sum(entries ** 2)
+                  for seed in range(100)]
+        assert abs(np.mean(ratios) - 1.0) < 0.05 and np.std(ratios) < 0.13, (np.mean(ratios), np.std(ratios))
+    with pytest.raises(ValueError, match="width"):
+        sketch.count_sketch(a, 0)
+    unknown = tf.function(lambda x: sketch.averaged_squared_norms([x]),
+                          input_signature=[tf.TensorSpec([None], tf.float32)])
+    with pytest.raises(ValueError, match="static size"):
+        unknown.get_concrete_function()
+
+
+def test_average_norms_on_one_rank_are_the_rank_norms_for_layers_within_the_sketch(one_rank):
+    """On one rank the average is the rank's own gradient: for layers of at most `width`
+    entries (sent whole) the sketched trust ratio is eq. 11's exactly, and for a larger layer
+    within the sketch's spread of it."""
+    rng = np.random.default_rng(1)
+    w = [tf.Variable(rng.standard_normal((6, 5)).astype(np.float32), name="kernel"),
+         tf.Variable(rng.standard_normal((200, 50)).astype(np.float32), name="big")]
+    g = [tf.constant(rng.standard_normal(v.shape).astype(np.float32)) for v in w]
+    opt = lars()
+    own = opt.local_trusted(g, w, norms="rank")
+    average = opt.local_trusted(g, w, norms="average", width=64)
+    np.testing.assert_allclose(average[0].numpy(), own[0].numpy(), rtol=1e-5)
+    ratio = np.linalg.norm(average[1].numpy()) / np.linalg.norm(own[1].numpy())
+    assert 0.7 < ratio < 1.3 and ratio != 1.0, ratio
+    with pytest.raises(ValueError, match="norms must be one of 'average', 'rank'"):
+        opt.local_trusted(g, w, norms="mean")
+    with pytest.raises(ValueError, match="trust_norms must be one of"):
+        hvdx.DistributedOptimizer(lars(), communication="hitopk", trust_norms="global")
 
 
 def train(optimizer, steps_per_epoch_batch=16):
@@ -157,25 +203,29 @@ def test_a_saved_model_reloads_with_the_aid(one_rank, tmp_path):
 
 @suite.runs(suite.check("lars_sparse.training", "2x2", timeout=300))
 def test_on_two_nodes_each_rank_trust_ratio_then_the_average_and_training_keeps_its_guarantees(ranks):
-    """Every rank: the weights follow NumPy's rule (each rank's own eq. 11, averaged, the
-    velocity of the average); model.fit with LARS' defaults under HiTopK, mixed precision and
+    """Every rank: the weights follow NumPy's rule (eq. 11 with the norm of the ranks' average
+    gradient, sketched, or each rank's own, then averaged, the velocity of the average); model.fit with LARS' defaults under HiTopK, mixed precision and
     backward_passes_per_step=2 keeps the same finite weights on every rank and each rank's
     velocities and residuals through a checkpoint."""
     for rank, data in ranks.items():
-        assert data["rule_matches"] and data["rule_same_on_every_rank"], rank
+        for norms in ("rank", "average"):
+            assert data[norms]["rule_matches"] and data[norms]["rule_same_on_every_rank"], (rank, norms)
         assert data["defaults"] == [True, pytest.approx(0.9)], rank
         assert data["weights_same"] and data["finite"], rank
         assert data["restored_own_state"], rank
 
 
 def test_convergence_benchmark_names_the_aid_and_spreads_the_seeds():
-    """benchmarks/convergence.py: `lt` is local_trust_ratio; with several seeds the table
+    """benchmarks/convergence.py: `lt` is local_trust_ratio (`ltr` with each rank's own norms); with several seeds the table
     reads the mean, min and max of the final accuracies (made-up numbers)."""
     from benchmarks import convergence
 
     args = convergence.main.__globals__["argparse"].Namespace(density=0.01, clip_norm=5.0, warmup_steps=0, steps=100)
     assert convergence.method_options("hitopk+mc+lt", "resnet", args)["local_trust_ratio"] is True
     assert convergence.method_options("hitopk+plain", "resnet", args)["local_trust_ratio"] is False
+    assert "trust_norms" not in convergence.method_options("hitopk+mc+lt", "resnet", args)  # the default: average
+    own = convergence.method_options("hitopk+mc+ltr+nomask", "resnet", args)
+    assert own["local_trust_ratio"] is True and own["trust_norms"] == "rank" and own["momentum_masking"] is False
     run = lambda *acc: {"steps": [10, 20], "accuracy": list(acc), "seconds": [1.0, 2.0]}  # noqa: E731
     by_seed = {"1": {"t": {"horovod": run(0.5, 0.90), "hitopk": run(0.4, 0.80)}},
                "2": {"t": {"horovod": run(0.5, 0.94), "hitopk": run(0.6, 0.90)}}}

@@ -14,12 +14,14 @@ wd w), trust = eeta ||w|| / (||u|| + epsilon), w <- w - learning_rate * trust * 
 Under a sparse strategy (top-k with error feedback), the trust ratio is applied before the
 strategy instead, on each rank's own gradient ("local trust ratio", `local_trusted`):
 
-    d_i = trust_i (g_i + weight_decay * w),  trust_i = eq. 11 on rank i's gradient g_i
+    d_i = trust (g_i + weight_decay * w),  trust = eq. 11 with ||mean_i g_i|| estimated
+          from an allreduced CountSketch (sketch.py; norms="rank": rank i's own ||g_i||)
     (with momentum correction) u_i <- momentum u_i + d_i,  sparsified, averaged: U
     v <- learning_rate * U;  w <- w - v          (`trust_applied`: ratio 1, no decay here)
 
 so the velocity the strategy accumulates is classic LARS' v / learning_rate, and the step
-has classic LARS' size. Measured on the aggregated sparse update instead, eq. 11 would
+has classic LARS' size (with each rank's own norm it is smaller where the ranks' gradients
+are noise: by up to sqrt(N) on N ranks). Measured on the aggregated sparse update instead, eq. 11 would
 normalise away what error feedback accumulated (each entry is sent about once every
 1/density steps, with that many steps' gradients in it, and the trust ratio divides it
 back to one step's norm: about sqrt(density) of LARS' progress per entry) and, with the
@@ -28,14 +30,20 @@ momentum moved into the strategy, the accumulated velocity (another factor 1 - m
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Dict, Iterator, List, Optional
 
+import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.comm.traits import OptimizerTraits, plain_number
+from hvdx.optimizers import sketch
 from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
 
-__all__ = ["LARS"]
+__all__ = ["LARS", "NORMS"]
+
+#: What `LARS.local_trusted` measures ||g|| of eq. 11 on: the ranks' average (sketched) or this rank's own.
+NORMS = ("average", "rank")
 
 
 @tf.keras.utils.register_keras_serializable(package="hvdx")
@@ -94,29 +102,45 @@ class LARS(LayerwiseOptimizer):
     def _momentum(self, variable):
         return self.momentums[self._index_dict[self._var_key(variable)]]
 
-    def local_trusted(self, gradients: List[Optional[tf.Tensor]], variables: List[Any]) -> List[Optional[tf.Tensor]]:
+    def local_trusted(self, gradients: List[Optional[tf.Tensor]], variables: List[Any], norms: str = "average",
+                      process_set: Optional[hvd.ProcessSet] = None,
+                      width: int = sketch.DEFAULT_WIDTH) -> List[Optional[tf.Tensor]]:
         """Eq. 11's layer-wise rate applied to this rank's own gradients, before aggregation:
         trust_l (g_l + weight_decay w_l) per variable (trust 1 for layers excluded from
-        adaptation, clipped as configured), with the norms of this rank's g_l; None stays None,
-        sparse gradients are densified. What hvdx.DistributedOptimizer sends through a sparse
-        strategy with local_trust_ratio=True; the step then applies the aggregate inside
-        `trust_applied()`.
+        adaptation, clipped as configured); None stays None, sparse gradients are densified.
+        What hvdx.DistributedOptimizer sends through a sparse strategy with
+        local_trust_ratio=True; the step then applies the aggregate inside `trust_applied()`.
+
+        Args:
+          norms: "average": ||g_l|| of eq. 11 is the norm of the gradients averaged over
+            `process_set`, estimated from an allreduce of their CountSketches (sketch.py,
+            `width` buckets per layer; exact for layers of at most `width` entries): every rank
+            of the set must call this, in the same order; "rank": this rank's own ||g_l||.
+          process_set: the ranks the gradients will be averaged over (None: all).
+          width: the sketch's buckets per layer.
 
         Raises:
           ValueError: with classic_momentum=False (its trust ratio measures the momentum step,
-            which does not exist before aggregation).
+            which does not exist before aggregation); norms not "average" or "rank".
         """
         if not self.classic_momentum:
             raise ValueError("the local trust ratio scales each rank's gradient by eq. 11 before aggregation; "
                              "LARS(classic_momentum=False) measures the momentum step instead: use "
                              "classic_momentum=True, or local_trust_ratio=False")
+        if norms not in NORMS:
+            raise ValueError(f"norms must be one of {', '.join(map(repr, NORMS))}, got {norms!r}")
         present = [i for i, g in enumerate(gradients) if g is not None]
         out = list(gradients)
         if not present:
             return out
         grads = [tf.convert_to_tensor(gradients[i]) for i in present]
         chosen = [variables[i] for i in present]
-        ratios = self.trust_ratios(chosen, grads, mode=None)
+        averaged = None
+        if norms == "average":
+            process_set = process_set or hvd.global_process_set
+            averaged = functools.partial(sketch.averaged_squared_norms, width=width, allreduce=functools.partial(
+                hvd.allreduce, op=hvd.Average, process_set=process_set, name="hvdx.lars.trust_sketch"))
+        ratios = self.trust_ratios(chosen, grads, mode=None, direction_squares=averaged)
         for i, g, w, r in zip(present, grads, chosen, ratios):
             out[i] = tf.cast(r, g.dtype) * self._decayed(g, w)
         return out

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numbers
 import re
 import zlib
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -232,15 +232,21 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
 
     # -- trust ratios ----------------------------------------------------------------------
     def trust_ratios(self, variables: Sequence[Any], directions: Sequence[tf.Tensor],
-                     mode: Union[str, None, bool] = True) -> List[tf.Tensor]:
+                     mode: Union[str, None, bool] = True,
+                     direction_squares: Optional[Callable[[List[tf.Tensor]], List[tf.Tensor]]] = None
+                     ) -> List[tf.Tensor]:
         """Every layer's trust ratio (1 for layers excluded from adaptation), as float32
-        scalars. mode: True for the configured `parallel`, or None / "pto" / "slices"."""
+        scalars. mode: True for the configured `parallel`, or None / "pto" / "slices".
+        direction_squares: given the adapted layers' directions, their ||d||^2 in place of the
+        computed ones (LARS.local_trusted: the norm of the ranks' average, sketched)."""
         mode = self.parallel if mode is True else mode
         adapted = [i for i, v in enumerate(variables) if self._adapts(v)]
         ratios: List[tf.Tensor] = [tf.ones([], tf.float32)] * len(variables)
         if not adapted:
             return ratios
         squares = self.squared_norms([variables[i] for i in adapted], [directions[i] for i in adapted], mode)
+        if direction_squares is not None:
+            squares = tf.stack([squares[:, 0], tf.stack(direction_squares([directions[i] for i in adapted]))], axis=1)
         w_norm, d_norm = tf.sqrt(squares[:, 0]), tf.sqrt(squares[:, 1])
         decay = tf.constant([self.weight_decay if self._decays(variables[i]) else 0.0 for i in adapted], tf.float32)
         ratio = tf.where((w_norm > 0) & (d_norm > 0), self._ratio(w_norm, d_norm, decay), tf.ones_like(w_norm))

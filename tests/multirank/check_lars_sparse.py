@@ -1,9 +1,11 @@
 """LARS under a sparse strategy on every rank of an m x n job (tests/test_lars_sparse.py).
 
-- The local trust ratio: each rank scales its own gradient by eq. 11 with its own norms,
-  the strategy accumulates the velocity of the average (momentum correction) and the step
-  applies it with ratio 1. At density 1 without factor masking nothing is held back, so the
-  weights equal a NumPy model of that rule on every rank, step by step.
+- The local trust ratio: each rank scales its own gradient by eq. 11, the strategy
+  accumulates the velocity of the average (momentum correction) and the step applies it with
+  ratio 1. Eq. 11's ||g|| is the norm of the ranks' average gradient (trust_norms="average",
+  from the all-reduced sketches: exact for these layers, within the sketch's width) or each
+  rank's own (trust_norms="rank"). At density 1 without factor masking nothing is held back,
+  so the weights equal a NumPy model of each rule on every rank, step by step.
 - model.fit with hvdx's LARS under communication="hitopk" and its defaults (local trust
   ratio and momentum correction), mixed_float16 and backward_passes_per_step=2: every rank
   ends with the same finite weights, and a checkpoint written on each rank restores that
@@ -30,14 +32,15 @@ def reference_trust(w: np.ndarray, g: np.ndarray) -> float:
     return EETA * wn / (gn + DECAY * wn) if wn > 0 and gn > 0 else 1.0
 
 
-def check_rule(topo, steps: int = 3) -> dict:
-    shapes = [(24, 16), (16,)]
+def check_rule(topo, norms: str, steps: int = 3) -> dict:
+    shapes = [(12, 16), (16,)]  # at most the sketch's width (256) entries: its norms are exact
     rng = np.random.default_rng(7)
     start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     variables = [tf.Variable(w, name=f"w{i}") for i, w in enumerate(start)]
     opt = hvdx.DistributedOptimizer(
         LARS(LR, momentum=MOMENTUM, weight_decay=DECAY, eeta=EETA),
-        communication=comm.HiTopK(density=1.0, momentum=MOMENTUM, momentum_masking=False), local_trust_ratio=True)
+        communication=comm.HiTopK(density=1.0, momentum=MOMENTUM, momentum_masking=False), local_trust_ratio=True,
+        trust_norms=norms)
     weights = [w.astype(np.float64) for w in start]
     velocity = [np.zeros(s) for s in shapes]
     for step in range(steps):
@@ -46,12 +49,14 @@ def check_rule(topo, steps: int = 3) -> dict:
                     for i, g in enumerate(grads)]
         opt.apply_gradients(zip([tf.constant(g) for g in grads], variables))
         for i in range(len(shapes)):
-            scaled = [reference_trust(weights[i], g) * (g + DECAY * weights[i]) for g in everyone[i]]
+            average = np.mean(everyone[i], axis=0)
+            scaled = [reference_trust(weights[i], g if norms == "rank" else average) * (g + DECAY * weights[i])
+                      for g in everyone[i]]
             velocity[i] = MOMENTUM * velocity[i] + np.mean(scaled, axis=0)
             weights[i] = weights[i] - LR * velocity[i]
     got = [v.numpy() for v in variables]
     close = all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(got, weights))
-    return {"rule_matches": bool(close), "rule_same_on_every_rank": same_on_every_rank(got, "lt.rule")}
+    return {"rule_matches": bool(close), "rule_same_on_every_rank": same_on_every_rank(got, f"lt.rule.{norms}")}
 
 
 def velocities_and_residuals(opt) -> dict:
@@ -66,7 +71,7 @@ def make_optimizer():
 
 
 def check_training(topo) -> dict:
-    out = check_rule(topo)
+    out = {norms: check_rule(topo, norms) for norms in ("rank", "average")}
     tf.keras.mixed_precision.set_global_policy("mixed_float16")
     folder = tempfile.mkdtemp(prefix=f"hvdx-lt-r{topo.rank}-")
     try:
