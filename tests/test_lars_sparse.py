@@ -53,8 +53,10 @@ def test_local_trust_ratio_is_eq_11_on_the_rank_own_gradient():
 
 def test_count_sketch_is_linear_and_its_squared_norm_estimates_the_norm():
     """S(a + b) = S(a) + S(b) (so the average of the ranks' sketches is the sketch of their
-    average); E ||S(g)||^2 = ||g||^2 over the hash, relative spread about sqrt(2 / width)
-    whatever the entries' distribution; a layer of at most `width` entries is itself."""
+    average); E ||S(g)||^2 = ||g||^2 over the signs, relative spread about sqrt(2 / width)
+    whatever the entries' distribution, also for a convolution's gradient whose energy sits in
+    a few output channels (the prime width mixes them; 256 buckets would not); a layer of at
+    most `width` entries is itself."""
     from hvdx.optimizers import sketch
 
     rng = np.random.default_rng(0)
@@ -64,9 +66,12 @@ def test_count_sketch_is_linear_and_its_squared_norm_estimates_the_norm():
                                rtol=1e-4, atol=1e-4)
     small = tf.constant(rng.standard_normal((4, 8)), tf.float32)
     np.testing.assert_array_equal(sketch.count_sketch(small, 32).numpy(), small.numpy().ravel())
-    for entries in (rng.standard_normal(30000), rng.standard_t(2, 30000), np.eye(1, 30000, 17)[0] * 3.0):
+    inputs = np.abs(rng.standard_normal((3, 3, 64, 1)))  # after a ReLU: every row of the kernel's gradient alike
+    channels = rng.standard_normal((1, 1, 1, 256)) * np.exp(rng.standard_normal((1, 1, 1, 256)))
+    conv = inputs * channels + 0.1 * rng.standard_normal((3, 3, 64, 256))
+    for entries in (rng.standard_normal(30000), rng.standard_t(2, 30000), np.eye(1, 30000, 17)[0] * 3.0, conv):
         g = tf.constant(entries, tf.float32)
-        ratios = [float(tf.reduce_sum(tf.square(sketch.count_sketch(g, 256, seed=seed)))) / np.sum(entries ** 2)
+        ratios = [float(tf.reduce_sum(tf.square(sketch.count_sketch(g, seed=seed)))) / np.sum(entries ** 2)
                   for seed in range(100)]
         assert abs(np.mean(ratios) - 1.0) < 0.05 and np.std(ratios) < 0.13, (np.mean(ratios), np.std(ratios))
     with pytest.raises(ValueError, match="width"):
@@ -75,6 +80,23 @@ def test_count_sketch_is_linear_and_its_squared_norm_estimates_the_norm():
                           input_signature=[tf.TensorSpec([None], tf.float32)])
     with pytest.raises(ValueError, match="static size"):
         unknown.get_concrete_function()
+
+
+def test_the_sketch_signs_are_murmur3s_finaliser_on_every_platform():
+    """The signs every rank must agree on: TensorFlow's int32 arithmetic (modulo 2^32) gives
+    what NumPy computes in unsigned 64-bit integers, and about half are negative."""
+    from hvdx.optimizers import sketch
+
+    mask = np.uint64(0xFFFFFFFF)
+    for layer, seed in ((0, 0), (5, 7)):
+        a, b = (np.uint64(np.int32(x).view(np.uint32)) for x in sketch._start(layer, seed))
+        x = (np.arange(50000, dtype=np.uint64) * a + b) & mask
+        for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+            x = ((x ^ (x >> np.uint64(shift))) * np.uint64(factor)) & mask
+        want = ((x ^ (x >> np.uint64(16))) >> np.uint64(31)).astype(bool)
+        got = sketch.negative_signs(50000, layer, seed).numpy()
+        np.testing.assert_array_equal(got, want)
+        assert 0.49 < got.mean() < 0.51
 
 
 def test_average_norms_on_one_rank_are_the_rank_norms_for_layers_within_the_sketch(one_rank):
