@@ -237,17 +237,22 @@ class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
                      ) -> List[tf.Tensor]:
         """Every layer's trust ratio (1 for layers excluded from adaptation), as float32
         scalars. mode: True for the configured `parallel`, or None / "pto" / "slices".
-        direction_squares: given the adapted layers' directions, their ||d||^2 in place of the
-        computed ones (LARS.local_trusted: the norm of the ranks' average, sketched)."""
+        direction_squares: given the adapted layers' directions, their ||d||^2 in place of
+        computing them (LARS.local_trusted: the norm of the ranks' average, sketched); the
+        weights' norms are then computed on this rank (as mode None)."""
         mode = self.parallel if mode is True else mode
         adapted = [i for i, v in enumerate(variables) if self._adapts(v)]
         ratios: List[tf.Tensor] = [tf.ones([], tf.float32)] * len(variables)
         if not adapted:
             return ratios
-        squares = self.squared_norms([variables[i] for i in adapted], [directions[i] for i in adapted], mode)
-        if direction_squares is not None:
-            squares = tf.stack([squares[:, 0], tf.stack(direction_squares([directions[i] for i in adapted]))], axis=1)
-        w_norm, d_norm = tf.sqrt(squares[:, 0]), tf.sqrt(squares[:, 1])
+        chosen, towards = [variables[i] for i in adapted], [directions[i] for i in adapted]
+        if direction_squares is None:
+            squares = self.squared_norms(chosen, towards, mode)
+            w_norm, d_norm = tf.sqrt(squares[:, 0]), tf.sqrt(squares[:, 1])
+        else:  # no pass over the directions here: their norms are given
+            self._book.last_mode = None
+            w_norm = tf.sqrt(tf.stack([squared_norm(_value(v)) for v in chosen]))
+            d_norm = tf.sqrt(tf.stack(direction_squares(towards)))
         decay = tf.constant([self.weight_decay if self._decays(variables[i]) else 0.0 for i in adapted], tf.float32)
         ratio = tf.where((w_norm > 0) & (d_norm > 0), self._ratio(w_norm, d_norm, decay), tf.ones_like(w_norm))
         if self.min_trust_ratio is not None:
