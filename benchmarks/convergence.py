@@ -190,8 +190,8 @@ def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str
         elif aid == "nomask":  # the velocity of the entries sent is kept (DGC masks it)
             options["momentum_masking"] = False
         elif aid != "plain":
-            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, ltr, layer, small, nomask, "
-                             "plain)")
+            raise ValueError(f"unknown aid {aid!r} in {method!r} (mc, clip, warmup, dense, decay, lt, ltr, layer, "
+                             "small, nomask, plain)")
     return options
 
 

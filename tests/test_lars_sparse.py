@@ -226,9 +226,10 @@ def test_a_saved_model_reloads_with_the_aid(one_rank, tmp_path):
 @suite.runs(suite.check("lars_sparse.training", "2x2", timeout=300))
 def test_on_two_nodes_each_rank_trust_ratio_then_the_average_and_training_keeps_its_guarantees(ranks):
     """Every rank: the weights follow NumPy's rule (eq. 11 with the norm of the ranks' average
-    gradient, sketched, or each rank's own, then averaged, the velocity of the average); model.fit with LARS' defaults under HiTopK, mixed precision and
-    backward_passes_per_step=2 keeps the same finite weights on every rank and each rank's
-    velocities and residuals through a checkpoint."""
+    gradient, sketched, or each rank's own, then averaged, the velocity of the average);
+    model.fit with LARS' defaults under HiTopK, mixed precision and backward_passes_per_step=2
+    keeps the same finite weights on every rank and each rank's velocities and residuals
+    through a checkpoint."""
     for rank, data in ranks.items():
         for norms in ("rank", "average"):
             assert data[norms]["rule_matches"] and data[norms]["rule_same_on_every_rank"], (rank, norms)
@@ -238,8 +239,8 @@ def test_on_two_nodes_each_rank_trust_ratio_then_the_average_and_training_keeps_
 
 
 def test_convergence_benchmark_names_the_aid_and_spreads_the_seeds():
-    """benchmarks/convergence.py: `lt` is local_trust_ratio (`ltr` with each rank's own norms); with several seeds the table
-    reads the mean, min and max of the final accuracies (made-up numbers)."""
+    """benchmarks/convergence.py: `lt` is local_trust_ratio (`ltr` with each rank's own
+    norms); with several seeds the table reads the mean, min and max of the final accuracies (made-up numbers)."""
     from benchmarks import convergence
 
     args = convergence.main.__globals__["argparse"].Namespace(density=0.01, clip_norm=5.0, warmup_steps=0, steps=100)

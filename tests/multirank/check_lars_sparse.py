@@ -33,7 +33,7 @@ def reference_trust(w: np.ndarray, g: np.ndarray) -> float:
 
 
 def check_rule(topo, norms: str, steps: int = 3) -> dict:
-    shapes = [(12, 16), (16,)]  # at most the sketch's width (256) entries: its norms are exact
+    shapes = [(12, 16), (16,)]  # at most the sketch's width (sketch.DEFAULT_WIDTH, 251) entries: exact norms
     rng = np.random.default_rng(7)
     start = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     variables = [tf.Variable(w, name=f"w{i}") for i, w in enumerate(start)]
