@@ -28,7 +28,8 @@ norm: trust_norms="rank"),
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
 rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
-steps, then constant), as Horovod's Keras MNIST example runs. `--loop tape` trains as
+steps, then constant), as Horovod's Keras MNIST example runs; `--lr-decay-power P` then decays
+it as LARS' recipe does (to 0 at --steps, ((S - step) / (S - W))^P). `--loop tape` trains as
 Horovod's custom-loop example (examples/tensorflow2/tensorflow2_mnist.py) does instead of
 `Model.fit`: a `tf.function` step, the tape wrapped by `hvd.DistributedGradientTape`
 (Horovod) or `hvdx.DistributedGradientTape(tape, **options)` (hvdx's methods), the inner
@@ -203,6 +204,17 @@ def warmed_rate(rate: float, step: int, warmup_steps: int, size: int) -> float:
     return rate / size * (step / warmup_steps * (size - 1) + 1)
 
 
+def scheduled_rate(rate: float, step: int, args: argparse.Namespace, size: int) -> float:
+    """The rate at `step` of --steps: Horovod's warm-up over --lr-warmup-steps (`warmed_rate`),
+    then with --lr-decay-power p > 0 the polynomial decay of LARS' recipe (You et al. 2017;
+    hvdx.phases.PhaseSchedule, the DAWNBench recipe's): rate ((S - step) / (S - W))^p, to 0
+    at step S = --steps; p = 0: constant."""
+    warm = args.lr_warmup_steps
+    if step < warm or not args.lr_decay_power:
+        return warmed_rate(rate, step, warm, size)
+    return rate * max(0.0, (args.steps - step) / max(1, args.steps - warm)) ** args.lr_decay_power
+
+
 # -- the ranks -------------------------------------------------------------------------------
 def tape_step(model, optimizer, options: Optional[Dict[str, Any]]):
     """Horovod's custom-loop training step (tensorflow2_mnist.py): `step(images, labels,
@@ -281,9 +293,9 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             hvdx.barrier()
             start = time.perf_counter()
             for i in range(n):
-                if args.lr_warmup_steps:
+                if args.lr_warmup_steps or args.lr_decay_power:
                     run["optimizer"].learning_rate.assign(
-                        warmed_rate(run["rate"], run["done"] + i, args.lr_warmup_steps, hvd.size()))
+                        scheduled_rate(run["rate"], run["done"] + i, args, hvd.size()))
                 if args.loop == "tape":
                     logs = {"loss": run["train"](*next(run["iterator"]), False)}
                 else:
@@ -489,6 +501,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--mlp-scale", type=float, default=0.5, help="width of the MLP (1: train_step.py's)")
     parser.add_argument("--lr-warmup-steps", type=int, default=0,
                         help="Horovod's LearningRateWarmupCallback over this many steps (0: none)")
+    parser.add_argument("--lr-decay-power", type=float, default=0.0,
+                        help="after the warm-up, polynomial decay of this power to 0 at --steps (0: constant)")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds (--seed, --seed + 1, ...)")
     parser.add_argument("--loop", default="fit", choices=("fit", "tape"),

@@ -55,3 +55,16 @@ def test_method_names_map_to_the_aids():
     assert convergence.method_options("allreduce", "mnist", args) == {"communication": "allreduce"}
     with pytest.raises(ValueError, match="unknown aid"):
         convergence.method_options("hitopk+nope", "mnist", args)
+
+
+def test_the_rate_warms_up_as_horovod_then_decays_as_lars_recipe():
+    """--lr-warmup-steps W: Horovod's ramp from rate / ranks; --lr-decay-power p: then
+    rate ((S - step) / (S - W))^p, 0 at step S; p = 0 keeps the rate after the warm-up."""
+    from benchmarks import convergence
+
+    args = convergence.main.__globals__["argparse"].Namespace(lr_warmup_steps=10, lr_decay_power=2.0, steps=110)
+    rate = lambda step: convergence.scheduled_rate(0.4, step, args, 4)  # noqa: E731
+    assert rate(0) == pytest.approx(0.1) and rate(5) == pytest.approx(0.25)  # 0.4 / 4 * (0.5 * 3 + 1)
+    assert rate(10) == pytest.approx(0.4) and rate(60) == pytest.approx(0.1) and rate(110) == 0.0
+    args.lr_decay_power = 0.0
+    assert rate(60) == pytest.approx(0.4)
