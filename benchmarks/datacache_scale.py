@@ -21,7 +21,8 @@ round the node stores are kept and the job is launched again on the same nodes (
 times, a new process per rank, as after a crash or a preemption): it builds DataCache over
 its node's store and times its epoch 1, then --repeats epochs 2+; the ratio is the median
 over relaunches of (its epochs 2+ / its epoch 1) (an epoch of 2x2 is ~0.3 s: one sample of
-it is mostly scheduling noise). An epoch's time
+it is mostly scheduling noise). The relaunches take turns over --restart-variants (the
+processes' environment: RESTART_VARIANTS; the first is the table's). An epoch's time
 is split into its fixed cost (the first batch: the iterator's start and the epoch's
 planning) and the time per sample after it.
 Memory per node: DataCache's store (allocated blocks on /dev/shm), `.cache()`'s RSS growth
@@ -199,23 +200,33 @@ def relaunched(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
     return {"epoch1": first, "later": later, "epoch1_misses": read}
 
 
-def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path, args: argparse.Namespace) -> List[dict]:
-    """--relaunches new jobs of `topology` ("1" or NxM) over the stores of the last round
-    (`relaunched` in each), then the stores removed. Raises SystemExit if one fails."""
-    results = []
+#: The restarted job's variants (--restart-variants), in the environment of its processes:
+#: as a user runs it; with TensorFlow's oneDNN graph rewrites off (TF_ENABLE_ONEDNN_OPTS=0:
+#: what a new process' first iterator pays beyond a later one's, see benchmarks/README.md).
+RESTART_VARIANTS = {"default": {}, "onednn-off": {"TF_ENABLE_ONEDNN_OPTS": "0"}}
+
+
+def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path,
+                 args: argparse.Namespace) -> Dict[str, List[dict]]:
+    """--relaunches new jobs of `topology` ("1" or NxM) per restart variant, the variants
+    taking turns, over the stores of the last round (`relaunched` in each), then the stores
+    removed. Returns the jobs' results by variant. Raises SystemExit if one fails."""
+    results: Dict[str, List[dict]] = {v: [] for v in args.restart_variants}
     try:
         for i in range(args.relaunches):
-            path = work / f"relaunch-{topology}-{i}.json"
-            command = [str(Path(__file__).resolve()), "--relaunch-json", str(path), "--data-root", str(root),
-                       "--store-root", str(store_dir), *worker_argv(args)]
-            if topology == "1":
-                env = dict(os.environ, PYTHONPATH=str(ROOT))
-                failed = subprocess.run([sys.executable, *command], env=env).returncode
-            else:
-                failed = launch_ranks(command, *(int(x) for x in topology.split("x")))
-            if failed:
-                raise SystemExit(f"the relaunched {topology} job failed")
-            results.append(json.loads(path.read_text()))
+            for variant in args.restart_variants:
+                path = work / f"relaunch-{topology}-{variant}-{i}.json"
+                command = [str(Path(__file__).resolve()), "--relaunch-json", str(path), "--data-root", str(root),
+                           "--store-root", str(store_dir), f"--relaunch-variant={variant}", *worker_argv(args)]
+                env = RESTART_VARIANTS[variant]
+                if topology == "1":
+                    failed = subprocess.run([sys.executable, *command],
+                                            env=dict(os.environ, PYTHONPATH=str(ROOT), **env)).returncode
+                else:
+                    failed = launch_ranks(command, *(int(x) for x in topology.split("x")), env=env)
+                if failed:
+                    raise SystemExit(f"the relaunched {topology} job ({variant}) failed")
+                results[variant].append(json.loads(path.read_text()))
     finally:  # no process has the stores open any more: their files go with the folder
         shutil.rmtree(store_dir, ignore_errors=True)
     return results
@@ -278,6 +289,12 @@ def _node_sum(value: float, name: str, size: int) -> float:
     return total / max(1, hvdx.topology().num_nodes)
 
 
+def _sample_time(run, batch: int) -> float:
+    """Seconds per sample of an epoch (seconds, first-batch seconds, samples) after its first batch."""
+    total, first, samples = run
+    return (total - first) / max(1, samples - batch)
+
+
 def summary(result: dict, batch: int) -> dict:
     """Per-round ratios (baseline / DataCache) of per-sample times and epoch times, and the
     fixed costs (ms) of the methods' epochs 2+."""
@@ -285,8 +302,7 @@ def summary(result: dict, batch: int) -> dict:
     med = statistics.median
 
     def sample_time(run) -> float:
-        total, first, samples = run
-        return (total - first) / max(1, samples - batch)
+        return _sample_time(run, batch)
 
     ratios = {
         f"epoch2_{kind}": [med(sample_time(e) for e in a) / med(sample_time(e) for e in b)
@@ -324,6 +340,23 @@ def table(results: Dict[str, dict], batch: int) -> str:
                            "node memory, MiB (DataCache / `.cache()`)"], rows, 1)
 
 
+def restart_table(results: Dict[str, dict], batch: int) -> str:
+    """The restarted job by variant (RESTART_VARIANTS): its epoch 1 over its epochs 2+, whole
+    and per sample, and its first batch (the iterator's start) in epoch 1 and in epochs 2+."""
+    med = statistics.median
+    rows = []
+    for topology, result in results.items():
+        for variant, jobs in result.get("relaunched_variants", {}).items():
+            whole = [med(e[0] for e in job["later"]) / job["epoch1"][0] for job in jobs]
+            per = [med(_sample_time(e, batch) for e in job["later"]) / _sample_time(job["epoch1"], batch)
+                   for job in jobs]
+            rows.append([topology, variant, verdict(whole, GOALS["restart"]), f"{med(per):.2f}x",
+                         f"{med(job['epoch1'][1] for job in jobs) * 1e3:.0f} / "
+                         f"{med(e[1] for job in jobs for e in job['later']) * 1e3:.0f}"])
+    return markdown_table(["ranks", "restarted job", "epoch 1 over epochs 2+", "per sample (after the first batch)",
+                           "first batch, ms: epoch 1 / epochs 2+"], rows, 2) if rows else ""
+
+
 def render(result: dict, out: Path, readme: Optional[Path]) -> None:
     (out / "datacache_scale.json").write_text(json.dumps(result, indent=2))
     c = result["config"]
@@ -348,6 +381,11 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
                 "Load average (1 min, start/end) "
                 f"{loads}. Raw times: `results/datacache_scale.json`.\n\n" + text
                 + budget_text(result.get("over_budget"), result))
+        restarts = restart_table(result["topologies"], c["batch"])
+        if restarts:
+            body += ("\n\n**The restarted job by variant** (relaunches taking turns, medians of "
+                     f"{c['relaunches']} each): `default` as a user runs it; `onednn-off` with TensorFlow's oneDNN "
+                     "graph rewrites off in its processes (`TF_ENABLE_ONEDNN_OPTS=0`).\n\n" + restarts)
         update_readme("datacache-scale", body, readme)
 
 
@@ -384,15 +422,24 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--worker-json", help=argparse.SUPPRESS)
     parser.add_argument("--data-root", help=argparse.SUPPRESS)
     parser.add_argument("--store-root", help=argparse.SUPPRESS)
+    parser.add_argument("--restart-variants", default=",".join(RESTART_VARIANTS),
+                        type=lambda v: [x for x in v.split(",") if x],
+                        help="restarted jobs' variants, taking turns: " + ", ".join(RESTART_VARIANTS)
+                        + " (the first is the table's)")
     parser.add_argument("--relaunch-json", help=argparse.SUPPRESS)
+    parser.add_argument("--relaunch-variant", default="default", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.images, args.size, args.resolution, args.batch = 96, 32, 24, 16
         args.epochs, args.rounds, args.repeats, args.relaunches, args.latency_ms = 2, 1, 1, 1, 1.0
+        args.restart_variants = args.restart_variants[:1]
     if args.epochs < 2:
         parser.error("--epochs must be >= 2 (epoch 1 cold, then epochs 2+)")
     if args.relaunches < 1:
         parser.error("--relaunches must be >= 1 (the restarted job's row)")
+    unknown = [v for v in args.restart_variants if v not in RESTART_VARIANTS]
+    if unknown or not args.restart_variants:
+        parser.error(f"--restart-variants: {', '.join(unknown) or 'none given'}; known: {', '.join(RESTART_VARIANTS)}")
     if args.relaunch_json:  # a rank of a relaunched job
         freeze_start_up()
         result = relaunched(Path(args.data_root), Path(args.store_root), args)
@@ -445,7 +492,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                     if launch_ranks(command, nodes, per_node):
                         raise SystemExit(f"the {topology} run failed")
                     result = json.loads(path.read_text())
-                result["relaunched"] = relaunch_all(topology, root, store / f"round{args.rounds - 1}", work, args)
+                variants = relaunch_all(topology, root, store / f"round{args.rounds - 1}", work, args)
+                result["relaunched"] = variants[args.restart_variants[0]]
+                result["relaunched_variants"] = variants
             result["load_average"] = [round(load["start"][0], 2), round(load["end"][0], 2)]
             results[topology] = result
         budget = over_budget(root, store / "budget", args) if args.budget_fraction > 0 else None
@@ -453,7 +502,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
     config = {k: getattr(args, k) for k in ("images", "size", "resolution", "batch", "epochs", "rounds", "repeats",
-                                            "relaunches", "seed", "latency_ms", "mib_per_s", "budget_fraction", "quick")}
+                                            "relaunches", "seed", "latency_ms", "mib_per_s", "budget_fraction", "quick",
+                                            "restart_variants")}
     machine = {"cpus": os.cpu_count(), "tensorflow": tf.__version__, "hvdx": hvdx.__version__}
     render({"config": config, "machine": machine, "topologies": results, "over_budget": budget}, args.out, readme)
 

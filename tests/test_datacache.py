@@ -147,6 +147,8 @@ def test_a_restarted_job_finds_its_full_slab_with_one_look_up_and_serves_the_sam
     again.close()
 
 
+
+
 # -- an elastic job's membership change (issue 40): the data split again, the node store kept --
 
 def test_a_membership_change_splits_the_data_again_and_keeps_the_node_store(digits_root, tmp_path):
@@ -924,6 +926,7 @@ def test_datacache_scale_benchmark_rows(tmp_path):
     assert result["memory_bytes"]["datacache_node"][0] >= 96 * 24 * 24 * 3  # the node's slab
     text = readme.read_text()
     assert "<!-- datacache-scale:begin -->" in text and "| 1 | **" in text and "restarted job" in text
+    assert list(result["relaunched_variants"]) == ["default"] and "| 1 | default | **" in text
 
 
 def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():
@@ -931,3 +934,18 @@ def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():
 
     assert datacache.verdict([8.0, 9.0, 12.0], 10.0) == "**9.00x** (goal >= 10x: missed by 10%; rounds 8.00-12.00x)"
     assert datacache.verdict([1.2], 1.0) == "**1.20x** (goal >= 1x: met; rounds 1.20-1.20x)"
+
+
+def test_datacache_scale_restart_rows_per_variant():
+    """The restarted job's rows: epoch 1 over the median of epochs 2+, whole and per sample
+    (after the first batch), and the first batches, per variant."""
+    from benchmarks import datacache_scale
+
+    job = {"epoch1": (0.30, 0.08, 164), "later": [(0.20, 0.02, 164), (0.24, 0.02, 164), (0.22, 0.02, 164)]}
+    fast = {"epoch1": (0.22, 0.02, 164), "later": job["later"]}
+    text = datacache_scale.restart_table({"1": {"relaunched_variants": {"default": [job], "onednn-off": [fast]}}},
+                                         batch=64)
+    assert "| 1 | default | **0.73x** (goal >= 0.9x: missed by 19%" in text  # 0.22 / 0.30
+    assert "| 0.91x | 80 / 20 |" in text  # per sample: (0.22 - 0.02) / (0.30 - 0.08), 100 samples each
+    assert "| 1 | onednn-off | **1.00x** (goal >= 0.9x: met" in text and "| 1.00x | 20 / 20 |" in text
+    assert datacache_scale.restart_table({"1": {}}, batch=64) == ""  # a run from before the variants
