@@ -423,3 +423,24 @@ def test_elastic_reset_cost_is_the_gap_at_a_size_change_less_an_epoch_of_the_new
     epochs = [(10, 4), (13, 4), (16, 4), (50, 2), (55, 2), (60, 2), (100, 4), (103, 4)]
     record = {"records": [{"t": t, "size": size, "accuracy": 0.9} for t, size in epochs]}
     assert elastic.reset_costs(record) == [29.0, 37.0]  # 34 - 5 (an epoch on 2 ranks), 40 - 3
+
+
+def test_daso_benchmark_over_seeds_reports_means():
+    """--seeds: the time to target and the final accuracy as means over every seed's runs
+    (issue 44), DASO's gain as one minus the ratio of the means; the verdict says so."""
+    from benchmarks import daso
+
+    def run(seconds, accuracy, seed):
+        return {"epoch_seconds": seconds, "accuracy": accuracy, "seed": seed, "step_kinds": ["local"],
+                "step_seconds": [0.1],
+                "exchange_seconds": [], "merge_wait_seconds": []}
+
+    result = {"runs": {"horovod": [run([2.0, 2.0], [0.9, 0.96], 0), run([2.0, 2.0, 2.0], [0.8, 0.9, 0.97], 1)],
+                       "daso": [run([1.0, 1.0], [0.9, 0.96], 0), run([1.0, 1.0], [0.96, 0.97], 1)]}}
+    summary = daso.summarize(result, 0.95)
+    assert summary["horovod"]["mean_time_to_target"] == 5.0 and summary["daso"]["mean_time_to_target"] == 1.5
+    assert summary["daso"]["less_mean_time_to_target"] == pytest.approx(0.7)
+    assert summary["daso"]["mean_accuracy_points_vs_horovod"] == pytest.approx(0.0)
+    assert daso.verdict(summary, seeds=2).startswith("over 2 seeds, DASO's mean training time to the target "
+                                                     "accuracy is 70% less than Horovod's")
+    assert "goal met" in daso.verdict(summary, seeds=2)
