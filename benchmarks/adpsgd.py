@@ -48,11 +48,13 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
-                        freeze_start_up, markdown_table, readme_path, run_topologies, update_readme)
+    from common import (add_output_arguments, add_topology_arguments, against_baseline, cluster_description,
+                        digits_shards, freeze_start_up, markdown_table, readme_path, run_topologies, time_cells,
+                        update_readme)
 except ImportError:
-    from benchmarks.common import (add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
-                                   freeze_start_up, markdown_table, readme_path, run_topologies, update_readme)
+    from benchmarks.common import (add_output_arguments, add_topology_arguments, against_baseline,
+                                   cluster_description, digits_shards, freeze_start_up, markdown_table, readme_path,
+                                   run_topologies, time_cells, update_readme)
 
 METHODS = ["allreduce", "dpsgd", "adpsgd"]
 LABELS = {"allreduce": "AllReduce-SGD (hvd.DistributedGradientTape)", "dpsgd": "D-PSGD (gossip + barrier)",
@@ -93,7 +95,7 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
 
     x_mine, y_mine, x_eval, y_eval, x_test, y_test = data
     loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model = build_model(args.width, args.seed)
+    model = build_model(args.width, args.seed + round_index if args.seeds else args.seed)
     opt = tf.keras.optimizers.SGD(args.lr)
     opt.build(model.trainable_variables)
     gossip = None
@@ -256,19 +258,17 @@ def time_to(curve: List[List[float]], target: float) -> Optional[float]:
 def summarize(result: dict, target: float) -> dict:
     out: dict = {}
     for scenario, methods in result["runs"].items():
-        rounds = len(methods["allreduce"]) if "allreduce" in methods else 0
+        base = [time_to(run["curve"], target) for run in methods.get("allreduce", [])]
         out[scenario] = {}
         for method, runs in methods.items():
             times = [time_to(run["curve"], target) for run in runs]
-            ratios = []
-            for i in range(rounds):
-                base = time_to(methods["allreduce"][i]["curve"], target)
-                if base and times[i] is not None:
-                    ratios.append(times[i] / base)
+            versus = against_baseline(times, base)
             out[scenario][method] = {
                 "time_to_target": times,
-                "ratio_to_allreduce": ratios,
-                "median_ratio": statistics.median(ratios) if ratios else None,
+                "ratio_to_allreduce": versus["ratios"],
+                "median_ratio": versus["median_ratio"],
+                "mean_time": versus["mean_time"],
+                "mean_ratio": versus["mean_ratio"],
                 "accuracy": [run["accuracy"] for run in runs],
                 "final_loss": [run["curve"][-1][1] for run in runs],
                 "exchanges": [run["exchanges"] for run in runs]}
@@ -307,17 +307,15 @@ def report(args, results: List[dict]) -> None:
         for scenario in args.scenarios:
             for method in args.methods:
                 s = result["summary"][scenario][method]
-                ratio = "-" if s["median_ratio"] is None else (
-                    f"{s['median_ratio']:.2f} ({min(s['ratio_to_allreduce']):.2f}-{max(s['ratio_to_allreduce']):.2f})")
-                times = [t for t in s["time_to_target"] if t is not None]
+                time, ratio = time_cells(s["time_to_target"], {**s, "ratios": s["ratio_to_allreduce"]}, args.seeds)
+                average = statistics.mean if args.seeds else statistics.median
                 runs = result["runs"][scenario][method]
                 per_step = statistics.median(run["exchanges"] / run["steps"] for run in runs)
                 cross = [run["cross_node_share"] for run in runs if run.get("cross_node_share") is not None]
                 spread = [run["spread"] for run in runs if run.get("spread") is not None]
                 rank_steps = "/".join(str(n) for n in runs[0].get("rank_steps", [runs[0]["steps"]]))
                 rows.append([topo, scenario.replace("_", " "), LABELS[method],
-                             f"{statistics.median(times):.2f}" if times else "not reached", ratio,
-                             f"{statistics.median(s['accuracy']):.4f}",
+                             time, ratio, f"{average(s['accuracy']):.4f}",
                              "-" if method == "allreduce" else f"{per_step:.2f}",
                              f"{statistics.median(cross):.2f}" if cross else "-",
                              f"{statistics.median(spread):.2g}" if spread else "-", rank_steps,
@@ -333,10 +331,14 @@ def report(args, results: List[dict]) -> None:
             f"An MLP ({args.width}x{args.width}) on the digits, batch {args.batch} per rank, SGD lr {args.lr}, "
             f"{args.epochs} epochs of the training set counted over all ranks (AllReduce-SGD, D-PSGD: every rank "
             f"the same steps; AD-PSGD: a budget of the same total steps, the fast ranks doing a slow rank's share), "
-            f"{args.rounds} round(s) with the methods taking turns, "
-            f"{where}. Time to a training loss of {args.target} on rank 0's model (clock stopped while it "
-            f"evaluates), median over rounds, and its ratio to AllReduce-SGD in the same round (range over "
-            f"rounds); `slow rank`: the last rank sleeps {args.slow_factor - 1:g}x AllReduce-SGD's homogeneous step "
+            f"{args.rounds} round(s) with the methods taking turns"
+            + (f", round r from seed {args.seed} + r (initial weights and batch order)" if args.seeds else "")
+            + f", {where}. Time to a training loss of {args.target} on rank 0's model (clock stopped while it "
+            + ("evaluates), the mean over the seeds, and the ratio of the mean times to AllReduce-SGD's (range: "
+               "each seed's ratio); final accuracy the mean over the seeds; " if args.seeds else
+               "evaluates), median over rounds, and its ratio to AllReduce-SGD in the same round (range over "
+               "rounds); ")
+            + f"`slow rank`: the last rank sleeps {args.slow_factor - 1:g}x AllReduce-SGD's homogeneous step "
             f"(computation and allreduce, measured on each topology: `step_seconds` in the JSON) after "
             f"every step; `slow link`: the last node's uplink at {args.slow_rate}. Final accuracy: the test accuracy of the model every rank holds at the end. "
             f"Averagings per step: the exchanges rank 0 took part in over its steps (Algorithm 1 averages once per "
@@ -366,6 +368,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--target", type=float, default=0.25, help="training loss the time is measured to")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", action="store_true",
+                        help="round r from seed --seed + r (the initial weights; batches differ per round anyway); "
+                        "the table then gives means over the seeds")
     parser.add_argument("--smoke", action="store_true", help="2x1 over loopback, tiny: checks the script runs")
     parser.add_argument("--stem", default="adpsgd", help="the results' file names and README section (adpsgd_nodes: "
                         "the cross_node_weight comparison, --methods allreduce,adpsgd,adpsgd_intra,adpsgd_inter)")

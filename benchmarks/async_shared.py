@@ -43,11 +43,11 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (add_output_arguments, add_topology_arguments, freeze_start_up, markdown_table, readme_path,
-                        run_topologies, update_readme)
+    from common import (add_output_arguments, add_topology_arguments, against_baseline, freeze_start_up,
+                        markdown_table, readme_path, run_topologies, time_cells, update_readme)
 except ImportError:
-    from benchmarks.common import (add_output_arguments, add_topology_arguments, freeze_start_up, markdown_table,
-                                   readme_path, run_topologies, update_readme)
+    from benchmarks.common import (add_output_arguments, add_topology_arguments, against_baseline, freeze_start_up,
+                                   markdown_table, readme_path, run_topologies, time_cells, update_readme)
 
 METHODS = ["sync", "asyncminibatch", "assm", "passm", "passm+"]
 LABELS = {"sync": "synchronous (hvd.DistributedGradientTape)", "asyncminibatch": "AsyncMiniBatch",
@@ -223,16 +223,14 @@ def time_to(curve: List[List[float]], target: float) -> Optional[float]:
 
 def summarize(result: dict, target: float) -> dict:
     runs = result["runs"]
+    base = [time_to(run["curve"], target) for run in runs.get("sync", [])]
     out = {}
     for name, rounds in runs.items():
         times = [time_to(run["curve"], target) for run in rounds]
-        ratios = []
-        for i, t in enumerate(times):
-            base = time_to(runs["sync"][i]["curve"], target) if "sync" in runs else None
-            if base and t is not None:
-                ratios.append(t / base)
-        out[name] = {"time_to_target": times, "ratio_to_sync": ratios,
-                     "median_ratio": statistics.median(ratios) if ratios else None,
+        versus = against_baseline(times, base)
+        out[name] = {"time_to_target": times, "ratio_to_sync": versus["ratios"],
+                     "median_ratio": versus["median_ratio"], "mean_time": versus["mean_time"],
+                     "mean_ratio": versus["mean_ratio"],
                      "accuracy": [run["accuracy"] for run in rounds],
                      "seconds": [run["seconds"] for run in rounds],
                      "staleness": rounds[0].get("staleness")}
@@ -267,15 +265,13 @@ def report(args, results: List[dict]) -> None:
         p = result["topology"]["ranks_per_node"]
         for name in args.methods:
             s = result["summary"][name]
-            ratio = "-" if s["median_ratio"] is None else (
-                f"{s['median_ratio']:.2f} ({min(s['ratio_to_sync']):.2f}-{max(s['ratio_to_sync']):.2f})")
-            times = [t for t in s["time_to_target"] if t is not None]
+            time, ratio = time_cells(s["time_to_target"], {**s, "ratios": s["ratio_to_sync"]}, args.seeds)
+            average = statistics.mean if args.seeds else statistics.median
             st = s["staleness"]
             stale = "-" if not st else f"{st['mean']:.2f} / {st['max']}"
             saved = result["passm_flops_saved"] if name in ("passm",) and result["passm_flops_saved"] else None
-            rows.append([f"1x{p}", LABELS[name],
-                         f"{statistics.median(times):.2f}" if times else "not reached", ratio,
-                         f"{statistics.median(s['accuracy']):.4f}", f"{statistics.median(s['seconds']):.2f}", stale,
+            rows.append([f"1x{p}", LABELS[name], time, ratio,
+                         f"{average(s['accuracy']):.4f}", f"{average(s['seconds']):.2f}", stale,
                          f"{saved:.2f}" if saved is not None else "-", f"{result['load_average'][0]:.1f}"])
     readme = readme_path(args)
     if readme is None:
@@ -285,10 +281,15 @@ def report(args, results: List[dict]) -> None:
             f"One node (horovodrun over loopback), an MLP ({args.depth}x{args.width}) on the digits, batch "
             f"{args.batch} per process, SGD lr {args.lr} momentum {args.momentum} (x0.1 at epoch "
             f"{decay_epoch(args)}), {args.epochs} epochs of each process's shard, {args.rounds} round(s) with "
-            f"the methods taking turns. Time to a test accuracy of {args.target} on rank 0's model (copies taken "
-            f"every {args.eval_every} steps, evaluated after training), median over rounds, and its ratio to "
-            f"synchronous SGD in the same round (range over rounds). Final accuracy: the model every rank holds at "
-            f"the end. Staleness: mean / max number of other updates applied between a process's read and its "
+            f"the methods taking turns"
+            + (f", round r from seed {args.seed} + r (initial weights and batch order)" if args.seeds else "")
+            + f". Time to a test accuracy of {args.target} on rank 0's model (copies taken "
+            f"every {args.eval_every} steps, evaluated after training), "
+            + ("the mean over the seeds, and the ratio of the mean times to synchronous SGD's (range: each seed's "
+               "ratio); final accuracy and training time: means over the seeds. " if args.seeds else
+               "median over rounds, and its ratio to synchronous SGD in the same round (range over rounds). ")
+            + "Final accuracy: the model every rank holds at the end. "
+            f"Staleness: mean / max number of other updates applied between a process's read and its "
             f"update, all processes. PASSM flops saved: fraction of the weight-gradient backprop flops saved per "
             f"step by restricted backpropagation (the paper's Appendix D count). "
             f"`results/async_shared.json`, `results/async_shared.png`.\n\n"

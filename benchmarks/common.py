@@ -197,6 +197,38 @@ def medians(per_round: Mapping[str, Sequence[float]]) -> Dict[str, float]:
     return {key: statistics.median(times) for key, times in per_round.items()}
 
 
+def against_baseline(times: Sequence[Optional[float]], base: Sequence[Optional[float]]) -> Dict[str, object]:
+    """A method's times to a target per round against a baseline's in the same rounds (None:
+    never reached): `ratios` (the rounds both reached), `median_ratio`, `mean_time` (None
+    unless every round reached it) and `mean_ratio`, the ratio of the mean times (issue 44:
+    gains over seeds as means; None unless both means exist)."""
+    ratios = [t / b for t, b in zip(times, base) if b and t is not None]
+    mean = statistics.mean(times) if times and None not in times else None
+    base_mean = statistics.mean(base) if base and None not in base else None
+    return {"ratios": ratios, "median_ratio": statistics.median(ratios) if ratios else None, "mean_time": mean,
+            "mean_ratio": mean / base_mean if mean is not None and base_mean else None}
+
+
+def time_cells(times: Sequence[Optional[float]], versus: Mapping[str, object], over_seeds: bool) -> Tuple[str, str]:
+    """A table's (time to target, ratio to the baseline) cells from `against_baseline`: over
+    seeds the mean time and the ratio of the means, else the median time and the median of
+    the rounds' ratios; the ratio's range is each round's; rounds that never reached the
+    target are counted."""
+    reached = [t for t in times if t is not None]
+    cell = "not reached"
+    if reached:
+        cell = f"{(statistics.mean if over_seeds else statistics.median)(reached):.2f}"
+        if len(reached) < len(times):
+            cell += f" ({len(times) - len(reached)} not reached)"
+    value = versus["mean_ratio" if over_seeds else "median_ratio"]
+    ratios = versus["ratios"]
+    if value is not None:
+        return cell, f"{value:.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+    if ratios:  # over seeds, a round that never reached it: no mean, each reached round's ratio
+        return cell, f"- (rounds that reached it: {min(ratios):.2f}-{max(ratios):.2f})"
+    return cell, "-"
+
+
 @contextlib.contextmanager
 def load_during() -> Iterator[Dict[str, Tuple[float, float, float]]]:
     """The machine's load average (1, 5, 15 min) when the block starts and when it ends:

@@ -39,3 +39,28 @@ def test_adpsgd_benchmark_smoke_writes_json_and_plot(tmp_path):
     fast, slow = run["runs"]["slow_rank"]["adpsgd"][0]["rank_steps"]
     assert fast > 2 * slow, (fast, slow)  # the fast rank did the slowed rank's share (4x slower)
     assert (tmp_path / "adpsgd.png").stat().st_size > 10_000
+
+
+def test_over_seeds_the_ratio_is_of_the_mean_times():
+    """--seeds (issue 44): each method's mean time to the loss target over the seeds, its
+    ratio to AllReduce-SGD's mean; None where a round never reached it."""
+    from benchmarks import adpsgd
+
+    def run(times_losses):
+        return {"curve": times_losses, "accuracy": 0.95, "exchanges": 0}
+
+    result = {"runs": {"homogeneous": {"allreduce": [run([[1.0, 0.5], [2.0, 0.2]]), run([[4.0, 0.2]])],
+                                       "adpsgd": [run([[0.5, 0.2]]), run([[1.0, 0.5]])],
+                                       "dpsgd": [run([[1.5, 0.2]]), run([[1.5, 0.2]])]}}}
+    summary = adpsgd.summarize(result, 0.25)["homogeneous"]
+    assert summary["allreduce"]["mean_time"] == 3.0 and summary["allreduce"]["mean_ratio"] == 1.0
+    assert summary["dpsgd"]["mean_ratio"] == 0.5 and summary["dpsgd"]["ratio_to_allreduce"] == [0.75, 0.375]
+    assert summary["adpsgd"]["mean_time"] is None and summary["adpsgd"]["mean_ratio"] is None  # seed 2 never
+    from benchmarks.common import time_cells
+
+    adpsgd_cells = time_cells(summary["adpsgd"]["time_to_target"],
+                              {**summary["adpsgd"], "ratios": summary["adpsgd"]["ratio_to_allreduce"]}, True)
+    assert adpsgd_cells == ("0.50 (1 not reached)", "- (rounds that reached it: 0.25-0.25)")
+    assert time_cells(summary["dpsgd"]["time_to_target"],
+                      {**summary["dpsgd"], "ratios": summary["dpsgd"]["ratio_to_allreduce"]}, True) == \
+        ("1.50", "0.50 (0.38-0.75)")
