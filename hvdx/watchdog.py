@@ -90,6 +90,11 @@ def current() -> Optional["Watchdog"]:
     return _current
 
 
+#: hvdx's package folder (with a trailing separator): where hvdx's own frames are.
+_SELF = os.path.abspath(__file__)
+_PACKAGE = os.path.dirname(_SELF) + os.sep
+
+
 def _main_thread_place() -> str:
     """Where the main thread is: the innermost frame of the user's code, then the innermost
     (at most two) of hvdx's below it; other libraries' and the standard library's left out."""
@@ -101,8 +106,10 @@ def _main_thread_place() -> str:
     for entry in traceback.extract_stack(frame):
         name = entry.filename
         text = f"{os.path.basename(name)}:{entry.lineno} in {entry.name}"
-        if f"{os.sep}hvdx{os.sep}" in name:
-            if f"{os.sep}hvdx{os.sep}watchdog" not in name:
+        # hvdx's frames by its package's folder, not by a folder named hvdx: a checkout named
+        # hvdx holds the user's scripts and a venv (TensorFlow's, Horovod's frames) too
+        if os.path.abspath(name).startswith(_PACKAGE):
+            if os.path.abspath(name) != _SELF:
                 ours.append(text)
         elif not ("-packages" in name or name.startswith(skipped) or name.startswith("<")):
             user, ours = text, []

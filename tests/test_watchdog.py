@@ -56,6 +56,22 @@ def test_ranks_at_the_same_place_share_a_line():
     assert "  rank 1: waiting for 4.0 s in collective 'hitopk' on buffer 'v0_b0'" in report
 
 
+def test_the_place_is_the_users_frame_also_in_a_checkout_named_hvdx(tmp_path):
+    """hvdx's own frames are told by its package's folder, not by a folder named hvdx: in a
+    checkout named hvdx the user's script and the venv's libraries are not hvdx's (a CI clone
+    named hvdx reported TensorFlow's frames where the ranks waited, and no user frame)."""
+    def compiled(source, path):
+        namespace = {}
+        exec(compile(source, str(path), "exec"), namespace)  # noqa: S102 - frames with these file names
+        return namespace
+
+    library = compiled("def run(f):\n    return f()\n",
+                       tmp_path / "hvdx" / ".venv" / "lib" / "python3" / "site-packages" / "tensorflow" / "ops.py")
+    user = compiled("def main(run, f):\n    return run(f)\n", tmp_path / "hvdx" / "examples" / "train.py")
+    place = user["main"](library["run"], watchdog._main_thread_place)
+    assert place == "train.py:2 in main", place
+
+
 def test_a_mismatch_report_only_where_the_counts_disagree():
     level = {0: _state(0, 3, 3), 1: _state(1, 3, 3)}
     assert stall.mismatch_report(level, 2, "Mismatched data types: int32 vs float32") is None
