@@ -4,7 +4,8 @@ its share of this machine's cores, so that a node that leaves takes its compute 
 
 The task is convergence.py's communication-bound MLP on the digits (momentum SGD at
 0.025 x ranks, batch --batch per rank, an epoch one pass over the training set whatever the
-number of ranks), trained for --epochs epochs as a user's Keras script would. Cases, for each
+number of ranks), trained for --epochs epochs as a user's Keras script would (tf.data's
+autotuning off in its pipeline unless --autotune: docs/elastic.md#tfdatas-autotuning). Cases, for each
 of hvdx's `--methods` (HiTopK, 2DTAR = "hierarchical"):
 
 - `uninterrupted`: the elastic script under `horovodrun --min-np 2 --max-np 4
@@ -83,8 +84,14 @@ def worker(args: argparse.Namespace) -> None:
         """This rank's shard of the training set, reshuffled every epoch (rank and size are
         read again after a reset)."""
         x, y = x_train[hvd.rank()::hvd.size()], y_train[hvd.rank()::hvd.size()]
+        # tf.data's autotuning off unless --autotune: its thread is not woken when the iterator
+        # is deleted (the end of a fit, or a fit interrupted by a reset) and the deleting rank
+        # waits out its sleep, up to 60 s (docs/elastic.md#tfdatas-autotuning); the data is in
+        # memory
+        options = tf.data.Options()
+        options.autotune.enabled = args.autotune
         return (tf.data.Dataset.from_tensor_slices((x, y)).shuffle(len(x), seed=args.seed + hvd.rank())
-                .repeat().batch(args.batch))
+                .repeat().batch(args.batch).with_options(options))
 
     def steps_per_epoch() -> int:
         return math.ceil(len(x_train) / (args.batch * hvd.size()))
@@ -158,7 +165,8 @@ def _worker_command(args: argparse.Namespace, method: str, mode: str, folder: Pa
                "--progress", str(folder / "progress.jsonl"), "--checkpoint", str(folder),
                "--epochs", str(args.epochs), "--batch", str(args.batch), "--seed", str(args.seed),
                "--mlp-scale", str(args.mlp_scale), "--commit-every", str(args.commit_every)]
-    return command + (["--smoke"] if args.smoke else []) + (["--resume"] if resume else [])
+    return command + (["--smoke"] if args.smoke else []) + (["--resume"] if resume else []) + (
+        ["--autotune"] if args.autotune else [])
 
 
 def _kill_jobs(dump: Path) -> None:
@@ -360,7 +368,8 @@ def report(args: argparse.Namespace, result: dict) -> None:
         network = result["network"]
         body = (f"`python benchmarks/elastic.py {' '.join(result['argv'])}`: {network['nodes']} nodes x "
                 f"{args.ranks_per_node} ranks, links {network['rate']}, node i on cores {network['cpus']}; "
-                f"{args.epochs} epochs of the MLP (scale {args.mlp_scale}), batch {args.batch} per rank, target "
+                f"{args.epochs} epochs of the MLP (scale {args.mlp_scale}), batch {args.batch} per rank, tf.data's "
+                f"autotuning {'on' if args.autotune else 'off'}, target "
                 f"{args.target}; {args.repeats} repeat(s), cases taking turns; load average "
                 f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f}.\n\n"
                 + table(result["summary"]) + "\n\n" + "\n".join(f"- {line}" for line in result["verdicts"]))
@@ -387,6 +396,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--stall", type=float, default=120.0, help="seconds without an epoch: the job is killed")
     parser.add_argument("--keep-logs", action="store_true", help="keep the jobs' logs (and py-spy dumps of hung jobs)")
     parser.add_argument("--smoke", action="store_true", help="a tiny MLP, 9 epochs of batches of 8 (tests)")
+    parser.add_argument("--autotune", action="store_true",
+                        help="tf.data's autotuning on in the ranks' datasets (TensorFlow's default; off by default here)")
     # a rank's options
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)

@@ -417,6 +417,20 @@ def test_elastic_summary_takes_medians_and_judges_the_goals_by_how_much():
     assert "| hitopk | relaunch | - | 100.0 / 90.0 / - |" in elastic.table(elastic.summarize(runs, 0.9))
 
 
+def test_elastic_ranks_run_with_tf_datas_autotuning_only_when_asked(tmp_path):
+    """The ranks' pipelines have autotuning off (TensorFlow's autotuning thread can hold a
+    rank that deletes an iterator for up to 60 s): --autotune reaches every worker."""
+    import argparse
+
+    from benchmarks import elastic
+
+    args = argparse.Namespace(epochs=3, batch=8, seed=1, mlp_scale=0.5, commit_every=5, smoke=False, autotune=False)
+    assert "--autotune" not in elastic._worker_command(args, "hitopk", "elastic", tmp_path)
+    args.autotune = True
+    for resume in (False, True):
+        assert "--autotune" in elastic._worker_command(args, "hitopk", "fixed", tmp_path, resume=resume)
+
+
 def test_elastic_reset_cost_is_the_gap_at_a_size_change_less_an_epoch_of_the_new_size():
     from benchmarks import elastic
 
