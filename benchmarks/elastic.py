@@ -5,8 +5,8 @@ its share of this machine's cores, so that a node that leaves takes its compute 
 The task is convergence.py's communication-bound MLP on the digits (momentum SGD at
 0.025 x ranks, batch --batch per rank, an epoch one pass over the training set whatever the
 number of ranks), trained for --epochs epochs as a user's Keras script would (tf.data's
-autotuning off in its pipeline unless --autotune: docs/elastic.md#tfdatas-autotuning). Cases, for each
-of hvdx's `--methods` (HiTopK, 2DTAR = "hierarchical"):
+autotuning off in its pipeline unless --autotune: docs/elastic.md#tfdatas-autotuning).
+Cases, for each of hvdx's `--methods` (HiTopK, 2DTAR = "hierarchical"):
 
 - `uninterrupted`: the elastic script under `horovodrun --min-np 2 --max-np 4
   --host-discovery-script` (hvdx.runner.cluster.run_elastic_job); no node changes;
@@ -397,7 +397,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--keep-logs", action="store_true", help="keep the jobs' logs (and py-spy dumps of hung jobs)")
     parser.add_argument("--smoke", action="store_true", help="a tiny MLP, 9 epochs of batches of 8 (tests)")
     parser.add_argument("--autotune", action="store_true",
-                        help="tf.data's autotuning on in the ranks' datasets (TensorFlow's default; off by default here)")
+                        help="tf.data's autotuning on in the ranks' datasets (TensorFlow's default; off here)")
     # a rank's options
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
