@@ -184,6 +184,33 @@ def test_a_failing_rank_stops_the_job_and_everything_is_removed(leaves_nothing_b
     assert time.monotonic() - start < 60  # the sleeping ranks were killed, not waited for
 
 
+def test_a_horovodrun_job_needs_nodes_of_the_cluster():
+    with pytest.raises(cluster.ClusterError, match="nodes among 0..1"):
+        cluster.run_horovodrun_job(cluster.Cluster(2), 2, ["true"], nodes=[2])
+    with pytest.raises(cluster.ClusterError, match="ranks_per_node >= 1"):
+        cluster.run_horovodrun_job(cluster.Cluster(2), 0, ["true"])
+
+
+@needs_namespaces
+@pytest.mark.multirank
+def test_a_horovodrun_job_relaunched_on_the_node_left_runs_there_only(leaves_nothing_behind, tmp_path):
+    """A fixed-size job as a user launches one (horovodrun -np 2 -H node1:2, its ssh the UTS
+    agent): both ranks on node1, in its network namespace, a world of 2."""
+    import io
+
+    script = ("import os, socket, subprocess; address = subprocess.run(['ip', '-o', '-4', 'addr', 'show', 'eth0'], "
+              "capture_output=True, text=True).stdout.split()[3]; print('rank', os.environ['HOROVOD_RANK'], 'of', "
+              "os.environ['HOROVOD_SIZE'], 'on', socket.gethostname(), address, flush=True)")
+    out = io.StringIO()
+    with cluster.Cluster(2) as c:
+        code = cluster.run_horovodrun_job(c, 2, [sys.executable, "-c", script], nodes=[1], timeout=120, out=out,
+                                          env=harness.test_env(str(tmp_path)))
+    output = out.getvalue()
+    assert code == 0, output[-3000:]
+    lines = sorted(line.split("<stdout>:", 1)[1] for line in output.splitlines() if "<stdout>:rank" in line)
+    assert lines == ["rank 0 of 2 on node1 10.77.0.2/24", "rank 1 of 2 on node1 10.77.0.2/24"], output[-3000:]
+
+
 @needs_namespaces
 def test_a_job_past_its_timeout_is_killed(leaves_nothing_behind):
     proc = launcher("--nodes", "2", "--ranks-per-node", "1", "--timeout", "2", "--", "sleep", "120")

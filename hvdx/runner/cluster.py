@@ -29,7 +29,9 @@ created is removed, also on error, SIGTERM and Ctrl-C.
 `run_elastic_job` runs an elastic job instead (`--elastic`): horovodrun itself, in the switch
 namespace, with a host-discovery script that names nodes (`node0:2`), and as its ssh an agent
 that starts a node's workers in that node's namespace (uts_agent.sh); `Cluster.kill_node`
-preempts a node (SIGKILLs everything in it).
+preempts a node (SIGKILLs everything in it). `run_horovodrun_job` runs a fixed-size job under
+horovodrun the same way (a user's launch, with horovodrun's start-up: a relaunch measured as a
+user pays it).
 """
 from __future__ import annotations
 
@@ -58,7 +60,8 @@ from .netns import (ClusterError, add_bridge, add_namespace, add_port, cleanup_s
                     in_namespace, kill_all, write_hosts)
 from .shaping import LinkSpec, netem_available, shape  # noqa: E402
 
-__all__ = ["Cluster", "ClusterError", "LinkSpec", "rank_environments", "run_elastic_job", "run_job", "run_mpi_job"]
+__all__ = ["Cluster", "ClusterError", "LinkSpec", "rank_environments", "run_elastic_job", "run_horovodrun_job",
+           "run_job", "run_mpi_job"]
 
 DESCRIPTION = __doc__.split("\n\n")[0]
 
@@ -299,21 +302,56 @@ def run_elastic_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str
     Raises:
         ClusterError: ranks_per_node < 1, an empty command or min_np outside 1..max_np.
     """
-    import tempfile
-
-    from .launch import HOROVODRUN, run
-    from .mpi import AGENT
-
     total = cluster.nodes * ranks_per_node
     max_np = max_np or total
     if ranks_per_node < 1 or not command or not 1 <= min_np <= max_np:
         raise ClusterError(f"need ranks_per_node >= 1, a command and 1 <= min_np <= max_np, got {ranks_per_node}, "
                            f"{list(command)}, min_np={min_np}, max_np={max_np}")
-    with tempfile.TemporaryDirectory(prefix="hvdx-elastic-") as folder:
+    return _horovodrun(cluster, ranks_per_node, ["-np", str(np or total), "--min-np", str(min_np), "--max-np",
+                                                 str(max_np), "--host-discovery-script", discovery_script,
+                                                 *horovodrun_args], command, timeout, env, out)
+
+
+def run_horovodrun_job(cluster: Cluster, ranks_per_node: int, command: Sequence[str], *,
+                       nodes: Optional[Sequence[int]] = None, timeout: Optional[float] = None,
+                       env: Optional[Dict[str, str]] = None, out: Optional[IO[str]] = sys.stdout) -> int:
+    """Runs `command` as a fixed-size Horovod job on `cluster` (or on `nodes`: a job
+    relaunched on the nodes a preemption left) under horovodrun, as a user launches one:
+
+        horovodrun --gloo -np N -H node0:R,node1:R --network-interface eth0 COMMAND...
+
+    run_job starts the same ranks without horovodrun (hvdx's launcher: no Gloo build check,
+    no ssh), about 2.5 s sooner on this machine; this is the launch a user's job pays. As in
+    run_elastic_job, horovodrun runs in the switch namespace and starts each node's ranks
+    over uts_agent.sh as its "ssh".
+
+    Returns:
+        horovodrun's exit status, 124 when `timeout` seconds pass first.
+
+    Raises:
+        ClusterError: ranks_per_node < 1, an empty command, or a node index outside the cluster.
+    """
+    nodes = list(range(cluster.nodes)) if nodes is None else list(nodes)
+    if ranks_per_node < 1 or not command or not nodes or not all(0 <= i < cluster.nodes for i in nodes):
+        raise ClusterError(f"need ranks_per_node >= 1, a command and nodes among 0..{cluster.nodes - 1}, got "
+                           f"{ranks_per_node}, {list(command)}, nodes={nodes}")
+    hosts = ",".join(f"{cluster.node_hostname(i)}:{ranks_per_node}" for i in nodes)
+    return _horovodrun(cluster, ranks_per_node, ["-np", str(len(nodes) * ranks_per_node), "-H", hosts], command,
+                       timeout, env, out)
+
+
+def _horovodrun(cluster: Cluster, ranks_per_node: int, options: Sequence[str], command: Sequence[str],
+                timeout: Optional[float], env: Optional[Dict[str, str]], out: Optional[IO[str]]) -> int:
+    """`horovodrun --gloo OPTIONS --network-interface eth0 COMMAND` in the switch namespace,
+    uts_agent.sh as its ssh; its exit status (124 past `timeout`)."""
+    import tempfile
+
+    from .launch import HOROVODRUN, run
+    from .mpi import AGENT
+
+    with tempfile.TemporaryDirectory(prefix="hvdx-horovodrun-") as folder:
         os.symlink(AGENT, os.path.join(folder, "ssh"))  # horovodrun's `ssh HOST COMMAND`
-        horovodrun = [str(HOROVODRUN), "--gloo", "-np", str(np or total), "--min-np", str(min_np),
-                      "--max-np", str(max_np), "--host-discovery-script", discovery_script,
-                      "--network-interface", NODE_IFACE, *horovodrun_args, *command]
+        horovodrun = [str(HOROVODRUN), "--gloo", *options, "--network-interface", NODE_IFACE, *command]
         job = run(["ip", "netns", "exec", cluster.switch, *horovodrun], timeout=timeout,
                   env={**os.environ, **(env or {}), **_agent_env(cluster, ranks_per_node),
                        "PATH": folder + os.pathsep + os.environ.get("PATH", "")})

@@ -16,7 +16,9 @@
 #
 # Named `ssh` on PATH it is also horovodrun's ssh for an elastic job on the emulated cluster
 # (hvdx.runner.cluster.run_elastic_job): horovodrun starts a remote host's workers with
-# `ssh -o ... HOST 'cd DIR ; ENV... COMMAND'`.
+# `ssh -o ... HOST 'cd DIR ; ENV... COMMAND'`, and of a fixed-size horovodrun job on it
+# (hvdx.runner.cluster.run_horovodrun_job), which first checks each host with
+# `ssh -o ... HOST -o ConnectTimeout=N true`.
 while [ $# -gt 0 ]; do
     case "$1" in
         -p|-i|-l|-o|-F) shift 2 ;;   # ssh options that take a value
@@ -30,6 +32,13 @@ if [ $# -lt 2 ]; then
 fi
 host="$1"
 shift
+while [ $# -gt 1 ]; do   # ssh options may follow the host too (horovodrun's `ssh ... HOST -o ConnectTimeout=N true`)
+    case "$1" in
+        -p|-i|-l|-o|-F) shift 2 ;;
+        -*) shift ;;
+        *) break ;;
+    esac
+done
 pin=""
 for pair in ${HVDX_CPU_MAP:-}; do
     if [ "${pair%%:*}" = "$host" ]; then
