@@ -321,7 +321,7 @@ def run_horovodrun_job(cluster: Cluster, ranks_per_node: int, command: Sequence[
         horovodrun --gloo -np N -H node0:R,node1:R --network-interface eth0 COMMAND...
 
     run_job starts the same ranks without horovodrun (hvdx's launcher: no Gloo build check,
-    no ssh), about 2.5 s sooner on this machine; this is the launch a user's job pays. As in
+    no ssh, so it starts sooner); this is the launch a user's job pays. As in
     run_elastic_job, horovodrun runs in the switch namespace and starts each node's ranks
     over uts_agent.sh as its "ssh".
 

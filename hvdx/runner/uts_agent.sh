@@ -19,26 +19,22 @@
 # `ssh -o ... HOST 'cd DIR ; ENV... COMMAND'`, and of a fixed-size horovodrun job on it
 # (hvdx.runner.cluster.run_horovodrun_job), which first checks each host with
 # `ssh -o ... HOST -o ConnectTimeout=N true`.
-while [ $# -gt 0 ]; do
+# The host is the first word that is not an ssh option; options may follow it too (horovodrun's
+# `ssh ... HOST -o ConnectTimeout=N true`), skipped while more than the command remains.
+host=""
+while [ $# -gt 0 ] && { [ -z "$host" ] || [ $# -gt 1 ]; }; do
     case "$1" in
         -p|-i|-l|-o|-F) shift 2 ;;   # ssh options that take a value
         -*) shift ;;                 # other ssh flags (-x, -q, -T, ...)
-        *) break ;;
+        *) [ -n "$host" ] && break
+           host="$1"
+           shift ;;
     esac
 done
-if [ $# -lt 2 ]; then
+if [ -z "$host" ] || [ $# -lt 1 ]; then
     echo "uts_agent.sh: usage: uts_agent.sh HOST COMMAND..." >&2
     exit 2
 fi
-host="$1"
-shift
-while [ $# -gt 1 ]; do   # ssh options may follow the host too (horovodrun's `ssh ... HOST -o ConnectTimeout=N true`)
-    case "$1" in
-        -p|-i|-l|-o|-F) shift 2 ;;
-        -*) shift ;;
-        *) break ;;
-    esac
-done
 pin=""
 for pair in ${HVDX_CPU_MAP:-}; do
     if [ "${pair%%:*}" = "$host" ]; then
