@@ -1,16 +1,16 @@
-"""DataCache's tf.data pipeline (shi2021 sec. 4.1): a scan over batch numbers calling Python
-(a `Reader`) on an epoch's first batch and, in epochs not yet all in memory, on every
-batch; then per-sample augmentation over each batch.
+"""DataCache's tf.data pipeline (shi2021 sec. 4.1): one element per epoch, a Python call
+(a `Reader`) that plans it, then the epoch's batches; then per-sample augmentation over
+each batch.
 
-With a slab the call plans (and in epoch 1 fills) and returns slots and the slab's arrays,
-zero-copy views of the node's mapping, from which `tf.gather` copies out the batch in a
-parallel map: from epoch 2 on no Python code touches pixels. Once an epoch is all in the
-slab the call returns the whole epoch's ids and slots, carried in the scan's state, and
-the other batches are slices of them chosen by a `tf.cond` without Python (32,000 samples,
-batches of 64: epochs about 25% shorter than with a call per batch; the cond's
-instantiation per iterator costs about 15 ms more, so an epoch of 2,000 samples is about
-10% longer). Without a slab the call copies every batch out of the store's values.
-docs/datacache.md, "The read path".
+With a slab an epoch all in the slab (epoch 2 on) is planned whole: the call returns the
+epoch's slots and ids as a [batches, batch_size] array (and the partial last batch) and the
+slab's arrays, zero-copy views of the node's mapping; the batches are its rows
+(`from_tensor_slices`) and `tf.gather` copies the pixels out in a parallel map: no Python
+per batch, no Python code touching pixels. An epoch not all in the slab (epoch 1, or one
+with leftovers to wait for) calls Python on every batch, which fills the slab first.
+Without a slab the call per batch copies the batch out of the store's values. The functions
+use few (op, dtype) kinds: a new process' first iterator looks each up (oneDNN's graph
+rewrite, once per thread). docs/datacache.md, "The read path".
 """
 from __future__ import annotations
 
@@ -75,99 +75,126 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
     plans: Dict[int, Tuple[EpochPlan, np.ndarray]] = {}  # by epoch: the plan, the batches' slots
     finishing: set = set()  # epochs whose last batch is being read: their leftovers follow it
 
-    def batch_of(state: np.ndarray, step: np.ndarray) -> Tuple[int, np.ndarray, bool, np.ndarray]:
-        """(epoch, the batch's samples, whether the epoch is all in the slab, their slots).
-        The first batch of an epoch takes the next epoch number and plans it."""
+    def check_split() -> None:
         if reader.split is not split:
             raise ValueError("this DataCache dataset was made before an elastic reset split the data again for the "
                              "new ranks: make the dataset again after the reset (inside the function "
                              "hvd.elastic.run wraps)")
-        k = int(step) % steps
-        if k == 0:
-            with counter_lock:
-                epoch = next(counter)
-            plan = reader.start_epoch(epoch, resolution)
-            plan = plan._replace(samples=plan.samples[:usable])
-            slots = slab.slots(plan.samples) if plan.in_slab else plan.samples
-            with counter_lock:
-                plans[epoch] = (plan, slots)
-                for old in [e for e in plans if e < epoch - 64]:  # iterations abandoned mid-epoch
-                    del plans[old]
-            if plan.in_slab:
-                reader.store.count_hits(len(plan.samples))
-        else:
-            epoch = int(state)
+
+    def begin_epoch() -> Tuple[int, EpochPlan, np.ndarray]:
+        """Takes the next epoch number and plans it: (epoch, plan, the samples' slots)."""
+        check_split()
+        with counter_lock:
+            epoch = next(counter)
+        plan = reader.start_epoch(epoch, resolution)
+        plan = plan._replace(samples=plan.samples[:usable])
+        slots = slab.slots(plan.samples) if plan.in_slab else plan.samples
+        with counter_lock:
+            plans[epoch] = (plan, slots)
+            for old in [e for e in plans if e < epoch - 64]:  # iterations abandoned mid-epoch
+                del plans[old]
+        if plan.in_slab:
+            reader.store.count_hits(len(plan.samples))
+        return epoch, plan, slots
+
+    def batch_of(epoch: np.ndarray, step: np.ndarray) -> Tuple[int, np.ndarray, EpochPlan, np.ndarray]:
+        """(epoch, the samples of its batch `step`, its plan, their slots)."""
+        check_split()
+        epoch, k = int(epoch), int(step)
         plan, slots = plans[epoch]
         if k == steps - 1 and plan.leftovers:  # after this batch: their decode errors belong to this epoch
             finishing.add(epoch)
         part = slice(k * batch_size, (k + 1) * batch_size)
-        return epoch, plan.samples[part], plan.in_slab, slots[part]
+        return epoch, plan.samples[part], plan, slots[part]
 
     def finish(epoch: int) -> None:
         if epoch in finishing:
             finishing.discard(epoch)
             reader.finish_epoch(plans[epoch][0], resolution)
 
-    def slab_step(state: np.ndarray, step: np.ndarray):
-        """(epoch, base, warm, ids, slots, pixels, labels): with `warm` (the epoch is all in
-        the slab and has no leftovers to wait for: called on its first batch only) the
-        whole epoch's ids and slots, the batches being their slices from `base` = 0;
-        otherwise this batch's (filled first), at `base` = its offset in the epoch."""
-        epoch, samples, in_slab, slots = batch_of(state, step)
-        plan, epoch_slots = plans[epoch]
-        warm = in_slab and not plan.leftovers
-        if warm:
-            base, samples, slots = 0, plan.samples, epoch_slots
+    empty = np.zeros([0, batch_size], np.int64)
+    full = usable // batch_size  # whole batches; a partial one follows when usable is not a multiple
+
+    def slab_epoch(_: np.ndarray):
+        """(epoch, planned slots [W, B] and ids [W, B], the partial last batch's [t, r] (t: 0
+        or 1), batches read by a call each, pixels, labels). An epoch all in the slab and
+        without leftovers to wait for (`warm`) is planned whole: W = its whole batches, no
+        call per batch; any other epoch is read by a call per batch (W = 0)."""
+        epoch, plan, slots = begin_epoch()
+        if plan.in_slab and not plan.leftovers:
+            cut = full * batch_size
+            rest = usable - cut
+            tail = (1, rest) if rest else (0, 0)
+            batches = (slots[:cut].reshape(full, batch_size), plan.samples[:cut].reshape(full, batch_size),
+                       slots[cut:].reshape(tail), plan.samples[cut:].reshape(tail), 0)
         else:
-            base = int(step) % steps * batch_size
-            if not in_slab:
-                with timeline.python_span("datacache", "slab", "fill a batch (decode or copy in)"):
-                    samples = reader.fill_slab(samples, resolution, slab)
-                slots = slab.slots(samples)
-            finish(epoch)
+            batches = (empty, empty, empty[:, :0], empty[:, :0], steps)
         # the slab's arrays are zero-copy views of the node's mapping: TensorFlow takes them
         # over without copying, and tf.gather copies out only the batch
-        return np.int64(epoch), np.int64(base), np.bool_(warm), samples, slots, slab.pixels, slab.labels
+        return (np.int64(epoch), *batches[:4], np.int64(batches[4]), slab.pixels, slab.labels)
 
-    def read_step(state: np.ndarray, step: np.ndarray):
-        epoch, samples, _, _ = batch_of(state, step)
+    def slab_batch(epoch: np.ndarray, step: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """(slots, ids) of one batch of an epoch not read whole: its samples are put into the
+        slab first (decoded or copied in) unless the plan found them there."""
+        epoch, samples, plan, slots = batch_of(epoch, step)
+        if not plan.in_slab:
+            with timeline.python_span("datacache", "slab", "fill a batch (decode or copy in)"):
+                samples = reader.fill_slab(samples, resolution, slab)
+            slots = slab.slots(samples)
+        finish(epoch)
+        return slots, samples
+
+    def values_epoch(_: np.ndarray) -> np.ndarray:
+        return np.int64(begin_epoch()[0])
+
+    def values_batch(epoch: np.ndarray, step: np.ndarray) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        epoch, samples, _, _ = batch_of(epoch, step)
         images, labels, ids = reader.read_values(samples, resolution)
         finish(epoch)
-        return np.int64(epoch), ids, images, labels
+        return images, labels, ids
 
-    # The scan's state: (epoch, base, warm, ids, slots, pixels, labels), see slab_step. The
-    # pixels are gathered by TF in a parallel map after the scan: a batch's copy overlaps the
-    # scan's next step.
-    @tf.autograph.experimental.do_not_convert
-    def from_slab(state: Tuple[tf.Tensor, ...], step: tf.Tensor):
-        epoch, base, warm = state[:3]
-        k = step % steps
-
-        def plan_or_fill():
-            out = tf.numpy_function(slab_step, [epoch, step],
-                                    [tf.int64, tf.int64, tf.bool, tf.int64, tf.int64, tf.uint8, tf.int64],
-                                    stateful=True)
-            for t, shape in zip(out, ([], [], [], [None], [None], [None, h, w, c], [None])):
+    # One element per epoch (the Python call that plans it), then its batches: from_tensor_slices
+    # of the planned ones, a call per batch for the others. Few (op, dtype) kinds in the
+    # functions: a new process' first iterator looks each one up (oneDNN's graph rewrite).
+    def read_by_call(epoch: tf.Tensor, count: tf.Tensor, fn: Callable, dtypes, shapes) -> tf.data.Dataset:
+        @tf.autograph.experimental.do_not_convert
+        def call(step: tf.Tensor):
+            out = tf.numpy_function(fn, [epoch, step], dtypes, stateful=True)
+            for t, shape in zip(out, shapes):
                 t.set_shape(shape)
             return tuple(out)
-
-        # Python on an epoch's first batch, and on every batch of an epoch not all in the slab
-        state = tf.cond(tf.logical_or(tf.equal(k, 0), tf.logical_not(warm)), plan_or_fill, lambda: tuple(state))
-        epoch, base, warm, ids, slots, pixels, labels = state
-        part = slice(k * batch_size - base, (k + 1) * batch_size - base)
-        return state, (slots[part], pixels, labels, ids[part])
+        return tf.data.Dataset.range(count).map(call)
 
     @tf.autograph.experimental.do_not_convert
-    def gather(slots: tf.Tensor, pixels: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
-        pixels.set_shape([None, h, w, c])
+    def slab_plan(epoch: tf.Tensor):
+        out = tf.numpy_function(slab_epoch, [epoch], [tf.int64] * 6 + [tf.uint8, tf.int64], stateful=True)
+        for t, shape in zip(out, ([], [None, batch_size], [None, batch_size], [None, None], [None, None], [],
+                                  [None, h, w, c], [None])):
+            t.set_shape(shape)
+        return tuple(out)
+
+    @tf.autograph.experimental.do_not_convert
+    def slab_batches(epoch, slots, ids, tail_slots, tail_ids, count, pixels, labels) -> tf.data.Dataset:
+        planned = tf.data.Dataset.from_tensor_slices((slots, ids)).concatenate(
+            tf.data.Dataset.from_tensor_slices((tail_slots, tail_ids)))
+        called = read_by_call(epoch, count, slab_batch, [tf.int64, tf.int64], ([None], [None]))
+        return tf.data.Dataset.zip((planned.concatenate(called), tf.data.Dataset.from_tensors((pixels, labels)).repeat()))
+
+    @tf.autograph.experimental.do_not_convert
+    def gather(batch: Tuple[tf.Tensor, tf.Tensor], arrays: Tuple[tf.Tensor, tf.Tensor]):
+        (slots, ids), (pixels, labels) = batch, arrays
         return _batch(tf.gather(pixels, slots), tf.gather(labels, slots), ids)
 
     @tf.autograph.experimental.do_not_convert
-    def from_values(state: tf.Tensor, step: tf.Tensor):
-        epoch, ids, images, labels = tf.numpy_function(
-            read_step, [state, step], [tf.int64, tf.int64, tf.uint8, tf.int64], stateful=True)
-        epoch.set_shape([])
-        return epoch, _batch(images, labels, ids)
+    def values_plan(epoch: tf.Tensor):
+        out = tf.numpy_function(values_epoch, [epoch], tf.int64, stateful=True)
+        out.set_shape([])
+        return out
+
+    @tf.autograph.experimental.do_not_convert
+    def values_batches(epoch: tf.Tensor) -> tf.data.Dataset:
+        return read_by_call(epoch, tf.constant(steps, tf.int64), values_batch, [tf.uint8, tf.int64, tf.int64],
+                            ([None, h, w, c], [None], [None]))
 
     def _batch(images: tf.Tensor, labels: tf.Tensor, ids: tf.Tensor):
         images.set_shape([None, h, w, c])  # (a gather by slots of unknown shape has none)
@@ -175,14 +202,13 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
         ids.set_shape([None])
         return (images, labels, ids) if with_index or augment is not None else (images, labels)
 
-    total = steps * epochs if epochs is not None else 2**62
+    count = (epochs if epochs is not None else 2**62) if steps else 0
+    epochs_ds = tf.data.Dataset.range(count)
     if slab is not None:
-        ds = tf.data.Dataset.range(total).scan(
-            (tf.constant(-1, tf.int64), tf.constant(0, tf.int64), tf.constant(False), tf.zeros([0], tf.int64),
-             tf.zeros([0], tf.int64), tf.zeros([0, h, w, c], tf.uint8), tf.zeros([0], tf.int64)), from_slab)
+        ds = epochs_ds.map(slab_plan).flat_map(slab_batches)
         ds = ds.map(gather, num_parallel_calls=PARALLEL, deterministic=True)
     else:
-        ds = tf.data.Dataset.range(total).scan(tf.constant(-1, tf.int64), from_values)
+        ds = epochs_ds.map(values_plan).flat_map(values_batches).map(_batch)
     if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
         per_batch = batch_augment(augment, (batch_size, h, w, c), compile_augment)
 
