@@ -125,13 +125,14 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
             cut = full * batch_size
             rest = usable - cut
             tail = (1, rest) if rest else (0, 0)
-            batches = (slots[:cut].reshape(full, batch_size), plan.samples[:cut].reshape(full, batch_size),
-                       slots[cut:].reshape(tail), plan.samples[cut:].reshape(tail), 0)
+            planned = (slots[:cut].reshape(full, batch_size), plan.samples[:cut].reshape(full, batch_size),
+                       slots[cut:].reshape(tail), plan.samples[cut:].reshape(tail))
+            called = 0
         else:
-            batches = (empty, empty, empty[:, :0], empty[:, :0], steps)
+            planned, called = (empty, empty, empty[:, :0], empty[:, :0]), steps
         # the slab's arrays are zero-copy views of the node's mapping: TensorFlow takes them
         # over without copying, and tf.gather copies out only the batch
-        return (np.int64(epoch), *batches[:4], np.int64(batches[4]), slab.pixels, slab.labels)
+        return (np.int64(epoch), *planned, np.int64(called), slab.pixels, slab.labels)
 
     def slab_batch(epoch: np.ndarray, step: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
         """(slots, ids) of one batch of an epoch not read whole: its samples are put into the
@@ -156,22 +157,22 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
     # One element per epoch (the Python call that plans it), then its batches: from_tensor_slices
     # of the planned ones, a call per batch for the others. Few (op, dtype) kinds in the
     # functions: a new process' first iterator looks each one up (oneDNN's graph rewrite).
+    def python(fn: Callable, inputs, dtypes, shapes) -> Tuple[tf.Tensor, ...]:
+        """`fn` called on `inputs` by tf.numpy_function, its outputs given `shapes`."""
+        out = tf.numpy_function(fn, inputs, dtypes, stateful=True)
+        for t, shape in zip(out, shapes):
+            t.set_shape(shape)
+        return tuple(out)
+
     def read_by_call(epoch: tf.Tensor, count: tf.Tensor, fn: Callable, dtypes, shapes) -> tf.data.Dataset:
-        @tf.autograph.experimental.do_not_convert
-        def call(step: tf.Tensor):
-            out = tf.numpy_function(fn, [epoch, step], dtypes, stateful=True)
-            for t, shape in zip(out, shapes):
-                t.set_shape(shape)
-            return tuple(out)
-        return tf.data.Dataset.range(count).map(call)
+        return tf.data.Dataset.range(count).map(
+            tf.autograph.experimental.do_not_convert(lambda step: python(fn, [epoch, step], dtypes, shapes)))
 
     @tf.autograph.experimental.do_not_convert
     def slab_plan(epoch: tf.Tensor):
-        out = tf.numpy_function(slab_epoch, [epoch], [tf.int64] * 6 + [tf.uint8, tf.int64], stateful=True)
-        for t, shape in zip(out, ([], [None, batch_size], [None, batch_size], [None, None], [None, None], [],
-                                  [None, h, w, c], [None])):
-            t.set_shape(shape)
-        return tuple(out)
+        return python(slab_epoch, [epoch], [tf.int64] * 6 + [tf.uint8, tf.int64],
+                      ([], [None, batch_size], [None, batch_size], [None, None], [None, None], [], [None, h, w, c],
+                       [None]))
 
     @tf.autograph.experimental.do_not_convert
     def slab_batches(epoch, slots, ids, tail_slots, tail_ids, count, pixels, labels) -> tf.data.Dataset:
@@ -187,9 +188,7 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
 
     @tf.autograph.experimental.do_not_convert
     def values_plan(epoch: tf.Tensor):
-        out = tf.numpy_function(values_epoch, [epoch], tf.int64, stateful=True)
-        out.set_shape([])
-        return out
+        return python(values_epoch, [epoch], [tf.int64], ([],))[0]
 
     @tf.autograph.experimental.do_not_convert
     def values_batches(epoch: tf.Tensor) -> tf.data.Dataset:
