@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from hvdx import timeline
 from hvdx.arguments import integer
+from hvdx.data import single_device
 from hvdx.data.decode import Resolution
 from hvdx.data.reader import EpochPlan, Reader
 
@@ -165,8 +166,8 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
         return tuple(out)
 
     def read_by_call(epoch: tf.Tensor, count: tf.Tensor, fn: Callable, dtypes, shapes) -> tf.data.Dataset:
-        return tf.data.Dataset.range(count).map(
-            tf.autograph.experimental.do_not_convert(lambda step: python(fn, [epoch, step], dtypes, shapes)))
+        return single_device.map(tf.data.Dataset.range(count), tf.autograph.experimental.do_not_convert(
+            lambda step: python(fn, [epoch, step], dtypes, shapes)))
 
     @tf.autograph.experimental.do_not_convert
     def slab_plan(epoch: tf.Tensor):
@@ -204,10 +205,11 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
     count = (epochs if epochs is not None else 2**62) if steps else 0
     epochs_ds = tf.data.Dataset.range(count)
     if slab is not None:
-        ds = epochs_ds.map(slab_plan).flat_map(slab_batches)
-        ds = ds.map(gather, num_parallel_calls=PARALLEL, deterministic=True)
+        ds = single_device.flat_map(single_device.map(epochs_ds, slab_plan), slab_batches)
+        ds = single_device.map(ds, gather, PARALLEL)
     else:
-        ds = epochs_ds.map(values_plan).flat_map(values_batches).map(_batch)
+        ds = single_device.map(single_device.flat_map(single_device.map(epochs_ds, values_plan), values_batches),
+                               _batch)
     if augment is not None:  # per sample, over the batch (no unbatching and batching again), in parallel
         per_batch = batch_augment(augment, (batch_size, h, w, c), compile_augment)
 
@@ -219,6 +221,10 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
         ds = ds.map(augmented, num_parallel_calls=PARALLEL, deterministic=True)
     options = tf.data.Options()
     options.autotune.enabled = False
+    # tf.data's default graph rewrites find nothing to fuse or parallelize here, and looking
+    # costs a new process' first iterator a rewrite of the whole pipeline (a user's options
+    # may turn them on again for what they add after it)
+    options.experimental_optimization.apply_default_optimizations = False
     return ds.prefetch(prefetch).with_options(options)
 
 
