@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -105,12 +105,15 @@ def tf_datasets(method: str, root: Path, args: argparse.Namespace, rank: int, si
             .batch(args.batch).prefetch(tf.data.AUTOTUNE)}
 
 
-def datacache_datasets(root: Path, store_dir: Path, args: argparse.Namespace) -> Tuple[Dict[str, tf.data.Dataset],
-                                                                                      DataCache]:
-    """DataCache over the rank's share, by augmentation (the node's store under store_dir)."""
+def datacache_datasets(root: Path, store_dir: Path, args: argparse.Namespace,
+                       then: Optional[Callable[[], object]] = None) -> Tuple[Dict[str, tf.data.Dataset], DataCache]:
+    """DataCache over the rank's share, by augmentation (the node's store under store_dir);
+    `then` is called between making the DataCache and its datasets."""
     cache = DataCache(str(root), resolution=args.resolution, source=source_of(args),
                       cache_dir=str(store_dir / "disk"), store_dir=str(store_dir), seed=args.seed,
                       memory_bytes=2**34, io_threads=PARALLEL_READS)
+    if then is not None:
+        then()
     none = cache.dataset(args.batch)
     return {"none": none, "keras": keras_augmented(none),
             "crop": cache.dataset(args.batch, augment=augment(args.resolution))}, cache
@@ -190,7 +193,9 @@ def relaunched(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
     size = 1
     if under_launcher():
         size = hvdx.init().size
-    datasets, cache = datacache_datasets(root, store_dir, args)
+    model = []
+    build = (lambda: model.append(user_model(args))) if args.relaunch_variant == "model" else None
+    datasets, cache = datacache_datasets(root, store_dir, args, then=build)
     try:
         first = epoch(datasets["none"], "relaunch.1", size)
         read = cache.stats["store"]["misses"] + cache.stats["disk"]["misses"]  # decoded or read again
@@ -202,8 +207,19 @@ def relaunched(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
 
 #: The restarted job's variants (--restart-variants), in the environment of its processes:
 #: as a user runs it; with TensorFlow's oneDNN graph rewrites off (TF_ENABLE_ONEDNN_OPTS=0:
-#: what a new process' first iterator pays beyond a later one's, see benchmarks/README.md).
-RESTART_VARIANTS = {"default": {}, "onednn-off": {"TF_ENABLE_ONEDNN_OPTS": "0"}}
+#: what a new process' first iterator pays beyond a later one's, see benchmarks/README.md);
+#: `model`: a job that builds and compiles its model (`user_model`) after making the
+#: DataCache and before its datasets, as a training script does (the epochs time the data).
+RESTART_VARIANTS = {"default": {}, "onednn-off": {"TF_ENABLE_ONEDNN_OPTS": "0"}, "model": {}}
+
+
+def user_model(args: argparse.Namespace) -> tf.keras.Model:
+    """The model a restarted training job builds before its first epoch: ResNet-50 (Keras'
+    application, no weights) for --resolution px and the digits' 10 classes, compiled."""
+    model = tf.keras.applications.ResNet50(weights=None, input_shape=(args.resolution, args.resolution, 3),
+                                           classes=10)
+    model.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="sparse_categorical_crossentropy")
+    return model
 
 
 def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path,
@@ -385,7 +401,9 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
         if restarts:
             body += ("\n\n**The restarted job by variant** (relaunches taking turns, medians of "
                      f"{c['relaunches']} each): `default` as a user runs it; `onednn-off` with TensorFlow's oneDNN "
-                     "graph rewrites off in its processes (`TF_ENABLE_ONEDNN_OPTS=0`).\n\n" + restarts)
+                     "graph rewrites off in its processes (`TF_ENABLE_ONEDNN_OPTS=0`); `model` builds and "
+                     "compiles a ResNet-50 between making the DataCache and its datasets, as a training "
+                     "script does (the epochs time the data alone).\n\n" + restarts)
         update_readme("datacache-scale", body, readme)
 
 

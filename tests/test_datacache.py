@@ -128,7 +128,8 @@ def test_a_restarted_job_finds_its_full_slab_with_one_look_up_and_serves_the_sam
                                                                                           monkeypatch):
     """Issue 45: a relaunched job on the same node (same store) starts at epoch-2+ speed: the
     store remembers that its slab holds the node's whole part, so the new job's epoch 1 is
-    planned without one LMDB look-up per sample and reads nothing from the source."""
+    planned without one LMDB look-up per sample and reads nothing from the source. The new
+    DataCache opens the slab when it is made, so its pages map in while the job goes on."""
     first = make_cache(digits_root, tmp_path, seed=1)
     images, _, ids = epoch(first.dataset(16, with_index=True))
     epoch(first.dataset(16, with_index=True, first_epoch=1))  # the epoch that finds the slab full
@@ -137,6 +138,13 @@ def test_a_restarted_job_finds_its_full_slab_with_one_look_up_and_serves_the_sam
     assert all(len(k) == 20 for k in first.store.keys()) and len(first.store.keys()) == 48  # the marker is no sample
     first.close()
     source = CountingSource()
+    # a new process opens the slab (its pages mapping in) when it makes the DataCache, before any dataset
+    code = ("import pathlib, hvdx\nfrom tests.test_datacache import make_cache\n"
+            f"cache = make_cache({digits_root!r}, pathlib.Path({str(tmp_path)!r}), seed=1)\n"
+            f"print('mapped', {slab.path!r} in open('/proc/self/maps').read())\ncache.close()\n")
+    new = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert "mapped True" in new.stdout, new.stdout + new.stderr[-3000:]
     again = make_cache(digits_root, tmp_path, seed=1, source=source)  # the same store: a restart
     looked_up = []
     real_locate = again.store.locate

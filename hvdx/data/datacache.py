@@ -169,6 +169,9 @@ class DataCache:
         self.loader = Loader(self.catalog, self.disk, self.source, channels, on_error, io_threads)
         self.prefetcher = Prefetcher(self.store, self.loader, io_threads, lookahead)
         self.reader = Reader(self.store, self.split, self.loader, self.prefetcher)
+        # a restarted job: the node's slab is opened now, its pages mapping into this process
+        # in the background while the job builds its model (store.Slab)
+        self.reader.slab(self.resolution, create=False)
         _OPEN.add(self)
 
     def _split(self, placement: Placement) -> RankSplit:

@@ -8,9 +8,9 @@ slab's arrays, zero-copy views of the node's mapping; the batches are its rows
 (`from_tensor_slices`) and `tf.gather` copies the pixels out in a parallel map: no Python
 per batch, no Python code touching pixels. An epoch not all in the slab (epoch 1, or one
 with leftovers to wait for) calls Python on every batch, which fills the slab first.
-Without a slab the call per batch copies the batch out of the store's values. The functions
-use few (op, dtype) kinds: a new process' first iterator looks each up (oneDNN's graph
-rewrite, once per thread). docs/datacache.md, "The read path".
+Without a slab the call per batch copies the batch out of the store's values. Its functions
+are single-device functions (`single_device`): a new iterator instantiates them without
+graph optimization. docs/datacache.md, "The read path".
 """
 from __future__ import annotations
 
@@ -156,8 +156,7 @@ def dataset(reader: Reader, batch_size: int, resolution: Resolution, *,
         return images, labels, ids
 
     # One element per epoch (the Python call that plans it), then its batches: from_tensor_slices
-    # of the planned ones, a call per batch for the others. Few (op, dtype) kinds in the
-    # functions: a new process' first iterator looks each one up (oneDNN's graph rewrite).
+    # of the planned ones, a call per batch for the others.
     def python(fn: Callable, inputs, dtypes, shapes) -> Tuple[tf.Tensor, ...]:
         """`fn` called on `inputs` by tf.numpy_function, its outputs given `shapes`."""
         out = tf.numpy_function(fn, inputs, dtypes, stateful=True)

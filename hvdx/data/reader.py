@@ -46,15 +46,19 @@ class Reader:
         self._slabs: Dict[Tuple[int, int], Optional[Slab]] = {}
         self._full_slabs: set = set()  # resolutions whose slab holds the whole part
 
-    def slab(self, resolution: Resolution) -> Optional[Slab]:
+    def slab(self, resolution: Resolution, create: bool = True) -> Optional[Slab]:
         """The node's slab at `resolution` (None: no fixed resolution, no room for it, or a part
-        other than the one the store was opened for, after a re-split)."""
+        other than the one the store was opened for, after a re-split; or not made yet by
+        the node's ranks and not `create`)."""
         if resolution is None or not (self.split.part is self.home_part or
                                       np.array_equal(self.split.part, self.home_part)):
             return None
         with self._lock:
             if resolution not in self._slabs:
-                self._slabs[resolution] = self.store.slab(resolution, self.channels, self.split.part)
+                slab = self.store.slab(resolution, self.channels, self.split.part, create)
+                if slab is None and not create:
+                    return None  # asked again by the pipeline, which may make it
+                self._slabs[resolution] = slab
             return self._slabs[resolution]
 
     def key(self, sample: int, resolution: Resolution) -> bytes:

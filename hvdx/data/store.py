@@ -261,10 +261,12 @@ class NodeStore:
                     os.unlink(slab)  # a process still mapping it keeps its pages until it unmaps
             txn.put(_META_KEY, json.dumps(self.meta).encode())
 
-    def slab(self, resolution: Tuple[int, int], channels: int, part: np.ndarray) -> Optional[Slab]:
+    def slab(self, resolution: Tuple[int, int], channels: int, part: np.ndarray,
+             create: bool = True) -> Optional[Slab]:
         """The slab of `part` (the node's sorted sample indices) at `resolution`: opened if a
-        rank of the node made it, else made if the memory budget (less what the store holds)
-        fits it whole; None (samples then go into LMDB values) if it does not."""
+        rank of the node made it, else made if `create` and the memory budget (less what the
+        store holds) fits it whole; None (samples then go into LMDB values) if it does not,
+        or if it does not exist and not `create`."""
         h, w = resolution
         shape = (h, w, channels)
         found = self._slabs.get(shape)
@@ -275,6 +277,8 @@ class NodeStore:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if os.path.exists(path):
                 slab = Slab(path, part, shape)
+            elif not create:
+                return None
             else:
                 free = self.memory_bytes - self.memory_used()
                 size = Slab.file_size(len(part), shape)
