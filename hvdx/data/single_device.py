@@ -33,6 +33,7 @@ try:
 
     _UnaryDataset = dataset_ops.UnaryDataset
     _Wrapper = structured_function.StructuredFunctionWrapper
+    # the ops _Mapped makes: a TensorFlow without one of them takes the fallback
     _OPS = (gen_dataset_ops.map_dataset, gen_dataset_ops.parallel_map_dataset_v2, gen_dataset_ops.flat_map_dataset)
 except (ImportError, AttributeError):  # pragma: no cover - another TensorFlow's internals
     _UnaryDataset = None
