@@ -142,8 +142,7 @@ def test_a_restarted_job_finds_its_full_slab_with_one_look_up_and_serves_the_sam
     code = ("import pathlib, hvdx\nfrom tests.test_datacache import make_cache\n"
             f"cache = make_cache({digits_root!r}, pathlib.Path({str(tmp_path)!r}), seed=1)\n"
             f"print('mapped', {slab.path!r} in open('/proc/self/maps').read())\ncache.close()\n")
-    new = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    new = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=harness.ROOT)
     assert "mapped True" in new.stdout, new.stdout + new.stderr[-3000:]
     again = make_cache(digits_root, tmp_path, seed=1, source=source)  # the same store: a restart
     looked_up = []
