@@ -36,6 +36,7 @@ Writes <out>/datacache_scale.json and the table of benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -47,6 +48,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
+import numpy as np
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import hvdx  # noqa: E402  (first, before TensorFlow)
@@ -54,7 +57,7 @@ import tensorflow as tf  # noqa: E402
 
 from hvdx.data import DataCache, GFileSource, SlowSource  # noqa: E402
 from hvdx.data.catalog import ImageFolder  # noqa: E402
-from hvdx.data.store import remove_store  # noqa: E402
+from hvdx.data.store import Slab, remove_store  # noqa: E402
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
     from common import (ROOT, add_output_arguments, freeze_start_up, launch_ranks, load_during,  # noqa: E402
                         markdown_table, readme_path, slowest, under_launcher, update_readme)
@@ -248,6 +251,98 @@ def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path,
     return results
 
 
+#: A new process maps a file of the slab's size (`mapping`): madvise(MADV_POPULATE_READ), the
+#: page-table memory it built (VmPTE) and the part mapped by huge pages (ShmemPmdMapped).
+_MAP_CHILD = """
+import ctypes, json, mmap, os, sys, time
+import numpy as np
+def kib(path, field):
+    return sum(int(l.split()[1]) for l in open(path) if l.startswith(field + ":"))
+fd = os.open(sys.argv[1], os.O_RDONLY)
+size = os.fstat(fd).st_size
+view = np.frombuffer(mmap.mmap(fd, size, prot=mmap.PROT_READ), np.uint8)
+libc = ctypes.CDLL(None, use_errno=True)
+before = kib("/proc/self/status", "VmPTE")
+start = time.perf_counter()
+failed = libc.madvise(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), ctypes.c_int(22))
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "failed": failed, "page_table_kib": kib("/proc/self/status", "VmPTE") - before,
+                  "huge_kib": kib("/proc/self/smaps_rollup", "ShmemPmdMapped"), "bytes": size}))
+"""
+
+
+def mapping(args: argparse.Namespace) -> dict:
+    """What a restarted process pays to map its node's slab (1 rank: the whole data set at
+    --resolution), on /dev/shm (4 KiB pages) and on a tmpfs mounted with huge=within_size
+    (--huge-dir, else mounted here for the run, which needs root; not with --quick): --relaunches new
+    processes per place, taking turns; each reports the seconds of MADV_POPULATE_READ, the
+    page table it built and the bytes mapped by huge pages. Returns them by place, with
+    `huge_pages` (hvdx.data.pages) of each and why a place was not measured."""
+    from hvdx.data.pages import huge_pages
+
+    size = Slab.file_size(args.images, (args.resolution, args.resolution, 3))
+    out: Dict[str, dict] = {}
+    with contextlib.ExitStack() as stack:
+        small = Path(tempfile.mkdtemp(prefix="hvdx-bench-mapping-", dir="/dev/shm"))
+        stack.callback(shutil.rmtree, small, ignore_errors=True)
+        places = {"4k": small}
+        if args.quick:  # the smoke run mounts nothing
+            out["huge"] = {"skipped": "--quick"}
+        elif args.huge_dir:
+            places["huge"] = Path(tempfile.mkdtemp(prefix="hvdx-bench-mapping-", dir=args.huge_dir))
+            stack.callback(shutil.rmtree, places["huge"], ignore_errors=True)
+        else:
+            mount = Path(tempfile.mkdtemp(prefix="hvdx-bench-mapping-huge-"))
+            stack.callback(shutil.rmtree, mount, ignore_errors=True)
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={size + 2**26}",
+                                   "hvdx-bench", str(mount)], capture_output=True, text=True)
+            if done.returncode == 0:
+                stack.callback(subprocess.run, ["umount", str(mount)], check=False)
+                places["huge"] = mount
+            else:
+                out["huge"] = {"skipped": "no tmpfs with huge=within_size (mounting one needs root; or pass "
+                                          f"--huge-dir): {done.stderr.strip()}"}
+        for name, place in places.items():
+            path = place / "slab"
+            with open(path, "wb") as f:  # written as a slab's pixels are, in chunks
+                chunk = np.random.default_rng(0).integers(0, 255, 2**24, dtype=np.uint8).tobytes()
+                for offset in range(0, size, len(chunk)):
+                    f.write(chunk[:size - offset])
+            out[name] = {"dir": str(place), "huge_pages": huge_pages(str(place)), "runs": []}
+        for _ in range(args.relaunches):
+            for name, place in places.items():
+                done = subprocess.run([sys.executable, "-c", _MAP_CHILD, str(place / "slab")], capture_output=True,
+                                      text=True, check=True)
+                out[name]["runs"].append(json.loads(done.stdout))
+    return out
+
+
+def mapping_text(result: Optional[dict]) -> str:
+    """The mapping measurement in words (empty without one)."""
+    if not result:
+        return ""
+    med = statistics.median
+    parts = []
+    for name, what in (("4k", "/dev/shm (4 KiB pages)"), ("huge", "a tmpfs mounted with `huge=within_size`")):
+        place = result.get(name, {})
+        if "runs" not in place:
+            parts.append(f"{what}: not measured ({place.get('skipped', 'not asked')})")
+            continue
+        runs = place["runs"]
+        gib = runs[0]["bytes"] / 2**30
+        parts.append(f"{what}: {med(r['seconds'] for r in runs) * 1e3 / gib:.1f} ms per GiB "
+                     f"(relaunches {min(r['seconds'] for r in runs) * 1e3 / gib:.1f}-"
+                     f"{max(r['seconds'] for r in runs) * 1e3 / gib:.1f}), "
+                     f"{med(r['page_table_kib'] for r in runs) / gib / 1024:.2f} MiB of page table per GiB, "
+                     f"{med(r['huge_kib'] for r in runs) / 1024 / (runs[0]['bytes'] / 2**20):.0%} in huge pages "
+                     f"(`hvdx.data.pages.huge_pages`: {place['huge_pages']})")
+    runs = result.get("4k", {}).get("runs")
+    n = len(runs) if runs else 0
+    return ("\n\n**Mapping the slab** (what every process of a restarted job pays per GiB of its node's slab: "
+            f"a new process maps a file of the 1-rank slab's size, `madvise(MADV_POPULATE_READ)`, {n} relaunches "
+            "per place taking turns, medians): " + "; ".join(parts) + ".")
+
+
 def over_budget(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
     """One rank, a memory budget of --budget-fraction of the decoded data set: the slab does
     not fit, samples go into the store's LMDB values until the budget is spent, the others
@@ -396,7 +491,7 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
                             for t, r in result["topologies"].items()) + "). "
                 "Load average (1 min, start/end) "
                 f"{loads}. Raw times: `results/datacache_scale.json`.\n\n" + text
-                + budget_text(result.get("over_budget"), result))
+                + budget_text(result.get("over_budget"), result) + mapping_text(result.get("mapping")))
         restarts = restart_table(result["topologies"], c["batch"])
         if restarts:
             body += ("\n\n**The restarted job by variant** (relaunches taking turns, medians of "
@@ -433,6 +528,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--render", action="store_true", help="redo the table from <out>/datacache_scale.json")
     parser.add_argument("--only-over-budget", action="store_true",
                         help="run only the over-budget epochs and add them to <out>/datacache_scale.json")
+    parser.add_argument("--only-mapping", action="store_true",
+                        help="measure only the slab's mapping and add it to <out>/datacache_scale.json")
+    parser.add_argument("--huge-dir", help="a directory on a tmpfs mounted with huge=within_size, for the mapping "
+                        "measurement (default: one mounted for the run, which needs root)")
     parser.add_argument("--topologies", default="1,2x2", help="1 (this process) and/or nodes x ranks per node")
     parser.add_argument("--data-dir", default="~/.cache/hvdx/bench-datacache", help="where the JPEGs are kept")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
@@ -490,6 +589,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         result["config"]["budget_fraction"] = args.budget_fraction
         render(result, args.out, readme)
         return
+    if args.only_mapping:
+        result = json.loads((args.out / "datacache_scale.json").read_text())
+        result["mapping"] = mapping(args)
+        render(result, args.out, readme)
+        return
     root = data_set(args) if not args.quick else None
     work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-scale-"))
     store = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-scale-", dir="/dev/shm"))
@@ -516,6 +620,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             result["load_average"] = [round(load["start"][0], 2), round(load["end"][0], 2)]
             results[topology] = result
         budget = over_budget(root, store / "budget", args) if args.budget_fraction > 0 else None
+        mapped = mapping(args)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(store, ignore_errors=True)
@@ -523,7 +628,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                                             "relaunches", "seed", "latency_ms", "mib_per_s", "budget_fraction", "quick",
                                             "restart_variants")}
     machine = {"cpus": os.cpu_count(), "tensorflow": tf.__version__, "hvdx": hvdx.__version__}
-    render({"config": config, "machine": machine, "topologies": results, "over_budget": budget}, args.out, readme)
+    render({"config": config, "machine": machine, "topologies": results, "over_budget": budget, "mapping": mapped},
+           args.out, readme)
 
 
 if __name__ == "__main__":

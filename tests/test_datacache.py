@@ -156,6 +156,38 @@ def test_a_restarted_job_finds_its_full_slab_with_one_look_up_and_serves_the_sam
 
 
 
+def test_a_slab_on_a_tmpfs_with_huge_pages_is_mapped_by_huge_pages(digits_root, tmp_path):
+    """Issue 45: a store_dir on a tmpfs mounted with huge=within_size gives the slab huge pages
+    (its fallocate and pwrite allocate them), so every process maps it with one page-table
+    entry per 2 MiB instead of per 4 KiB; hvdx.data.pages.huge_pages tells such a store_dir
+    from /dev/shm. The tmpfs is mounted in a private mount namespace (skipped without root)."""
+    mount = tmp_path / "huge"
+    mount.mkdir()
+    namespace = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                 f'mount -t tmpfs -o huge=within_size,size=64m hvdx-test {mount} && exec "$@"', "sh"]
+    probe = subprocess.run([*namespace, "true"], capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        pytest.skip(f"no private mount namespace with a huge-page tmpfs here: {probe.stderr.strip()[-300:]}")
+    # 160 px: a slab of 48 x 160 x 160 x 3 bytes holds one whole 2 MiB page
+    code = ("import json\nfrom hvdx.data import DataCache\nfrom hvdx.data.pages import huge_pages\n"
+            f"cache = DataCache({digits_root!r}, resolution=160, cache_dir={str(tmp_path / 'disk')!r}, "
+            f"store_dir={str(mount / 'store')!r}, memory_bytes=2**26)\n"
+            "for epoch in range(2):\n    for batch in cache.dataset(16, first_epoch=epoch):\n        pass\n"
+            "kib = sum(int(line.split()[1]) for line in open('/proc/self/smaps_rollup')"
+            " if line.startswith('ShmemPmdMapped:'))\n"
+            f"print(json.dumps({{'huge': huge_pages({str(mount / 'store')!r}), 'pmd_kib': kib, "
+            "'in_slab': cache.stats['store']['hits']}))\ncache.close()\n")
+    done = subprocess.run([*namespace, sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=harness.ROOT)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["huge"] and found["in_slab"] == 48  # epoch 2 served from the slab
+    assert found["pmd_kib"] >= 2048, found  # at least one 2 MiB page mapped whole
+    from hvdx.data.pages import huge_pages
+
+    assert not huge_pages(str(tmp_path)) and not huge_pages(str(mount))  # outside the namespace: not mounted
+
+
 # -- an elastic job's membership change (issue 40): the data split again, the node store kept --
 
 def test_a_membership_change_splits_the_data_again_and_keeps_the_node_store(digits_root, tmp_path):
@@ -914,7 +946,7 @@ def test_datacache_benchmark_like_for_like_rows(tmp_path):
 def test_datacache_scale_benchmark_rows(tmp_path):
     """Issue 45's table: per-sample and fixed costs of epochs 2+ with three augmentations,
     epoch 1 from a slow source, a restarted job (a new process over the kept node store),
-    node memory; 1 rank here, in this process."""
+    node memory, the slab's mapping by a new process; 1 rank here, in this process."""
     from benchmarks import datacache_scale
 
     readme = tmp_path / "README.md"
@@ -934,6 +966,10 @@ def test_datacache_scale_benchmark_rows(tmp_path):
     text = readme.read_text()
     assert "<!-- datacache-scale:begin -->" in text and "| 1 | **" in text and "restarted job" in text
     assert list(result["relaunched_variants"]) == ["default"] and "| 1 | default | **" in text
+    mapping = json.loads((tmp_path / "datacache_scale.json").read_text())["mapping"]
+    (run,) = mapping["4k"]["runs"]  # a new process mapped a slab-sized file on /dev/shm
+    assert run["failed"] == 0 and run["bytes"] >= 96 * 24 * 24 * 3 and run["page_table_kib"] >= 0
+    assert mapping["huge"] == {"skipped": "--quick"} and "**Mapping the slab**" in text
 
 
 def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():

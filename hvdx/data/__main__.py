@@ -13,6 +13,7 @@ import argparse
 import sys
 from typing import List, Optional
 
+from hvdx.data.pages import huge_pages
 from hvdx.data.store import DEFAULT_STORE_DIR, list_stores, remove_store
 
 
@@ -44,6 +45,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{sum(s.bytes for s in stores) / 2**20:.1f} MiB")
         for s in stores:
             print(f"  {s.name}  {s.bytes / 2**20:9.1f} MiB  {'in use' if s.in_use else 'stale '}  {_describe(s.meta)}")
+        if huge_pages(args.store_dir):
+            print("pages: huge (a tmpfs mounted with huge pages: a process maps a slab with one entry per 2 MiB)")
+        else:
+            print("pages: 4 KiB (a process maps a slab with one page-table entry per 4 KiB; a tmpfs mounted with "
+                  "huge=within_size needs 512 times fewer: docs/datacache.md, \"Huge pages\")")
         print(f"level-1 (local disk) copies: {os.path.abspath(default_cache_dir())} "
               "(HVDX_DATACACHE_DIR, else $TMPDIR or /tmp)")
         return 0

@@ -56,6 +56,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from hvdx.data.pages import huge_pages
+
 __all__ = ["DEFAULT_STORE_DIR", "NodeStore", "Sample", "Slab", "StoreInfo", "list_stores", "remove_store",
            "sample_key", "tidy_stores"]
 
@@ -66,6 +68,8 @@ _HEADER = struct.Struct("<qIII")
 _META_KEY = b"\x00meta"
 _KEY_SIZE = struct.calcsize(">QIII")  # a sample's key (`sample_key`); other keys are the store's own
 _INDEX_BYTES = 128  # LMDB bytes per header-only entry, kept free beside a slab
+#: A slab this large on 4 KiB pages is named in a log line (INFO) when a process opens it.
+_MAPPING_NOTE_BYTES = 2**30
 #: Stores of other data sets that no process uses are named in a RuntimeWarning once they
 #: hold this share of their file system (they shrink every job's default memory_bytes);
 #: smaller ones in a log line only: a job's other data set (its validation set, opened a
@@ -294,6 +298,11 @@ class NodeStore:
                     log.warning("hvdx.data: node store %s: no room for a slab of %d bytes (%s); samples go "
                                 "into LMDB values", self.path, size, exc)
                     return None
+        if slab.size >= _MAPPING_NOTE_BYTES and not huge_pages(self.path):
+            log.info("hvdx.data: the %.1f GiB slab %s has 4 KiB pages: every process that maps it (a restarted "
+                     "job's every rank) builds a page-table entry per 4 KiB, 2 MiB of page table per GiB; a store_dir "
+                     "on a tmpfs mounted with huge=within_size needs 512 times fewer (docs/datacache.md, "
+                     "\"Huge pages\")", slab.size / 2**30, path)
         self._slabs[shape] = slab
         return slab
 
