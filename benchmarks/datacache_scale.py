@@ -26,10 +26,13 @@ processes' environment: RESTART_VARIANTS; the first is the table's). An epoch's 
 is split into its fixed cost (the first batch: the iterator's start and the epoch's
 planning) and the time per sample after it.
 Memory per node: DataCache's store (allocated blocks on /dev/shm), `.cache()`'s RSS growth
-summed over the node's ranks. Times are the slowest rank's.
+summed over the node's ranks. Times are the slowest rank's. Last, what a new process pays to
+map a slab (`mapping`: on /dev/shm and on a tmpfs with huge pages). `--only-restarts` and
+`--only-mapping` redo just those parts into an earlier run's JSON.
 
     python benchmarks/datacache_scale.py                       # the table (about 15 minutes)
     python benchmarks/datacache_scale.py --quick --out /tmp/x  # smoke run
+    python benchmarks/datacache_scale.py --only-restarts --restart-variants default,model,huge-pages
 
 Writes <out>/datacache_scale.json and the table of benchmarks/README.md.
 """
@@ -212,8 +215,10 @@ def relaunched(root: Path, store_dir: Path, args: argparse.Namespace) -> dict:
 #: as a user runs it; with TensorFlow's oneDNN graph rewrites off (TF_ENABLE_ONEDNN_OPTS=0:
 #: what a new process' first iterator pays beyond a later one's, see benchmarks/README.md);
 #: `model`: a job that builds and compiles its model (`user_model`) after making the
-#: DataCache and before its datasets, as a training script does (the epochs time the data).
-RESTART_VARIANTS = {"default": {}, "onednn-off": {"TF_ENABLE_ONEDNN_OPTS": "0"}, "model": {}}
+#: DataCache and before its datasets, as a training script does (the epochs time the data);
+#: `huge-pages`: as `default`, over a copy of the node stores on a tmpfs mounted with
+#: huge=within_size (`huge_tmpfs`; skipped where none can be had).
+RESTART_VARIANTS = {"default": {}, "onednn-off": {"TF_ENABLE_ONEDNN_OPTS": "0"}, "model": {}, "huge-pages": {}}
 
 
 def user_model(args: argparse.Namespace) -> tf.keras.Model:
@@ -231,24 +236,99 @@ def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path,
     taking turns, over the stores of the last round (`relaunched` in each), then the stores
     removed. Returns the jobs' results by variant. Raises SystemExit if one fails."""
     results: Dict[str, List[dict]] = {v: [] for v in args.restart_variants}
+    stores = {v: store_dir for v in args.restart_variants}
     try:
-        for i in range(args.relaunches):
-            for variant in args.restart_variants:
-                path = work / f"relaunch-{topology}-{variant}-{i}.json"
-                command = [str(Path(__file__).resolve()), "--relaunch-json", str(path), "--data-root", str(root),
-                           "--store-root", str(store_dir), f"--relaunch-variant={variant}", *worker_argv(args)]
-                env = RESTART_VARIANTS[variant]
-                if topology == "1":
-                    failed = subprocess.run([sys.executable, *command],
-                                            env=dict(os.environ, PYTHONPATH=str(ROOT), **env)).returncode
-                else:
-                    failed = launch_ranks(command, *(int(x) for x in topology.split("x")), env=env)
-                if failed:
-                    raise SystemExit(f"the relaunched {topology} job ({variant}) failed")
-                results[variant].append(json.loads(path.read_text()))
+        with contextlib.ExitStack() as stack:
+            if "huge-pages" in stores:
+                huge, why = stack.enter_context(huge_tmpfs(_tree_bytes(store_dir) + 2**26, args))
+                if huge is None:
+                    print(f"restart variant huge-pages skipped: {why}", flush=True)
+                    del results["huge-pages"], stores["huge-pages"]
+                else:  # no process has the stores open: their files copy whole
+                    stores["huge-pages"] = huge / store_dir.name
+                    shutil.copytree(store_dir, stores["huge-pages"])
+            _relaunch_turns(topology, root, stores, work, args, results)
     finally:  # no process has the stores open any more: their files go with the folder
         shutil.rmtree(store_dir, ignore_errors=True)
     return results
+
+
+def only_restarts(root: Path, args: argparse.Namespace) -> dict:
+    """The restarted jobs alone, per topology of --topologies: a first job of the topology
+    fills new node stores (not counted), then `relaunch_all`. Returns {"date", "variants":
+    {topology: (results by variant, load average start/end)}}."""
+    work = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-scale-"))
+    store = Path(tempfile.mkdtemp(prefix="hvdx-bench-datacache-scale-", dir="/dev/shm"))
+    out = {}
+    try:
+        for topology in [t for t in args.topologies.split(",") if t]:
+            store_dir = store / topology
+            _relaunch_turns(topology, root, {"default": store_dir}, work, argparse.Namespace(**{**vars(args),
+                            "relaunches": 1}), {"default": []})
+            with load_during() as load:
+                variants = relaunch_all(topology, root, store_dir, work, args)
+            out[topology] = (variants, [round(load["start"][0], 2), round(load["end"][0], 2)])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(store, ignore_errors=True)
+    return {"date": time.strftime("%Y-%m-%d"), "load_average": {t: v[1] for t, v in out.items()}, "variants": out}
+
+
+def _tree_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@contextlib.contextmanager
+def huge_tmpfs(size: int, args: argparse.Namespace):
+    """(a directory on a tmpfs with huge pages of at least `size` bytes, None) for the block:
+    a new one under --huge-dir if given, else a tmpfs mounted with huge=within_size for the
+    block (root only); (None, why) where none can be had (with --quick: never mounted)."""
+    from hvdx.data.pages import huge_pages
+
+    if args.huge_dir:
+        place = Path(tempfile.mkdtemp(prefix="hvdx-bench-huge-", dir=args.huge_dir))
+        try:
+            yield (place, None) if huge_pages(str(place)) else (None, f"--huge-dir {args.huge_dir} has no huge pages")
+        finally:
+            shutil.rmtree(place, ignore_errors=True)
+        return
+    if args.quick:
+        yield None, "--quick"
+        return
+    mount = Path(tempfile.mkdtemp(prefix="hvdx-bench-huge-"))
+    try:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={size}", "hvdx-bench",
+                               str(mount)], capture_output=True, text=True)
+        if done.returncode != 0:
+            yield None, ("no tmpfs with huge=within_size (mounting one needs root; or pass --huge-dir): "
+                         + done.stderr.strip())
+            return
+        try:
+            yield mount, None
+        finally:
+            subprocess.run(["umount", str(mount)], check=False)
+    finally:
+        shutil.rmtree(mount, ignore_errors=True)
+
+
+def _relaunch_turns(topology: str, root: Path, stores: Dict[str, Path], work: Path, args: argparse.Namespace,
+                    results: Dict[str, List[dict]]) -> None:
+    """--relaunches jobs per variant of `stores` (variant -> the node stores' folder), taking
+    turns; appends each job's result to `results[variant]`. Raises SystemExit if one fails."""
+    for i in range(args.relaunches):
+        for variant, store_dir in stores.items():
+            path = work / f"relaunch-{topology}-{variant}-{i}.json"
+            command = [str(Path(__file__).resolve()), "--relaunch-json", str(path), "--data-root", str(root),
+                       "--store-root", str(store_dir), f"--relaunch-variant={variant}", *worker_argv(args)]
+            env = RESTART_VARIANTS[variant]
+            if topology == "1":
+                failed = subprocess.run([sys.executable, *command],
+                                        env=dict(os.environ, PYTHONPATH=str(ROOT), **env)).returncode
+            else:
+                failed = launch_ranks(command, *(int(x) for x in topology.split("x")), env=env)
+            if failed:
+                raise SystemExit(f"the relaunched {topology} job ({variant}) failed")
+            results[variant].append(json.loads(path.read_text()))
 
 
 #: A new process maps a file of the slab's size (`mapping`): madvise(MADV_POPULATE_READ), the
@@ -286,22 +366,11 @@ def mapping(args: argparse.Namespace) -> dict:
         small = Path(tempfile.mkdtemp(prefix="hvdx-bench-mapping-", dir="/dev/shm"))
         stack.callback(shutil.rmtree, small, ignore_errors=True)
         places = {"4k": small}
-        if args.quick:  # the smoke run mounts nothing
-            out["huge"] = {"skipped": "--quick"}
-        elif args.huge_dir:
-            places["huge"] = Path(tempfile.mkdtemp(prefix="hvdx-bench-mapping-", dir=args.huge_dir))
-            stack.callback(shutil.rmtree, places["huge"], ignore_errors=True)
+        huge, why = stack.enter_context(huge_tmpfs(size + 2**26, args))
+        if huge is None:
+            out["huge"] = {"skipped": why}
         else:
-            mount = Path(tempfile.mkdtemp(prefix="hvdx-bench-mapping-huge-"))
-            stack.callback(shutil.rmtree, mount, ignore_errors=True)
-            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"huge=within_size,size={size + 2**26}",
-                                   "hvdx-bench", str(mount)], capture_output=True, text=True)
-            if done.returncode == 0:
-                stack.callback(subprocess.run, ["umount", str(mount)], check=False)
-                places["huge"] = mount
-            else:
-                out["huge"] = {"skipped": "no tmpfs with huge=within_size (mounting one needs root; or pass "
-                                          f"--huge-dir): {done.stderr.strip()}"}
+            places["huge"] = huge
         for name, place in places.items():
             path = place / "slab"
             with open(path, "wb") as f:  # written as a slab's pixels are, in chunks
@@ -485,7 +554,8 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
                 "per sample: after an epoch's first batch), medians of per-round ratios over "
                 f"{c['rounds']} cold rounds (epochs 2-{c['epochs']}, without augmentation {c['repeats']} passes each, "
                 "methods taking turns); the restarted job is the job launched again on the same nodes after "
-                f"the last round ({c['relaunches']} times, new processes): its epoch 1 over the median of its "
+                + ("a first job filled them (the later run below, " if result.get("restarts") else "the last round (")
+                + f"{c['relaunches']} times, new processes): its epoch 1 over the median of its "
                 f"{c['repeats']} epochs 2+, the median of the relaunches (per sample after the first batch: "
                 + ", ".join(f"{t} {statistics.median(summary(r, c['batch'])['ratios']['restart_per_sample']):.2f}x"
                             for t, r in result["topologies"].items()) + "). "
@@ -494,11 +564,18 @@ def render(result: dict, out: Path, readme: Optional[Path]) -> None:
                 + budget_text(result.get("over_budget"), result) + mapping_text(result.get("mapping")))
         restarts = restart_table(result["topologies"], c["batch"])
         if restarts:
+            again = result.get("restarts")
             body += ("\n\n**The restarted job by variant** (relaunches taking turns, medians of "
-                     f"{c['relaunches']} each): `default` as a user runs it; `onednn-off` with TensorFlow's oneDNN "
+                     f"{c['relaunches']} each"
+                     + (f"; from a later run, {again['date']}, `--only-restarts`: a first job fills new node stores, "
+                        "then the relaunches; load average (1 min, start/end) "
+                        + "; ".join(f"{t}: {'/'.join(f'{v:g}' for v in la)}" for t, la in again["load_average"].items())
+                        + "; the table above takes its restarted-job column from it" if again else "")
+                     + "): `default` as a user runs it; `onednn-off` with TensorFlow's oneDNN "
                      "graph rewrites off in its processes (`TF_ENABLE_ONEDNN_OPTS=0`); `model` builds and "
                      "compiles a ResNet-50 between making the DataCache and its datasets, as a training "
-                     "script does (the epochs time the data alone).\n\n" + restarts)
+                     "script does (the epochs time the data alone); `huge-pages` as `default` over a copy of the "
+                     "node stores on a tmpfs mounted with `huge=within_size`.\n\n" + restarts)
         update_readme("datacache-scale", body, readme)
 
 
@@ -528,6 +605,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--render", action="store_true", help="redo the table from <out>/datacache_scale.json")
     parser.add_argument("--only-over-budget", action="store_true",
                         help="run only the over-budget epochs and add them to <out>/datacache_scale.json")
+    parser.add_argument("--only-restarts", action="store_true",
+                        help="run only the restarted jobs (over node stores a first job fills) and put them into "
+                        "<out>/datacache_scale.json")
     parser.add_argument("--only-mapping", action="store_true",
                         help="measure only the slab's mapping and add it to <out>/datacache_scale.json")
     parser.add_argument("--huge-dir", help="a directory on a tmpfs mounted with huge=within_size, for the mapping "
@@ -587,6 +667,15 @@ def main(argv: Optional[List[str]] = None) -> None:
         finally:
             shutil.rmtree(store, ignore_errors=True)
         result["config"]["budget_fraction"] = args.budget_fraction
+        render(result, args.out, readme)
+        return
+    if args.only_restarts:  # the restarted jobs again, into an earlier run's JSON
+        result = json.loads((args.out / "datacache_scale.json").read_text())
+        result["restarts"] = only_restarts(data_set(args), args)
+        for topology, (variants, _) in result["restarts"].pop("variants").items():
+            result["topologies"][topology]["relaunched"] = variants[args.restart_variants[0]]
+            result["topologies"][topology]["relaunched_variants"] = variants
+        result["config"].update(relaunches=args.relaunches, restart_variants=args.restart_variants)
         render(result, args.out, readme)
         return
     if args.only_mapping:

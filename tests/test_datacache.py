@@ -972,6 +972,20 @@ def test_datacache_scale_benchmark_rows(tmp_path):
     assert mapping["huge"] == {"skipped": "--quick"} and "**Mapping the slab**" in text
 
 
+def test_datacache_scale_huge_tmpfs_is_never_mounted_by_a_smoke_run_and_checks_a_given_dir(tmp_path):
+    """The `huge-pages` restart variant and the mapping measurement: --quick mounts nothing,
+    and a --huge-dir without huge pages is refused with the reason, not measured as one."""
+    import argparse
+
+    from benchmarks import datacache_scale
+
+    with datacache_scale.huge_tmpfs(2**20, argparse.Namespace(huge_dir=None, quick=True)) as (place, why):
+        assert place is None and why == "--quick"
+    with datacache_scale.huge_tmpfs(2**20, argparse.Namespace(huge_dir=str(tmp_path), quick=False)) as (place, why):
+        assert place is None and "has no huge pages" in why
+    assert list(tmp_path.iterdir()) == []  # its scratch folder is gone
+
+
 def test_datacache_benchmark_verdict_says_by_how_much_a_goal_is_missed():
     from benchmarks import datacache
 
