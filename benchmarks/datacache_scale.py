@@ -235,7 +235,6 @@ def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path,
     """--relaunches new jobs of `topology` ("1" or NxM) per restart variant, the variants
     taking turns, over the stores of the last round (`relaunched` in each), then the stores
     removed. Returns the jobs' results by variant. Raises SystemExit if one fails."""
-    results: Dict[str, List[dict]] = {v: [] for v in args.restart_variants}
     stores = {v: store_dir for v in args.restart_variants}
     try:
         with contextlib.ExitStack() as stack:
@@ -243,10 +242,11 @@ def relaunch_all(topology: str, root: Path, store_dir: Path, work: Path,
                 huge, why = stack.enter_context(huge_tmpfs(_tree_bytes(store_dir) + 2**26, args))
                 if huge is None:
                     print(f"restart variant huge-pages skipped: {why}", flush=True)
-                    del results["huge-pages"], stores["huge-pages"]
+                    del stores["huge-pages"]
                 else:  # no process has the stores open: their files copy whole
                     stores["huge-pages"] = huge / store_dir.name
                     shutil.copytree(store_dir, stores["huge-pages"])
+            results: Dict[str, List[dict]] = {v: [] for v in stores}
             _relaunch_turns(topology, root, stores, work, args, results)
     finally:  # no process has the stores open any more: their files go with the folder
         shutil.rmtree(store_dir, ignore_errors=True)
@@ -371,10 +371,9 @@ def mapping(args: argparse.Namespace) -> dict:
             out["huge"] = {"skipped": why}
         else:
             places["huge"] = huge
+        chunk = memoryview(np.random.default_rng(0).integers(0, 255, 2**24, dtype=np.uint8).tobytes())
         for name, place in places.items():
-            path = place / "slab"
-            with open(path, "wb") as f:  # written as a slab's pixels are, in chunks
-                chunk = np.random.default_rng(0).integers(0, 255, 2**24, dtype=np.uint8).tobytes()
+            with open(place / "slab", "wb") as f:  # written as a slab's pixels are, in chunks
                 for offset in range(0, size, len(chunk)):
                     f.write(chunk[:size - offset])
             out[name] = {"dir": str(place), "huge_pages": huge_pages(str(place)), "runs": []}
