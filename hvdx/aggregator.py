@@ -448,6 +448,7 @@ class GradientAggregator(tf.Module):
             return
         self._book.checks += 1
         check_agreement(description, "the gradients to aggregate", process_set=self.process_set)
+        self._strategy.agree_state([name for name, _, _ in buckets], self.process_set)
         verified.add(signature)
         for name, sizes, dtype in buckets:
             self._strategy.agreed(name, sizes, dtype)

@@ -33,6 +33,7 @@ def test_ranks_calling_a_strategy_differently_all_get_an_error_naming_what_diffe
         assert result["direct_checks"] == 1  # three calls on one layout: one collective check
         assert result["buckets"] > 1 and result["tape_checks"] == 1  # the tape's steps: one check in all
         assert result["finite"]
+        assert result["warm_step"] == 91  # rank 0 at step 0, the others at 90: all took 90, then one step
 
 
 @pytest.fixture(scope="module")

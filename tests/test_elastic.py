@@ -268,6 +268,24 @@ def test_hitopk_keras_training_runs_flat_when_a_node_loses_one_rank_then_even_ag
     assert len({r["part"] for r in ranks}) <= 2 and all(r["part"] >= 1347 // 2 - 1 for r in ranks), ranks
 
 
+@pytest.mark.multirank
+@pytest.mark.parametrize("communication", [
+    "hitopk", *(pytest.param(c, marks=pytest.mark.slow) for c in ("allreduce", "hierarchical", "sparse_allgather"))])
+def test_horovods_elastic_example_runs_on_when_a_node_comes_back(tmp_path, communication):
+    """Horovod's elastic Keras example's pattern, Adam and a one-step `fit` before
+    `hvd.elastic.run` (the returning node's new processes) and in the reset callback (the
+    survivors'), 2x2 -> 1x2 -> 2x2: the ranks' first collectives after the return match with
+    every strategy, and the job ends with one model everywhere. With HiTopK (Adam: the
+    density warm-up, stage by the buffer's step counter) every rank waited in its first
+    HiTopK call until the watchdog ended the job: the new processes were in the warm-up's
+    first stage, the survivors in its last (`TopKStrategy.agree_state` takes the largest)."""
+    job, record = _elastic_digits(tmp_path, communication, "remove,add,horovod")
+    assert record["sizes"] == [4, 2, 4], record
+    assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
+    assert record["size"] == 4 and record["accuracy"] > 0.8, record  # it learns (chance: 0.1)
+    assert "watchdog" not in job.output, job.output[-4000:]
+
+
 def test_an_elastic_job_waits_longer_at_a_rendezvous_than_in_a_collective(monkeypatch):
     """hvdx.init in an elastic job sets Horovod's rendezvous timeout (patch 0003) unless set."""
     import importlib

@@ -289,11 +289,13 @@ class Strategy:
             return
         check_agreement(self.describe(name, sizes, dtype), f"a call of a strategy on buffer {name!r}",
                         process_set=self.process_set or hvd.global_process_set)
+        self.agree_state([name], self.process_set or hvd.global_process_set)
         self._agreed_layouts().add(layout)
 
     def agreed(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> None:
         """Records a layout that the caller has checked itself (the aggregator checks a
-        whole step's layout in one collective, bucket layouts included): no second check."""
+        whole step's layout in one collective, bucket layouts included, then calls
+        `agree_state` on its buffers): no second check."""
         self._agreed_layouts().add((name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name))
 
     def _agreed_layouts(self) -> Set[Layout]:
@@ -319,6 +321,13 @@ class Strategy:
             return [result.output], result
         with tf.name_scope("split"):
             return tf.split(result.output, [int(p.shape[0]) for p in pieces]), result
+
+    def agree_state(self, names: Sequence[str], process_set: hvd.ProcessSet) -> None:
+        """Collective over `process_set`, made right after the layout check of buffers `names`
+        (once per layout and membership, eagerly, also while a step is traced): makes the
+        state that must be the same on every rank before the first call (e.g. a step
+        counter that picks the collectives' shapes) the same. After an elastic reset a
+        returning node's new processes meet survivors that trained on. Default: nothing."""
 
     def create_state(self, name: str, d: int) -> None:
         """Creates the state (residuals) of buffer `name` of length d before the first call,

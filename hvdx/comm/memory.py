@@ -14,9 +14,10 @@ companions, checkpointed with it:
 
 A residual of a sparse strategy also has a step counter (`counter`), which seeds MSTopK's
 window (`hvdx.ops.stateless_mstopk`: a resumed run selects what the uninterrupted one would
-have) and sets the density warm-up's stage (`hvdx.comm.dgc`): it is the same on every rank,
-so it is not gated by `owner` (a checkpoint saved on rank 0 restores it everywhere, and all
-ranks stay in the same stage).
+have) and sets the density warm-up's stage (`hvdx.comm.dgc`): it is the same on every rank
+(the ranks of a new membership take the largest at their first call,
+`hvdx.comm.sparse.TopKStrategy.agree_state`), so it is not gated by `owner` (a checkpoint
+saved on rank 0 restores it everywhere, and all ranks stay in the same stage).
 
 Writes are two-phase: a strategy returns the new residuals as updates, and `commit` makes
 them only when the step's averaged gradients are finite, identically on every rank (they

@@ -36,7 +36,10 @@ from hvdx.node.collectives import node_allgather
 from hvdx.topology import Topology
 
 __all__ = ["ADAM_WARMUP_STEPS", "AIDS", "AUTO_MOMENTUM_CORRECTION_DENSITY", "DENSE_BELOW",
-           "LARS_MOMENTUM_CORRECTION_DENSITY", "TopKStrategy"]
+           "LARS_MOMENTUM_CORRECTION_DENSITY", "STEPS_AGREEMENT", "TopKStrategy"]
+
+#: The collective name of the step counters' agreement (`TopKStrategy.agree_state`).
+STEPS_AGREEMENT = "hvdx.sparse.steps.agree"
 
 #: The density the sparse strategies use when none is given.
 DEFAULT_DENSITY = 0.01
@@ -177,6 +180,22 @@ class TopKStrategy(Strategy):
         if self.momentum:
             self._velocities.variable(name, self.residual_length(d), tf.float32)
         self._memory.counter(name)  # the density warm-up's stage and MSTopK's seed
+
+    def agree_state(self, names: Sequence[str], process_set: hvd.ProcessSet) -> None:
+        """Sets the step counter of each buffer of `names` to its largest value over the ranks
+        of `process_set` (one eager all-reduce): the counter picks the density warm-up's stage,
+        i.e. the shapes of the exchange, so ranks must hold the same one. They differ after an
+        elastic reset that adds processes (a returning node's are at step 0, or 1 after
+        Horovod's one-step fit, the survivors further on) until the state's sync, which comes
+        after the first step in Horovod's own pattern."""
+        if not names:
+            return
+        counters = [self._memory.counter(name) for name in names]
+        with tf.init_scope():
+            steps = tf.stack([counter.read_value() for counter in counters])
+            agreed = hvd.allreduce(steps, op=hvd.Max, process_set=process_set, name=STEPS_AGREEMENT).numpy()
+            for counter, step in zip(counters, agreed):
+                counter.assign(int(step))
 
     def k(self, length: int) -> int:
         """How many entries of a `length`-element buffer are sent: max(1, round(density * length)),

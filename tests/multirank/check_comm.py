@@ -230,8 +230,15 @@ def check_disagreement(topo) -> dict:
         aggregator(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
     tape_checks = hvdx.layout.checks_made() - before
     buckets = len(aggregator.last_aggregation.buckets)
+    # Ranks of a new membership whose step counters differ (an elastic job's returning node: its
+    # new processes at step 0, the survivors on): the density warm-up's stage would differ, and
+    # with it the exchange. The first call's check makes them agree on the largest.
+    warming = comm.HiTopK(density=0.05, warmup_steps=100)  # 4 stages of 25 steps
+    warming.memory.counter("warm").assign(0 if odd else 90)
+    warm = warming(ones(1000) * float(topo.rank + 1), "warm").numpy()
     return {"messages": found, "direct_checks": direct_checks, "tape_checks": tape_checks, "buckets": buckets,
-            "finite": bool(all(np.isfinite(o).all() for o in outputs))}
+            "finite": bool(all(np.isfinite(o).all() for o in [*outputs, warm])),
+            "warm_step": int(warming.memory.counter("warm").numpy())}
 
 
 CHECKS = {"strategies": check_strategies, "disagreement": check_disagreement}

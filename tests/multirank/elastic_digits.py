@@ -10,7 +10,10 @@ rank 0 writes "127.0.0.1:2" into it at the end of epoch 1 (node localhost remove
 SCHEDULE "remove,add" (the default; "remove": only the removal), both hosts again at the end
 of epoch 3 (the node back); SCHEDULE "shrink": localhost keeps one of its two ranks at the end
 of epoch 1 (nodes of 2 and 1 ranks: hvdx runs flat, `hvdx.init(uneven_nodes=)`); "kill": rank 3
-SIGKILLs itself at the end of epoch 1 (a preempted process; the host list stays). Every rank prints
+SIGKILLs itself at the end of epoch 1 (a preempted process; the host list stays); "horovod": Horovod's
+own elastic example's pattern (examples/elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py):
+Adam at 0.001 x size, a one-step `fit` at module level before `hvd.elastic.run` (a new worker's
+first collectives) and another in the state's reset callback (the survivors'). Every rank prints
 `ELASTIC size=S checksum_spread=X` at every `fit` start (after Horovod's sync: the weights'
 largest difference between ranks) and rank 0 writes its record (sizes seen, spreads, final
 accuracy, when it was told of each host change) to $HVDX_RESULT_DIR/elastic.json and every
@@ -63,7 +66,12 @@ if DATACACHE:  # made once per process, before the training function: a reset sp
     cache = DataCache(DATACACHE, resolution=8, channels=1, cache_dir=str(RESULTS / f"disk-{host}"),
                       store_dir=str(RESULTS / "shm"), memory_bytes=2**26, source=source)
 model = digits.mlp(seed=0)
-optimizer = tf.keras.optimizers.SGD(0.05 * hvd.size(), momentum=0.9)
+HOROVOD_PATTERN = "horovod" in SCHEDULE
+LEARNING_RATE = 0.001 if HOROVOD_PATTERN else 0.05
+if HOROVOD_PATTERN:  # an adaptive optimizer: the sparse strategies' density warm-up (their step counters)
+    optimizer = tf.keras.optimizers.Adam(LEARNING_RATE * hvd.size())
+else:
+    optimizer = tf.keras.optimizers.SGD(LEARNING_RATE * hvd.size(), momentum=0.9)
 method_callbacks = []
 if API == "hvdx" and COMMUNICATION in ("daso", "adpsgd", "assm"):
     from hvdx.adpsgd import ADPSGD
@@ -84,6 +92,11 @@ model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossen
               metrics=["accuracy"])
 model.build((None, 64))
 record = {"sizes": [], "spreads": []}
+no_autotune = tf.data.Options()
+no_autotune.autotune.enabled = False  # deleting the one-step fit's iterator can wait out its sleep (docs/elastic.md)
+one_step = tf.data.Dataset.from_tensor_slices((x_train, y_train)).repeat().batch(BATCH).with_options(no_autotune)
+if HOROVOD_PATTERN:  # Horovod's example: "initialize optimizer state so we can synchronize across workers"
+    model.fit(one_step, steps_per_epoch=1, epochs=1, verbose=0)
 
 
 class Check(tf.keras.callbacks.Callback):
@@ -110,6 +123,10 @@ class Check(tf.keras.callbacks.Callback):
             return
         if hosts is not None and epoch not in record.setdefault("changed", []):
             record["changed"].append(epoch)
+            if Path(HOSTS_FILE).read_text() == hosts:
+                # made by the rank 0 of a node that left: this process, rank 0 since the reset, took
+                # the restored epoch's end again; no notice is coming (it waited out HOST_NOTICE_WAIT)
+                return
             Path(HOSTS_FILE).write_text(hosts)
             # Horovod's driver polls the discovery script about once a second and tells rank 0
             # (of an added host once its new processes wait in their first init: Horovod patch
@@ -126,7 +143,9 @@ state = hvd.elastic.KerasState(model, batch=0, epoch=0)
 
 
 def on_state_reset():
-    tf.keras.backend.set_value(state.model.optimizer.learning_rate, 0.05 * hvd.size())
+    tf.keras.backend.set_value(state.model.optimizer.learning_rate, LEARNING_RATE * hvd.size())
+    if HOROVOD_PATTERN:  # Horovod's example: "re-initialize, to join with possible new ranks"
+        state.model.fit(one_step, steps_per_epoch=1, epochs=1, verbose=0)
 
 
 state.register_reset_callbacks([on_state_reset])
@@ -144,7 +163,7 @@ def train(state):
     else:
         shard = rng.permutation(len(x_train))
         data = tf.data.Dataset.from_tensor_slices((x_train[shard], y_train[shard])).repeat().shuffle(
-            512, seed=hvd.rank()).batch(BATCH)
+            512, seed=hvd.rank()).batch(BATCH).with_options(no_autotune)
     model.fit(data, steps_per_epoch=STEPS, epochs=EPOCHS - state.epoch, callbacks=callbacks,
               verbose=0)
 
