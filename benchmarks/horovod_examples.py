@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 try:
     import common
@@ -50,6 +50,7 @@ SCRIPTS = {"keras": "tensorflow2_keras_mnist.py", "tape": "tensorflow2_mnist.py"
 HVDX_IMPORT = {"keras": HVDX_KERAS, "tape": ("import horovod.tensorflow as hvd", "import hvdx.tensorflow as hvd")}
 METHODS = ("horovod", "allreduce", "hitopk")
 LABELS = {"horovod": "Horovod", "allreduce": "hvdx allreduce", "hitopk": "hvdx HiTopK (defaults)"}
+DEFAULT_NAME = "horovod_examples"
 SEED = ("    hvd.init()\n", "    hvd.init()\n    digits_as_mnist.seed(hvd.rank())\n")
 
 
@@ -96,7 +97,7 @@ def run_one(script: str, method: str, seed: int, args: argparse.Namespace) -> Di
     Raises:
         SystemExit: the launch failed.
     """
-    env = {"HVDX_SEED": str(seed)}
+    env = {"HVDX_SEED": str(seed), "HVDX_DIGITS_PIXELS": str(args.pixels)}
     if method == "hitopk":
         env.update(HVDX_COMMUNICATION="hitopk", HVDX_DENSITY=str(args.density))
     elif method == "allreduce":
@@ -121,12 +122,18 @@ def run_one(script: str, method: str, seed: int, args: argparse.Namespace) -> Di
     return {"accuracy": accuracy, "seconds": seconds}
 
 
+def baseline(methods: Sequence[str]) -> str:
+    """The method the others are compared with: Horovod where it ran, else hvdx's dense step
+    (`allreduce`: on TensorFlow 2.16+ Horovod's own Keras callbacks fail)."""
+    return "horovod" if "horovod" in methods else "allreduce"
+
+
 def summary(runs: Dict[str, Dict[str, List[dict]]]) -> Dict[str, Dict[str, dict]]:
     """Per script and method: the seeds' accuracies, their mean, min, max, and the mean's gap
-    to Horovod's mean (points) with the paired per-seed differences."""
+    to the baseline's mean (points, `baseline`) with the paired per-seed differences."""
     out: Dict[str, Dict[str, dict]] = {}
     for script, by_method in runs.items():
-        base = [r["accuracy"] for r in by_method.get("horovod", [])]
+        base = [r["accuracy"] for r in by_method.get(baseline(list(by_method)), [])]
         out[script] = {}
         for method, rs in by_method.items():
             acc = [r["accuracy"] for r in rs]
@@ -134,7 +141,7 @@ def summary(runs: Dict[str, Dict[str, List[dict]]]) -> Dict[str, Dict[str, dict]
                  "sd": statistics.stdev(acc) if len(acc) > 1 else 0.0,
                  "mean_seconds": statistics.fmean(r["seconds"] for r in rs)}
             if base:
-                s["points_vs_horovod"] = 100 * (s["mean"] - statistics.fmean(base))
+                s["points_vs_baseline"] = 100 * (s["mean"] - statistics.fmean(base))
                 s["paired_points"] = [100 * (a - b) for a, b in zip(acc, base)]
             out[script][method] = s
     return out
@@ -145,7 +152,7 @@ def report(args: argparse.Namespace, runs: Dict[str, Dict[str, List[dict]]], loa
     result = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "load_average": [load["start"][0], load["end"][0]], "runs": runs, "summary": summary(runs)}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "horovod_examples.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -162,29 +169,35 @@ def report(args: argparse.Namespace, runs: Dict[str, Dict[str, List[dict]]], loa
         ax.set_title(f"{SCRIPTS[script]}, {args.topology}, {len(args.seed_list)} seeds", fontsize=9)
         ax.set_ylabel("final test accuracy (450 digits)")
     fig.tight_layout()
-    fig.savefig(args.out / "horovod_examples.png", dpi=100)
+    fig.savefig(args.out / f"{args.name}.png", dpi=100)
     readme = common.readme_path(args)
     if readme is None:
         return
     rows = []
+    methods = sorted({m for script in scripts for m in runs[script]})
     for script in scripts:
         for method, s in result["summary"][script].items():
             rows.append([SCRIPTS[script], LABELS[method], f"{s['mean']:.3f} ({s['min']:.3f}-{s['max']:.3f})",
-                         f"{s.get('points_vs_horovod', 0):+.1f}",
+                         f"{s.get('points_vs_baseline', 0):+.1f}",
                          ", ".join(f"{p:+.1f}" for p in s.get("paired_points", [])), f"{s['mean_seconds']:.0f}"])
     reuse = f" --reuse results/{args.reuse.name}" if args.reuse else ""
+    named = f" --pixels {args.pixels} --name {args.name}" if args.name != DEFAULT_NAME else ""
+    import tensorflow as tf
+
     body = (f"`python benchmarks/horovod_examples.py --scripts {args.scripts} --methods {args.methods} --seeds "
-            f"{args.seeds} --epochs {args.epochs} --steps-per-epoch {args.steps_per_epoch}{reuse}`: {args.topology} "
-            f"over loopback, "
+            f"{args.seeds} --epochs {args.epochs} --steps-per-epoch {args.steps_per_epoch}{reuse}{named}`: "
+            f"{args.topology} over loopback, TensorFlow {tf.__version__}, {args.pixels}x{args.pixels} digits, "
             f"density {args.density}, seeds {args.seed_list[0]}-{args.seed_list[-1]}, load average "
             f"{load['start'][0]:.1f} -> {load['end'][0]:.1f}; the launch's seconds include start-up and are not "
-            f"results under load. `results/horovod_examples.json`, `.png`."
+            f"results under load. `results/{args.name}.json`, `.png`."
             + (f" Reused from `{args.reuse.name}` (an earlier run, same seeds): "
                + "; ".join(f"{s}: {', '.join(ms)}" for s, ms in args.reused.items() if ms) if args.reuse else "")
             + "\n\n"
-            + common.markdown_table(["script", "method", "final test accuracy, mean (range)", "vs Horovod (points)",
-                                     "per seed vs Horovod (points)", "s per launch"], rows, text_columns=2))
-    common.update_readme("horovod_examples", body, readme)
+            + common.markdown_table(["script", "method", "final test accuracy, mean (range)",
+                                     f"vs {LABELS[baseline(methods)]} (points)",
+                                     f"per seed vs {LABELS[baseline(methods)]} (points)", "s per launch"], rows,
+                                    text_columns=2))
+    common.update_readme(args.name, body, readme)
 
 
 def main(argv=None) -> None:
@@ -197,6 +210,10 @@ def main(argv=None) -> None:
     parser.add_argument("--steps-per-epoch", type=int, default=100)
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--topology", default="2x2", help="nodes x ranks per node (horovodrun over loopback)")
+    parser.add_argument("--pixels", type=int, choices=(8, 28), default=28,
+                        help="the digits as 28x28 images (MNIST's size, the default) or 8x8 as scikit-learn has them")
+    parser.add_argument("--name", default=DEFAULT_NAME,
+                        help="the results' file stem and the README section (another for another table)")
     parser.add_argument("--reuse", type=Path, help="an earlier run's JSON: its runs of the methods not in --methods "
                         "(same scripts, seeds and length) join this run's, e.g. Horovod's after a change to hvdx")
     common.add_output_arguments(parser)
@@ -230,13 +247,14 @@ def reused_runs(args: argparse.Namespace, scripts: List[str], methods: List[str]
     if args.reuse is None:
         return {}
     earlier = json.loads(args.reuse.read_text())
-    for key in ("seeds", "seed", "epochs", "steps_per_epoch", "density", "topology"):
-        if earlier["args"][key] != getattr(args, key):
+    for key in ("seeds", "seed", "epochs", "steps_per_epoch", "density", "topology", "pixels"):
+        if earlier["args"].get(key, 28 if key == "pixels" else None) != getattr(args, key):
             raise SystemExit(f"--reuse {args.reuse}: its {key} is {earlier['args'][key]!r}, this run's "
                              f"{getattr(args, key)!r}; reuse only a run of the same seeds and length")
     missing = [s for s in scripts if s not in earlier["runs"]]
-    if missing and "horovod" not in methods:
-        raise SystemExit(f"--reuse {args.reuse} has no runs of {missing}: add horovod to --methods for the baseline")
+    if missing and baseline(methods) not in methods:
+        raise SystemExit(f"--reuse {args.reuse} has no runs of {missing}: add horovod or allreduce to --methods "
+                         "for the baseline")
     return {s: {m: runs for m, runs in by_method.items() if s not in scripts or m not in methods}
             for s, by_method in earlier["runs"].items()}
 

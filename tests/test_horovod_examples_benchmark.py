@@ -63,14 +63,42 @@ def test_digits_helper_seeds_and_reports_rank_zeros_test_accuracy(tmp_path, monk
     sys.modules.pop("digits_as_mnist")
 
 
+def test_digits_helper_gives_the_8x8_digits_as_they_are_on_request(monkeypatch):
+    import sys
+
+    monkeypatch.syspath_prepend(str(UPSTREAM))
+    import digits_as_mnist
+
+    (big, labels), _ = digits_as_mnist.load_data()
+    monkeypatch.setenv("HVDX_DIGITS_PIXELS", "8")
+    (small, same), _ = digits_as_mnist.load_data()
+    assert big.shape[1:] == (28, 28) and small.shape[1:] == (8, 8) and np.array_equal(labels, same)
+    assert small.dtype == np.uint8 and small.max() == 255
+    assert np.array_equal(big[:, 2:26:3, 2:26:3], small)  # the 28x28 images are the 8x8 ones in 3x3 blocks
+    monkeypatch.setenv("HVDX_DIGITS_PIXELS", "16")
+    with pytest.raises(ValueError, match="8 or 28"):
+        digits_as_mnist.load_data()
+    sys.modules.pop("digits_as_mnist")
+
+
 def test_summary_pairs_each_seed_with_horovods():
     runs = {"keras": {"horovod": [{"accuracy": 0.95, "seconds": 10}, {"accuracy": 0.97, "seconds": 12}],
                       "hitopk": [{"accuracy": 0.94, "seconds": 8}, {"accuracy": 0.98, "seconds": 9}]}}
     s = hx.summary(runs)["keras"]
-    assert s["horovod"]["points_vs_horovod"] == 0 and s["horovod"]["mean"] == pytest.approx(0.96)
+    assert s["horovod"]["points_vs_baseline"] == 0 and s["horovod"]["mean"] == pytest.approx(0.96)
     assert s["hitopk"]["paired_points"] == pytest.approx([-1.0, 1.0])
-    assert s["hitopk"]["points_vs_horovod"] == pytest.approx(0.0)
+    assert s["hitopk"]["points_vs_baseline"] == pytest.approx(0.0)
     assert (s["hitopk"]["min"], s["hitopk"]["max"], s["hitopk"]["mean_seconds"]) == (0.94, 0.98, 8.5)
+
+
+def test_without_horovod_the_methods_are_compared_with_hvdx_allreduce():
+    """On TensorFlow 2.16+ Horovod's own Keras callbacks fail: hvdx's dense step is the baseline."""
+    runs = {"keras": {"allreduce": [{"accuracy": 0.95, "seconds": 10}, {"accuracy": 0.97, "seconds": 12}],
+                      "hitopk": [{"accuracy": 0.93, "seconds": 8}, {"accuracy": 0.96, "seconds": 9}]}}
+    s = hx.summary(runs)["keras"]
+    assert hx.baseline(list(runs["keras"])) == "allreduce" and s["allreduce"]["points_vs_baseline"] == 0
+    assert s["hitopk"]["paired_points"] == pytest.approx([-2.0, -1.0])
+    assert s["hitopk"]["points_vs_baseline"] == pytest.approx(-1.5)
 
 
 def test_reuse_takes_the_other_methods_of_an_earlier_run_of_the_same_seeds_only(tmp_path):
@@ -80,7 +108,7 @@ def test_reuse_takes_the_other_methods_of_an_earlier_run_of_the_same_seeds_only(
                                   "hitopk": [{"accuracy": 0.8, "seconds": 1}] * 2}}}
     path = tmp_path / "earlier.json"
     path.write_text(json.dumps(earlier))
-    args = hx.argparse.Namespace(reuse=path, **earlier["args"])
+    args = hx.argparse.Namespace(reuse=path, pixels=28, **earlier["args"])  # an earlier run without --pixels: 28
     reused = hx.reused_runs(args, ["keras"], ["hitopk"])
     assert reused == {"keras": {"horovod": earlier["runs"]["keras"]["horovod"]}}
     assert list(reused["keras"]) == ["horovod"]  # only the methods this run does not make

@@ -179,9 +179,10 @@ def test_lars_under_a_sparse_strategy_gets_local_trust_and_momentum_correction_b
                                          communication="hitopk").local_trust_ratio
 
 
-def test_lamb_under_a_sparse_strategy_gets_the_adam_density_warmup_by_default(one_rank):
+def test_lamb_under_a_sparse_strategy_gets_a_density_warmup_from_a_quarter_by_default(one_rank):
     opt = hvdx.DistributedOptimizer(LAMB(0.01), communication="hitopk")
-    assert opt.communication.warmup_steps == 100 and not opt.local_trust_ratio
+    assert (opt.communication.warmup_steps, opt.communication.warmup_density) == (100, 0.25)
+    assert not opt.local_trust_ratio
     assert hvdx.DistributedOptimizer(LAMB(0.01), communication="hitopk", warmup_steps=0).communication.warmup_steps == 0
 
 

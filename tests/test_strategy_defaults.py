@@ -68,10 +68,14 @@ ADAM = OptimizerTraits(adaptive=True)
     (CLASSIC_LARS, {"density": 0.05, "local_trust_ratio": True}, {}),
     (CLASSIC_LARS, {"density": 0.005, "local_trust_ratio": True}, {"momentum": 0.9}),
     (OptimizerTraits(momentum=0.9, trust_ratio="step"), {}, {}),
-    (ADAM, {}, {"warmup_steps": 100}),
-    (ADAM, {"density": 0.25}, {}),
+    (ADAM, {}, {"warmup_steps": 200, "warmup_density": 1.0}),  # the Adam family: from dense
+    (ADAM, {"density": 0.25}, {"warmup_steps": 200, "warmup_density": 1.0}),
+    (ADAM, {"density": 1.0}, {}),  # dense already: nothing to warm up
     (ADAM, {"warmup_steps": 0}, {}),
-    (OptimizerTraits(adaptive=True, trust_ratio="step"), {}, {"warmup_steps": 100}),
+    (ADAM, {"warmup_density": 0.5}, {"warmup_steps": 200}),  # the user's start, the rule's length
+    (ADAM, {"warmup_density": 0.5, "density": 0.5}, {}),
+    (OptimizerTraits(adaptive=True, trust_ratio="step"), {}, {"warmup_steps": 100, "warmup_density": 0.25}),
+    (OptimizerTraits(adaptive=True, trust_ratio="step"), {"density": 0.25}, {}),  # LAMB: from 25 %
     (OptimizerTraits(), {}, {}),
     (SGD, {"density": "dense"}, {}),  # a bad density: the constructor says so
 ])
@@ -89,7 +93,7 @@ def test_the_constants_moved_with_the_rules_and_stay_importable_from_the_optimiz
     from hvdx.comm import sparse
     from hvdx.optimizer import ADAM_WARMUP_STEPS, AUTO_MOMENTUM_CORRECTION_DENSITY, LARS_MOMENTUM_CORRECTION_DENSITY
 
-    assert (AUTO_MOMENTUM_CORRECTION_DENSITY, LARS_MOMENTUM_CORRECTION_DENSITY, ADAM_WARMUP_STEPS) == (0.1, 0.01, 100)
+    assert (AUTO_MOMENTUM_CORRECTION_DENSITY, LARS_MOMENTUM_CORRECTION_DENSITY, ADAM_WARMUP_STEPS) == (0.1, 0.01, 200)
     assert sparse.ADAM_WARMUP_STEPS == ADAM_WARMUP_STEPS
     from hvdx.aggregator import default_communication
 
@@ -120,13 +124,13 @@ def test_a_choice_is_frozen_and_a_switch_keeps_the_given_options_and_applies_the
     with pytest.raises(AttributeError):
         choice.communication = "allreduce"
     built = choice.build()
-    assert built.density == 0.05 and built.warmup_steps == 100
+    assert built.density == 0.05 and built.warmup_steps == 200 and built.warmup_density == 1.0
     dense = choice.switch("2dtar").build(strict=False)
     assert repr(dense) == "Hierarchical()"
     with pytest.raises(ValueError, match="does not take density"):
         choice.switch("2dtar").build()
     again = choice.switch("naiveag")
-    assert again.communication == "sparse_allgather" and again.build(strict=False).warmup_steps == 100
+    assert again.communication == "sparse_allgather" and again.build(strict=False).warmup_steps == 200
     assert choice.switch("hitopk", traits=OptimizerTraits()).build().warmup_steps == 0  # the optimizer's traits now
     with pytest.raises(ValueError, match="unknown communication strategy"):
         choice.switch("ring")
