@@ -9,9 +9,12 @@ and poorly connected between each other.
     model.fit(..., callbacks=[hvdx.adpsgd.ADPSGDCallback(topology="exponential")])   # AD-PSGD
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
-With Keras 3 as tf.keras (the user's choice, `TF_USE_LEGACY_KERAS=0`), `hvdx.init()`,
-`hvdx.DistributedGradientTape` and `hvdx.broadcast_variables` work in a custom training
-loop; the Keras integration raises `hvdx.legacy_keras.Keras3Error` (docs/keras3.md).
+`hvdx.DistributedOptimizer(keras.optimizers.SGD(...))` wraps a Keras 3 optimizer (`import
+keras`, beside tf.keras's tf_keras) for a Keras 3 model's `fit` (hvdx/keras3_optimizer.py).
+With Keras 3 as tf.keras (the user's choice, `TF_USE_LEGACY_KERAS=0`),
+`hvdx.keras3_optimizer.DistributedOptimizer`, `hvdx.init()`, `hvdx.DistributedGradientTape`
+and `hvdx.broadcast_variables` work; the Keras 2 integration raises
+`hvdx.legacy_keras.Keras3Error` (docs/keras3.md).
 
 The package is lazy: `import hvdx` imports no TensorFlow and no Horovod; each name below is
 imported on first use (PEP 562), so the parts that need neither (the launchers of

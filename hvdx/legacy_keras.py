@@ -13,6 +13,7 @@ variable too and fails without tf_keras); where TensorFlow is imported already, 
 tf.keras at once, unless the user chose Keras 3 (`keras3_chosen`: the variable set to
 another value). `require_keras2()` raises `Keras3Error` where tf.keras is Keras 3, saying
 what to do; the Keras wrappers call it before they use tf.keras. Under Keras 3,
+`hvdx.keras3_optimizer.DistributedOptimizer` wraps a Keras 3 optimizer for `Model.fit`, and
 `hvdx.init()`, `hvdx.DistributedGradientTape` and `hvdx.broadcast_variables` work in a
 custom training loop (docs/keras3.md). Importing this module imports no TensorFlow
 (`import hvdx` stays light).
@@ -37,7 +38,8 @@ _checked = False  # the running TensorFlow's tf.keras passed `require_keras2`
 
 
 #: What works under Keras 3 (docs/keras3.md), for the messages.
-KERAS3_NATIVE = "hvdx.init(), hvdx.DistributedGradientTape and hvdx.broadcast_variables in a custom training loop"
+KERAS3_NATIVE = ("hvdx.keras3_optimizer.DistributedOptimizer around a Keras 3 optimizer in Model.fit, and hvdx.init(), "
+                 "hvdx.DistributedGradientTape and hvdx.broadcast_variables in a custom training loop")
 
 
 class Keras3Error(ImportError):

@@ -11,6 +11,11 @@ for the wrapped optimizer's traits (`hvdx.comm.traits`, `Strategy.defaults_for`)
 Aggregation runs at Keras' gradient-aggregation hook (`aggregate_gradients`), which a
 LossScaleOptimizer (mixed precision) calls before its finiteness check: every rank decides
 on the same averaged gradients, so no rank skips a step the others take.
+
+This is the Keras 2 (tf.keras, tf_keras) adapter: `DistributedOptimizer(optimizer)` with a
+Keras 3 optimizer (`import keras`, `hvdx.wrapper_core.is_keras3_optimizer`) returns the Keras
+3 adapter's wrapper instead (`hvdx/keras3_optimizer.py`); what both share is
+`hvdx/wrapper_core.py`.
 """
 from __future__ import annotations
 
@@ -22,20 +27,17 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import comm
-from hvdx.accumulation import aggregate_passes, local_accumulator
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
-from hvdx.buckets import AggregationObserver
 from hvdx.comm import sparse
-from hvdx.comm.base import HOROVOD_OPTIONS
-from hvdx.comm.allreduce import OP_NAMES
-from hvdx.comm.traits import OptimizerTraits, plain_number, traits_of
-from hvdx.optimizers import lars
+from hvdx.comm.traits import traits_of
 from hvdx.wrapped import Momentum, check_not_horovods, subclass_for
+from hvdx.wrapper_core import (WrapperCore, arguments_from_config, check_name, is_keras3_optimizer,
+                               is_keras3_variable, residual_state, restore_residuals)
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
 _KERAS_OPTIMIZERS = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
-_COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
+_EXAMPLE = "tf.keras.optimizers.SGD(lr, momentum=0.9)"  # an optimizer whose momentum the wrapper corrects
 
 
 class _CallableList(list):
@@ -47,13 +49,6 @@ class _CallableList(list):
 
 def _is_legacy(optimizer) -> bool:
     return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer)
-
-
-def _compression_name(compression) -> str:
-    for name, value in _COMPRESSIONS.items():
-        if compression is value:
-            return name
-    raise ValueError(f"compression {compression!r} cannot be saved in a config (only none and fp16 can)")
 
 
 @tf.keras.utils.register_keras_serializable(package="hvdx")
@@ -101,8 +96,8 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         the strategy decides the aids for the wrapped optimizer's traits
         (`hvdx.comm.traits.traits_of`, `Strategy.defaults_for`); for the sparse strategies
         (`hvdx.comm.sparse.TopKStrategy.defaults_for`): momentum correction for Keras' SGD
-        with a momentum (not Nesterov) at density <= 0.1, a 100-step density warm-up for the
-        Adam family and LAMB at density < 0.25, LARS' local trust ratio (classic momentum) at
+        with a momentum (not Nesterov) at density <= 0.1, a 200-step density warm-up from dense
+        for the Adam family (100 steps from 25 % for LAMB), LARS' local trust ratio (classic momentum) at
         density <= 0.1 with momentum correction up to 0.01 (measured, docs/comm.md). A
         strategy instance gets no defaults.
 
@@ -116,6 +111,12 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
     averages_gradients_every_step = True  # hvdx.wrapped.SYNCHRONOUS_MARKER: asynchronous methods refuse it
 
     def __new__(cls, optimizer=None, *args, **kwargs):
+        if is_keras3_optimizer(optimizer) and vars(cls).get("_hvdx_wrapper", cls) is DistributedOptimizer:
+            # A Keras 3 optimizer takes the Keras 3 path (hvdx/keras3_optimizer.py): an instance of
+            # that wrapper, built here (not an instance of this class, so Python does not __init__ it).
+            from hvdx import keras3_optimizer
+
+            return keras3_optimizer.DistributedOptimizer(optimizer, *args, **kwargs)
         # An instance of the wrapped optimizer's class, as Horovod's wrapper (hvdx.wrapped).
         made = subclass_for(cls, type(optimizer))
         if not issubclass(made, cls):
@@ -132,9 +133,12 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  bucket_bytes: Union[int, None, str] = AUTO_BUCKET_BYTES, momentum_correction: Optional[bool] = None,
                  local_trust_ratio: Optional[bool] = None, trust_norms: str = "average",
                  **strategy_options: Any) -> None:
-        if isinstance(name, comm.Strategy) or comm.is_name(name):
-            raise ValueError(f"the second argument is the optimizer's name (Horovod's order); pass the strategy "
-                             f"as communication={name!r}")
+        check_name(name)
+        if is_keras3_optimizer(optimizer):  # reached by a subclass (DASO): hvdx.DistributedOptimizer takes it
+            raise ValueError(f"{type(self).__name__} wraps a tf.keras (Keras 2, tf_keras) optimizer; got the Keras 3 "
+                             f"{type(optimizer).__name__} ({type(optimizer).__module__}), which only "
+                             "hvdx.DistributedOptimizer takes so far (docs/keras3.md): pass "
+                             f"tf.keras.optimizers.{type(optimizer).__name__}(...) and a tf.keras model")
         if not isinstance(optimizer, _KERAS_OPTIMIZERS):
             hint = ("; a tf.compat.v1.train optimizer is wrapped by hvdx.tensorflow.DistributedOptimizer"
                     if isinstance(optimizer, tf.compat.v1.train.Optimizer) else "")
@@ -144,39 +148,23 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
         check_not_horovods(optimizer, "hvdx.DistributedOptimizer")
-        if strategy_options.get("momentum") is not None:  # the strategy's momentum is the wrapped optimizer's
-            raise ValueError("hvdx.DistributedOptimizer takes momentum_correction=True, not momentum=: the strategy "
-                             "then accumulates the wrapped optimizer's own momentum (DGC's momentum correction; a "
-                             "strategy instance, e.g. hvdx.comm.HiTopK(momentum=0.9), takes it directly)")
         self._ready = False
         tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
-        traits = traits_of(optimizer)
-        _check_local_trust_ratio(local_trust_ratio, optimizer, traits)
-        if trust_norms not in lars.NORMS:
-            raise ValueError(f"trust_norms must be one of {', '.join(map(repr, lars.NORMS))}, got {trust_norms!r}")
-        self._trust_norms = trust_norms
-        momentum = _corrected_momentum(optimizer, momentum_correction)
-        self._aggregator = GradientAggregator(
-            communication, bucket_bytes=bucket_bytes, op=op, gradient_predivide_factor=gradient_predivide_factor,
-            compression=compression, sparse_as_dense=sparse_as_dense, process_set=process_set,
-            groups=groups, num_groups=num_groups,
-            scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
-            traits=traits, wrapper_aids=dict(momentum_correction=momentum_correction,
-                                             local_trust_ratio=local_trust_ratio),
-            **strategy_options, **({} if momentum is None else {"momentum": momentum}))
+        self._core = WrapperCore(
+            optimizer, traits_of(optimizer), example=_EXAMPLE, device_dense=device_dense,
+            device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups, groups=groups,
+            process_set=process_set, scale_local_gradients=scale_local_gradients, communication=communication,
+            bucket_bytes=bucket_bytes, momentum_correction=momentum_correction,
+            local_trust_ratio=local_trust_ratio, trust_norms=trust_norms, **strategy_options)
+        # Tracked by Keras: tf.train.Checkpoint and SavedModel carry the residuals and the accumulation's sums
+        self._aggregator = self._core.aggregator
+        self._agg_helper = self._core.accumulator  # Horovod's name (its tests read `_agg_helper.counter`)
         self._check_momentum_correction()
-        self._local_trust = self._resolve_local_trust(strict=True)
-        self._agg_helper = local_accumulator(backward_passes_per_step, average_aggregated_gradients)
-        self._horovod_config = dict(
-            device_dense=device_dense, device_sparse=device_sparse, compression=_compression_name(compression)
-            if compression in _COMPRESSIONS.values() else None, sparse_as_dense=bool(sparse_as_dense),
-            gradient_predivide_factor=float(gradient_predivide_factor),
-            op=OP_NAMES[op], backward_passes_per_step=self._agg_helper.passes if self._agg_helper else 1,
-            average_aggregated_gradients=bool(average_aggregated_gradients),
-            num_groups=self._aggregator.num_groups,
-            scale_local_gradients=bool(scale_local_gradients))
         self._just_aggregated: Optional[List[Any]] = None
         self._ready = True
 
@@ -200,28 +188,14 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         wrapped optimizer (momentum correction, the Adam density warm-up, LARS' local trust
         ratio), as if it had been the first, unless the constructor's arguments said
         otherwise (`hvdx.comm.choice.StrategyChoice.switch`)."""
-        self._aggregator.switch(communication, traits_of(self._optimizer))
+        self._core.switch(communication, traits_of(self._optimizer))
         self._check_momentum_correction()
-        self._local_trust = self._resolve_local_trust(strict=False)
 
     @property
     def local_trust_ratio(self) -> bool:
         """Whether the wrapped LARS' trust ratio is applied to each rank's gradient before the
         strategy (on only while the strategy is a sparse one)."""
-        return self._local_trust
-
-    def _resolve_local_trust(self, strict: bool) -> bool:
-        """local_trust_ratio with the current strategy: as given, else the strategy's default
-        (`StrategyChoice.aid`), on only with a lossy strategy; `strict`: an explicit True with
-        a dense one is refused (ValueError)."""
-        on = self._aggregator.choice.aid("local_trust_ratio")
-        if on and not self._aggregator.strategy.lossy:
-            if strict:
-                raise ValueError(f"local_trust_ratio=True applies LARS' trust ratio before a sparse strategy; "
-                                 f"{self._aggregator.strategy!r} is dense (the trust ratio is applied after it "
-                                 "anyway): leave local_trust_ratio unset, or use communication='hitopk'")
-            return False
-        return on
+        return self._core.local_trust
 
     def _check_momentum_correction(self) -> None:
         """A strategy with momentum correction needs a wrapped optimizer whose momentum the
@@ -251,19 +225,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
     # -- the step ----------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
     def _aggregate(self, grads: Sequence[Any], variables: Sequence[Any]) -> List[Any]:
-        return aggregate_passes(self._agg_helper, self._aggregate_and_observe, grads, variables)
-
-    def _aggregate_and_observe(self, grads: List[Any], variables: List[Any]) -> List[Any]:
-        """The aggregated gradients; the aggregation's record goes to a wrapped
-        `AggregationObserver` (LARS / LAMB compute their layer norms on the strategy's
-        reduce-scattered slices)."""
-        if self._local_trust:  # LARS' eq. 11 on this rank's gradient, before the strategy accumulates it
-            grads = self._optimizer.local_trusted(list(grads), list(variables), norms=self._trust_norms,
-                                                  process_set=self._aggregator.process_set)
-        aggregated = self._aggregator(grads, variables)
-        if isinstance(self._optimizer, AggregationObserver) and self._aggregator.last_aggregation is not None:
-            self._optimizer.observe_aggregation(self._aggregator.last_aggregation)
-        return aggregated
+        return self._core.aggregate(grads, variables)
 
     @tf.autograph.experimental.do_not_convert
     def compute_gradients(self, loss, var_list, tape=None, grad_loss=None):
@@ -308,6 +270,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
         if not grads_and_vars:  # nothing to apply (no trainable variables, or no gradients)
             return None
+        _check_keras2_variables(self._optimizer, [v for _, v in grads_and_vars])
         aggregate = kwargs.pop("experimental_aggregate_gradients", True) and not skip_gradients_aggregation
         if aggregate:
             grads_and_vars = self.aggregate_gradients(grads_and_vars)
@@ -315,7 +278,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         # Momentum correction (DGC): the strategy accumulated the velocity, so the wrapped
         # optimizer applies the aggregate without a momentum of its own.
         corrected = bool(getattr(self._aggregator.strategy, "momentum", 0.0))
-        trusted = self._optimizer.trust_applied(True) if self._local_trust else contextlib.nullcontext()
+        trusted = self._optimizer.trust_applied(True) if self._core.local_trust else contextlib.nullcontext()
         if self._agg_helper is None:
             with self._momentum.read_by_step(zero=corrected), trusted:  # the step reads the momentum variable
                 return self._apply(grads_and_vars)
@@ -341,6 +304,7 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
     # -- state -------------------------------------------------------------------------
     def build(self, var_list):
         """Builds the wrapped optimizer's state, and the residuals once hvdx.init() has run."""
+        _check_keras2_variables(self._optimizer, var_list)
         if _is_legacy(self._optimizer):
             self._optimizer._create_all_weights(var_list)
         else:
@@ -379,25 +343,15 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
         if _is_legacy(self._optimizer):
             for i, value in enumerate(self.get_weights()):
                 store[f"inner.{i}"] = value
-        for m, memory in enumerate(self._aggregator._memories):
-            for key, value in memory.state().items():
-                store[f"m{m}.{memory.name}.{key}"] = value
+        for key, value in residual_state(self._aggregator).items():
+            store[key] = value
 
     def load_own_variables(self, store):
         keys = list(store.keys())
         inner = sorted((k for k in keys if k.startswith("inner.")), key=lambda k: int(k.split(".")[1]))
         if inner:
             self.set_weights([store[k][...] for k in inner])
-        by_memory: dict = {}
-        for key in keys:
-            if key.startswith("inner."):
-                continue
-            m, memory_name, item = key.split(".", 2)
-            by_memory.setdefault((int(m[1:]), memory_name), {})[item] = store[key][...]
-        memories = self._aggregator._memories
-        for (m, memory_name), state in sorted(by_memory.items()):
-            if m < len(memories) and memories[m].name == memory_name:
-                memories[m].restore(state)
+        restore_residuals(self._aggregator, [k for k in keys if not k.startswith("inner.")], lambda k: store[k][...])
 
     @property
     def iterations(self):
@@ -430,38 +384,15 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
             self._optimizer.learning_rate = value
 
     def get_config(self):
-        if self._horovod_config["compression"] is None:
-            raise ValueError("an optimizer with a custom compression cannot be serialised")
-        config = {"optimizer": tf.keras.optimizers.serialize(self._optimizer), "name": self.name,
-                  **self._horovod_config}
-        if self._aggregator.groups_are_variables:
-            config["num_groups"] = 0  # variable groups cannot be saved: one bucket on reload
-        config.update(self._aggregator.config)
-        strategy = self._aggregator.strategy
-        if strategy.lossy:  # explicit, so that a reload does not apply other defaults
-            config["momentum_correction"] = bool(getattr(strategy, "momentum", 0.0))
-            config["local_trust_ratio"] = self._local_trust
-            config["trust_norms"] = self._trust_norms
-        config.update(self._aggregator.choice.pinned(strategy, config))
-        return config
+        """The wrapped optimizer's config, the name, Horovod's and hvdx's options, the strategy
+        pinned (`hvdx.wrapper_core.WrapperCore.config`)."""
+        return {"optimizer": tf.keras.optimizers.serialize(self._optimizer), "name": self.name, **self._core.config()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
-        config = copy.deepcopy(config)  # never mutate the caller's dict (Keras' deserialize would)
-        config["optimizer"] = tf.keras.optimizers.deserialize(config["optimizer"], custom_objects=custom_objects)
-        config["compression"] = _COMPRESSIONS[config.get("compression") or "none"]
-        config["op"] = {name: op for op, name in OP_NAMES.items()}[config.get("op") or "Average"]
-        if config.get("wire_dtype") is not None:
-            config["wire_dtype"] = tf.as_dtype(config["wire_dtype"])
-        optimizer = config.pop("optimizer")
-        # A strategy with momentum correction saved its momentum (the wrapper takes
-        # momentum_correction, not momentum=): it is rebuilt from its config, an instance.
-        strategy = comm.strategy_class(config.get("communication") or "allreduce")
-        if "momentum" in config and "momentum" in strategy.options:
-            config.pop("momentum_correction", None)  # the instance carries its momentum
-            config["communication"] = strategy.from_config(
-                {k: config.pop(k) for k in strategy.options if k in config and k not in HOROVOD_OPTIONS})
-        return cls(optimizer, **config)
+        # never mutate the caller's dict (Keras' deserialize would): arguments_from_config copies
+        optimizer = tf.keras.optimizers.deserialize(copy.deepcopy(config["optimizer"]), custom_objects=custom_objects)
+        return cls(optimizer, **arguments_from_config(config))
 
 
 #: Re-exported: the sparse strategies' default rules (`hvdx.comm.sparse.TopKStrategy.defaults_for`).
@@ -470,44 +401,15 @@ LARS_MOMENTUM_CORRECTION_DENSITY = sparse.LARS_MOMENTUM_CORRECTION_DENSITY
 ADAM_WARMUP_STEPS = sparse.ADAM_WARMUP_STEPS
 
 
-def _corrected_momentum(optimizer, momentum_correction: Optional[bool]) -> Optional[float]:
-    """The momentum the strategy accumulates with when momentum_correction=True is given (DGC's
-    momentum correction): the wrapped optimizer's own, which the wrapper then sets to 0 in
-    its step; None when not asked.
-
-    Raises:
-      ValueError: momentum_correction is not True, False or None; True for an optimizer whose
-        momentum is not a number in (0, 1), or is Nesterov's.
-    """
-    if momentum_correction is not None and not isinstance(momentum_correction, bool):
-        raise ValueError(f"momentum_correction must be True or False, got {momentum_correction!r}")
-    if not momentum_correction:
-        return None
-    number = getattr(optimizer, "momentum", None)
-    if plain_number(number) is None or not 0 < number < 1 or getattr(optimizer, "nesterov", False):
-        raise ValueError(f"momentum_correction=True moves the momentum of an SGD-like optimizer into the sparse "
-                         f"strategy (DGC); {type(optimizer).__name__} has momentum={number!r}"
-                         f"{' with nesterov=True' if getattr(optimizer, 'nesterov', False) else ''}. Use e.g. "
-                         "tf.keras.optimizers.SGD(lr, momentum=0.9), or leave momentum_correction off")
-    return float(number)
-
-
-def _check_local_trust_ratio(given: Optional[bool], optimizer, traits: OptimizerTraits) -> None:
-    """local_trust_ratio as given: None, True or False; True only for an optimizer whose
-    trust ratio measures the gradient (hvdx's LARS with classic momentum).
-
-    Raises:
-      ValueError: naming the fix.
-    """
-    if given is None:
-        return
-    if not isinstance(given, bool):
-        raise ValueError(f"local_trust_ratio must be True, False or None (the default), got {given!r}")
-    if given and traits.trust_ratio != "gradient":
-        classic = " with classic_momentum=False" if hasattr(optimizer, "classic_momentum") else ""
-        raise ValueError(f"local_trust_ratio=True applies LARS' trust ratio (eq. 11) to each rank's gradient; "
-                         f"{type(optimizer).__name__}{classic} has none to apply there: use "
-                         "hvdx.optimizers.LARS(..., classic_momentum=True), or leave local_trust_ratio unset")
+def _check_keras2_variables(optimizer, variables) -> None:
+    """Raises ValueError when a tf.keras (Keras 2) optimizer is given a Keras 3 model's variables
+    (`import keras` models on TensorFlow 2.16+): the mix hvdx cannot serve, named with its fix."""
+    mixed = next((v for v in variables if is_keras3_variable(v)), None)
+    if mixed is not None:
+        raise ValueError(f"hvdx.DistributedOptimizer wraps the tf.keras (Keras 2) {type(optimizer).__name__}, but the "
+                         f"variable {getattr(mixed, 'path', None) or mixed.name} is a Keras 3 one (a model built with "
+                         f"`import keras`): wrap a Keras 3 optimizer instead, hvdx.DistributedOptimizer("
+                         f"keras.optimizers.{type(optimizer).__name__}(...)), or build the model with tf.keras")
 
 
 def PartialDistributedOptimizer(optimizer, name: Optional[str] = None, local_layers=None, **kwargs):

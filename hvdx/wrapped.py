@@ -38,13 +38,11 @@ legacy_keras.require_keras2(tf, what="hvdx's Keras integration (DistributedOptim
                                      "the Keras callbacks, load_model, hvdx.keras, hvdx.tensorflow)")
 
 from hvdx.optimizers.lars import LARS  # noqa: E402
+from hvdx.wrapper_core import passing_subclass  # noqa: E402
 
 __all__ = ["Momentum", "SYNCHRONOUS_MARKER", "check_not_horovods", "check_not_synchronous", "is_horovods",
            "is_synchronous", "subclass_for"]
 
-# Class attributes that make up the class itself, never copied into a subclass.
-_STRUCTURAL = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__",
-                         "__annotations__", "__abstractmethods__", "_abc_impl", "__orig_bases__", "__parameters__"})
 # Optimizers whose step reads `self.momentum` through TensorFlow ops only (a variable works
 # there); RMSprop, e.g., branches on `self.momentum > 0` in Python.
 _TENSOR_MOMENTUM = (tf.keras.optimizers.SGD, LARS)
@@ -123,19 +121,6 @@ def check_not_horovods(optimizer, wrapper: str, why: str = "its gradients would 
                          f"{wrapper}({example}, ...)")
 
 
-class _FromWrapped:
-    """An attribute the wrapped optimizer's class adds to Keras' Optimizer: read from the
-    wrapped optimizer (`inner_optimizer`), never run on the wrapper's state."""
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-
-    def __get__(self, instance, owner=None):
-        if instance is None:
-            return getattr(owner._hvdx_wrapped_class, self._name)
-        return getattr(instance.inner_optimizer, self._name)
-
-
 def subclass_for(wrapper: type, wrapped: type) -> type:
     """The class of a `wrapper` instance that wraps a `wrapped` instance: `wrapper` itself
     unless `wrapped` is a new-style Keras optimizer (and no wrapper), else the subclass of
@@ -153,20 +138,7 @@ def subclass_for(wrapper: type, wrapped: type) -> type:
 
 
 def _make(wrapper: type, wrapped: type) -> type:
-    shared = [k for k in wrapper.__mro__ if k in wrapped.__mro__]  # Keras' Optimizer and its bases
-    own = [k for k in wrapper.__mro__ if k not in shared]
-    namespace = {"__module__": wrapper.__module__, "__qualname__": wrapper.__qualname__, "__doc__": wrapper.__doc__,
-                 "_hvdx_wrapper": wrapper, "_hvdx_wrapped_class": wrapped}
-    for klass in wrapped.__mro__:  # the wrapped class's own attributes, most derived first
-        if klass in shared:
-            continue
-        for name, value in vars(klass).items():
-            if name in namespace or name in _STRUCTURAL or not hasattr(value, "__get__") \
-                    or any(name in vars(k) for k in own):  # plain data, or the wrapper's own: as they are
-                continue
-            base = next((k for k in shared if name in vars(k)), None)
-            namespace[name] = vars(base)[name] if base is not None else _FromWrapped(name)
-    made = type(wrapper.__name__, (wrapper, wrapped), namespace)
+    made = passing_subclass(wrapper, wrapped)
     registered = tf.keras.utils.get_registered_name(wrapper)
     if ">" in registered:  # saved as the wrapper (whose from_config makes the subclass again)
         package, name = registered.split(">", 1)

@@ -26,8 +26,9 @@ LAYERS: List[List[str]] = [
     ["hvdx.comm"],
     # what aggregates buckets of gradients; the layer-wise optimizers that read the aggregation
     ["hvdx.buckets", "hvdx.aggregator", "hvdx.optimizers"],
-    # the wrappers of Horovod's API
-    ["hvdx.wrapped", "hvdx.optimizer", "hvdx.optimizer_v1", "hvdx.tape", "hvdx.loading"],
+    # the wrappers of Horovod's API (the optimizer's Keras-neutral core and its Keras 3 adapter among them)
+    ["hvdx.wrapped", "hvdx.optimizer", "hvdx.optimizer_v1", "hvdx.tape", "hvdx.loading", "hvdx.wrapper_core",
+     "hvdx.keras3_optimizer"],
     # the protocol of the methods beside the synchronous step
     ["hvdx.lifecycle"],
     # the methods

@@ -1,0 +1,304 @@
+"""hvdx.DistributedOptimizer around a Keras 3 optimizer (hvdx/keras3_optimizer.py), on the
+default stack, where `import keras` is Keras 3 while tf.keras is tf_keras (Keras 2): both
+Keras in one process, the path chosen by the optimizer given.
+
+On one rank averaging is the identity, so a Keras 3 model trained by `fit` through the wrapper
+ends with the weights the unwrapped optimizer gives, with every strategy (the sparse ones at
+density 1.0), and `backward_passes_per_step` equals Keras 3's own gradient accumulation;
+momentum correction moves SGD's momentum into the strategy (so at density 1.0 with masking
+the step is plain SGD: the wrapped momentum must be zeroed); the wrapper passes for the
+wrapped class; its config and a `.keras` archive round trip, residuals included; and the
+mixes hvdx cannot serve fail saying what to do. On 2 nodes x 2 ranks
+(tests/multirank/check_optimizer.py's `keras3_fit`) every rank ends with the same weights
+and learns the digits. Skipped where Keras 3 is absent (the tf2.15 stack)."""
+import importlib.metadata
+import os
+import subprocess
+import sys
+
+import horovod.tensorflow as hvd
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import hvdx
+from hvdx import legacy_keras
+from tests import harness, suite
+
+TF = tuple(int(p) for p in tf.__version__.split(".")[:2])
+KERAS = importlib.metadata.version("keras")
+HAS_KERAS3 = TF >= legacy_keras.KERAS3_SINCE and int(KERAS.split(".")[0]) >= 3
+keras3 = pytest.mark.skipif(not HAS_KERAS3, reason=f"no Keras 3: TensorFlow {tf.__version__} with the keras package "
+                                                   f"{KERAS} (Keras 3 is `import keras` from TensorFlow 2.16 on)")
+pytestmark = keras3
+
+if HAS_KERAS3:
+    import keras
+    from hvdx import keras3_optimizer
+
+STRATEGIES = {"allreduce": {}, "hierarchical": {}, "hitopk": {"density": 1.0}, "sparse_allgather": {"density": 1.0}}
+OPTIMIZERS = {"sgd": lambda **kw: keras.optimizers.SGD(0.1, momentum=0.9, **kw),
+              "adam": lambda **kw: keras.optimizers.Adam(0.01, **kw)}
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    return hvdx.init()
+
+
+def data(n: int = 64):
+    rng = np.random.default_rng(0)
+    return rng.standard_normal((n, 8)).astype(np.float32), (np.arange(n) % 3).astype(np.int32)
+
+
+def make_model(embedding: bool = False):
+    """A small Keras 3 model with the same initial weights every time (an Embedding's
+    gradient is an IndexedSlices)."""
+    if embedding:
+        layers = [keras.Input((4,), dtype="int32"), keras.layers.Embedding(20, 6), keras.layers.Flatten(),
+                  keras.layers.Dense(3)]
+    else:
+        layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+    model = keras.Sequential(layers)
+    rng = np.random.default_rng(1)
+    model.set_weights([rng.standard_normal(w.shape).astype(np.float32) * 0.3 for w in model.get_weights()])
+    return model
+
+
+def fit(optimizer, epochs: int = 2, embedding: bool = False):
+    """The trained model's weights (and the model) after `fit` with `optimizer`, no shuffling."""
+    x, y = data()
+    if embedding:
+        x = (np.abs(x[:, :4]) * 5).astype(np.int32) % 20
+    model = make_model(embedding)
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0)
+    return [w.copy() for w in model.get_weights()], model, history.history["loss"]
+
+
+def assert_same_weights(got, want):
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("communication", sorted(STRATEGIES))
+def test_fit_with_every_strategy_gives_the_unwrapped_optimizers_weights_on_one_rank(one_rank, kind, communication):
+    want, _, _ = fit(OPTIMIZERS[kind]())
+    opt = hvdx.DistributedOptimizer(OPTIMIZERS[kind](), communication=communication, **STRATEGIES[communication])
+    got, model, losses = fit(opt)
+    assert type(opt).__module__ == "hvdx.keras3_optimizer" and model.optimizer is opt
+    assert losses[-1] < losses[0]
+    assert int(opt.iterations.numpy()) == 8  # 2 epochs x 4 batches, counted by the wrapped optimizer
+    assert_same_weights(got, want)
+    assert not any(np.array_equal(g, w) for g, w in zip(got, make_model().get_weights()))  # it trained
+
+
+def test_momentum_correction_zeroes_the_wrapped_momentum(one_rank):
+    """DGC at density 1.0 with momentum masking sends each step's gradient and clears the
+    velocity it sent: the step is plain SGD only if the wrapped SGD's momentum is zeroed."""
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), communication="hitopk", density=1.0,
+                                    momentum_correction=True)
+    assert opt.communication.momentum == 0.9 and opt.get_config()["momentum_correction"] is True
+    got, _, _ = fit(opt)
+    assert opt.momentum == 0.9  # restored after the step
+    assert_same_weights(got, fit(keras.optimizers.SGD(0.1))[0])
+    with_momentum, _, _ = fit(keras.optimizers.SGD(0.1, momentum=0.9))
+    assert not all(np.allclose(g, w, atol=1e-4) for g, w in zip(got, with_momentum))
+
+
+def test_the_sparse_strategies_default_to_momentum_correction_for_keras3_sgd(one_rank):
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), communication="hitopk", density=0.05)
+    assert opt.communication.momentum == 0.9
+    adam = hvdx.DistributedOptimizer(keras.optimizers.Adam(0.01), communication="hitopk", density=0.05)
+    assert getattr(adam.communication, "momentum", 0.0) == 0.0 and adam.communication.warmup_steps > 0
+    _, model, losses = fit(opt, epochs=4)
+    assert losses[-1] < losses[0] and opt.aggregator.residuals
+
+
+def test_backward_passes_per_step_is_keras3s_gradient_accumulation(one_rank):
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2,
+                                    average_aggregated_gradients=True)
+    got, _, _ = fit(opt)
+    assert int(opt.iterations.numpy()) == 8 and int(opt._agg_helper.counter.numpy()) == 0
+    assert_same_weights(got, fit(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2))[0])
+
+
+@pytest.mark.parametrize("sparse_as_dense", [False, True])
+def test_embedding_gradients_with_and_without_sparse_as_dense(one_rank, sparse_as_dense):
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1), sparse_as_dense=sparse_as_dense, num_groups=2)
+    got, _, _ = fit(opt, embedding=True)
+    assert_same_weights(got, fit(keras.optimizers.SGD(0.1), embedding=True)[0])
+
+
+def test_local_layers_and_fp16_compression(one_rank):
+    """PartialDistributedOptimizer's local layers (not aggregated; on one rank divided by 1) and
+    Horovod's fp16 compression (16-bit values on the wire: close, not equal) on the Keras 3 path."""
+    model = make_model()
+    opt = hvdx.PartialDistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), local_layers=[model.layers[0]],
+                                           communication="hierarchical")
+    assert type(opt).__module__ == "hvdx.keras3_optimizer"
+    got, _, _ = fit(opt)
+    assert_same_weights(got, fit(keras.optimizers.SGD(0.1, momentum=0.9))[0])
+    fp16 = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), compression=hvd.Compression.fp16)
+    assert fp16.get_config()["compression"] == "fp16"
+    got, _, losses = fit(fp16)
+    assert losses[-1] < losses[0]
+    for g, w in zip(got, fit(keras.optimizers.SGD(0.1, momentum=0.9))[0]):
+        np.testing.assert_allclose(g, w, rtol=0.05, atol=0.01)
+
+
+def test_the_wrapper_passes_for_the_wrapped_optimizer(one_rank):
+    inner = keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = hvdx.DistributedOptimizer(inner, communication="hierarchical")
+    assert isinstance(opt, keras.optimizers.SGD) and isinstance(opt, keras.optimizers.Optimizer)
+    assert isinstance(opt, keras3_optimizer.DistributedOptimizer) and type(opt).__name__ == "DistributedOptimizer"
+    assert not isinstance(opt, hvdx.DistributedOptimizer)  # that class is the Keras 2 wrapper's
+    assert opt.inner_optimizer is inner and opt.iterations is inner.iterations
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.1) and opt.momentum == 0.9 and opt.nesterov is False
+    opt.learning_rate = 0.05
+    assert float(inner.learning_rate.numpy()) == pytest.approx(0.05)
+    opt.build(make_model().trainable_variables)
+    assert [id(v) for v in opt.variables] == [id(v) for v in inner.variables] and len(opt.variables) == 6
+    adam = hvdx.DistributedOptimizer(keras.optimizers.Adam(0.01))
+    assert isinstance(adam, keras.optimizers.Adam) and not isinstance(adam, keras.optimizers.SGD)
+    assert adam.beta_1 == 0.9
+    assert hvdx.wrapped.is_synchronous(opt)  # asynchronous methods refuse it
+    # a tf.keras optimizer still takes the Keras 2 path
+    keras2 = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
+    assert isinstance(keras2, hvdx.DistributedOptimizer) and isinstance(keras2, tf.keras.optimizers.SGD)
+
+
+@pytest.mark.parametrize("communication,options", [("allreduce", {"backward_passes_per_step": 2}),
+                                                   ("hitopk", {"density": 0.05}),
+                                                   ("sparse_allgather", {"density": 0.1, "momentum_correction": False})])
+def test_config_round_trip_pins_the_strategy(one_rank, communication, options):
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), communication=communication,
+                                    **options)
+    config = keras.saving.serialize_keras_object(opt)
+    assert config["registered_name"] == "hvdx>DistributedOptimizer"
+    again = keras.saving.deserialize_keras_object(config)
+    assert type(again) is type(opt) and isinstance(again, keras.optimizers.SGD)
+    assert again.get_config() == opt.get_config()
+    assert repr(again.communication) == repr(opt.communication)
+    assert again.inner_optimizer.get_config() == opt.inner_optimizer.get_config()
+
+
+def test_a_keras_archive_keeps_the_residuals_and_the_wrapped_state(one_rank, tmp_path):
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), communication="hitopk", density=0.05)
+    weights, model, _ = fit(opt)
+    residuals = [r.numpy().copy() for r in opt.aggregator.residuals]
+    assert residuals and any(np.abs(r).sum() > 0 for r in residuals)
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    again = loaded.optimizer
+    assert type(again) is type(opt) and again.get_config() == opt.get_config()
+    assert_same_weights(loaded.get_weights(), weights)
+    assert len(again.aggregator.residuals) == len(residuals)
+    for got, want in zip(again.aggregator.residuals, residuals):
+        np.testing.assert_array_equal(got.numpy(), want)
+    for got, want in zip(again.variables, opt.variables):  # the wrapped SGD's iterations and momentums
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    x, y = data()
+    loaded.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)  # and it trains on
+    assert int(again.iterations.numpy()) == 12
+
+
+def test_a_checkpoint_keeps_the_residuals(one_rank, tmp_path):
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9), communication="sparse_allgather",
+                                    density=0.05)
+    fit(opt)
+    residuals = opt.aggregator.residuals
+    saved = [r.numpy().copy() for r in residuals]
+    assert saved and any(np.abs(r).sum() > 0 for r in saved)
+    path = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
+    for r in residuals:
+        r.assign(tf.zeros_like(r))
+    tf.train.Checkpoint(optimizer=opt).restore(path).assert_existing_objects_matched()
+    for r, want in zip(residuals, saved):
+        np.testing.assert_array_equal(r.numpy(), want)
+
+
+def test_mixes_and_unsupported_optimizers_fail_saying_what_to_do(one_rank):
+    with pytest.raises(ValueError, match="cannot set the momentum of RMSprop to 0.*keras.optimizers.SGD"):
+        hvdx.DistributedOptimizer(keras.optimizers.RMSprop(0.01, momentum=0.9), communication="hitopk",
+                                  density=0.05, momentum_correction=True)
+    with pytest.raises(ValueError, match="momentum_correction=True moves the momentum.*keras.optimizers.SGD"):
+        hvdx.DistributedOptimizer(keras.optimizers.Adam(), communication="hitopk", momentum_correction=True)
+    with pytest.raises(ValueError, match="LossScaleOptimizer yet"):
+        hvdx.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
+    opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="already an hvdx.DistributedOptimizer"):
+        hvdx.DistributedOptimizer(opt)
+    with pytest.raises(ValueError, match="communication='hitopk'"):
+        hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1), "hitopk")
+    with pytest.raises(ValueError, match="only hvdx.DistributedOptimizer takes so far"):
+        hvdx.DASO(keras.optimizers.SGD(0.1), total_epochs=2)
+    model = make_model()  # XLA cannot compile Horovod's collectives (Keras 3's default where a GPU is visible)
+    model.compile(optimizer=hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1)), jit_compile=True,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(ValueError, match=r"jit_compile=False"):
+        model.fit(*data(), batch_size=16, epochs=1, verbose=0)
+    # Keras 3's mixed_float16 policy: compile wraps the wrapper in a LossScaleOptimizer that would
+    # decide on each rank's own gradients (ranks skipping different steps): refused at the first step
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = make_model()
+        model.compile(optimizer=hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        with pytest.raises(ValueError, match="mixed_float16 policy yet"):
+            model.fit(*data(), batch_size=16, epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    # a tf.keras optimizer given a Keras 3 model's variables: the mix, named with its fix
+    keras2 = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
+    variables = make_model().trainable_variables
+    with pytest.raises(ValueError, match=r"is a Keras 3 one.*keras.optimizers.SGD\(\.\.\.\)"):
+        keras2.apply_gradients(zip([tf.zeros_like(v) for v in variables], variables))
+
+
+def test_with_keras3_as_tf_keras_the_keras3_adapter_trains():
+    """$TF_USE_LEGACY_KERAS=0 (tf.keras is Keras 3): hvdx.DistributedOptimizer still raises
+    Keras3Error there (its module needs Keras 2), and the error names the adapter, which trains."""
+    code = ("import hvdx, numpy as np, tensorflow as tf\n"
+            "from hvdx import legacy_keras\n"
+            "from hvdx.keras3_optimizer import DistributedOptimizer\n"
+            "hvdx.init()\n"
+            "model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(3)])\n"
+            "opt = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), communication='hitopk', "
+            "density=0.5)\n"
+            "model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
+            "loss = model.fit(np.eye(32, 8, dtype=np.float32), np.arange(32) % 3, epochs=3, verbose=0)"
+            ".history['loss']\n"
+            "try:\n"
+            "    hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))\n"
+            "except legacy_keras.Keras3Error as error:\n"
+            "    print('Keras3Error', 'hvdx.keras3_optimizer.DistributedOptimizer' in str(error))\n"
+            "print(legacy_keras.keras_package(tf), isinstance(opt, tf.keras.optimizers.SGD), loss[-1] < loss[0])\n")
+    env = {k: v for k, v in os.environ.items() if k != legacy_keras.ENV}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=harness.ROOT, capture_output=True, text=True,
+                          env=dict(env, TF_CPP_MIN_LOG_LEVEL="3", **{legacy_keras.ENV: "0"}), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["Keras3Error", "True", "keras", "True", "True"], proc.stdout
+
+
+#: On a stack without Keras 3 no launch is asked for this check (its test is skipped there).
+KERAS3_CHECKS = [suite.check("optimizer.keras3_fit", "2x2", timeout=420)] if HAS_KERAS3 else []
+
+
+@suite.runs(*KERAS3_CHECKS)
+def test_a_keras3_model_fit_on_two_nodes_agrees_and_learns(ranks):
+    """2 nodes x 2 ranks, `fit` of a Keras 3 MLP on the digits with allreduce, 2DTAR and HiTopK,
+    the ranks seeded apart then broadcast from rank 0: every rank ends with bitwise-identical
+    weights, which classify the digits."""
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, data_ in ranks.items():
+        assert data_["keras"].startswith("3."), data_
+        assert sorted(data_["runs"]) == ["allreduce", "hierarchical", "hitopk"]
+        for communication, run in data_["runs"].items():
+            assert run["spread_before"] > 0.0 and run["spread"] == 0.0, (rank, communication, run)
+            assert run["accuracy"] > 0.85, (rank, communication, run)
+            assert run["last_loss"] < 0.5 * run["first_loss"], (rank, communication, run)
+            assert run["wrapper"] == "hvdx.keras3_optimizer" and run["is_sgd"], (rank, communication, run)
