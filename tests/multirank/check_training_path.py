@@ -211,7 +211,8 @@ def trained_hitopk_model(topo, legacy=False):
     x, y = digits(topo.rank, topo.size, n=64)
     model = digits_model()
     inner = (tf.keras.optimizers.legacy.Adam if legacy else tf.keras.optimizers.Adam)(0.01)
-    opt = hvdx.DistributedOptimizer(inner, communication="hitopk", density=0.02)
+    # no density warm-up (Adam's default): its first steps are dense and leave no residual to keep
+    opt = hvdx.DistributedOptimizer(inner, communication="hitopk", density=0.02, warmup_steps=0)
     model.compile(opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[hvdx.callbacks.BroadcastGlobalVariablesCallback(0)])
     return model, opt
@@ -261,7 +262,7 @@ def check_checkpoints(topo):
                         loaded_model, loaded = digits_model(seed=1), None
                         loaded = hvdx.DistributedOptimizer(
                             (tf.keras.optimizers.legacy.Adam if legacy else tf.keras.optimizers.Adam)(0.01),
-                            communication="hitopk", density=0.02)
+                            communication="hitopk", density=0.02, warmup_steps=0)
                         tf.train.Checkpoint(model=loaded_model, optimizer=loaded).read(path)
                         loaded.build(loaded_model.trainable_variables)
                         loaded_model.compile(loaded, loss="mse")
