@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import horovod.tensorflow as hvd
@@ -50,8 +49,9 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.comm.traits import OptimizerTraits, plain_number, traits_of
-from hvdx.wrapper_core import (WrapperCore, arguments_from_config, check_name, is_keras3_optimizer,
-                               passing_subclass, residual_state, restore_residuals)
+from hvdx import wrapper_core
+from hvdx.wrapper_core import (WrapperCore, arguments_from_config, check_name, is_keras3_optimizer, residual_state,
+                               restore_residuals)
 
 __all__ = ["DistributedOptimizer", "keras3_traits", "subclass_for"]
 
@@ -64,8 +64,6 @@ _ADAM_FAMILY: Tuple[type, ...] = tuple(cls for cls in (getattr(keras.optimizers,
     "Adam", "AdamW", "Adamax", "Nadam")) if isinstance(cls, type))
 _EXAMPLE = "keras.optimizers.SGD(lr, momentum=0.9)"
 
-_MADE: Dict[Tuple[type, type], type] = {}
-_LOCK = threading.Lock()
 
 
 def keras3_traits(optimizer: Any) -> OptimizerTraits:
@@ -85,24 +83,11 @@ def keras3_traits(optimizer: Any) -> OptimizerTraits:
 
 def subclass_for(wrapper: type, wrapped: type) -> type:
     """The class of a `wrapper` instance that wraps a `wrapped` instance: `wrapper` itself
-    unless `wrapped` is a Keras 3 optimizer class (and no wrapper), else a subclass of both
-    (`hvdx.wrapper_core.passing_subclass`, one per pair), registered under `wrapper`'s Keras 3
-    name so that it saves as `wrapper`. A subclass made here passed as `wrapper` stands for
-    the wrapper it was made from."""
-    wrapper = vars(wrapper).get("_hvdx_wrapper", wrapper)
-    if not issubclass(wrapped, keras.optimizers.Optimizer) or "_hvdx_wrapper" in vars(wrapped) \
-            or issubclass(wrapped, wrapper) or issubclass(wrapper, wrapped):
-        return wrapper
-    with _LOCK:
-        made = _MADE.get((wrapper, wrapped))
-        if made is None:
-            made = _MADE[(wrapper, wrapped)] = passing_subclass(wrapper, wrapped)
-            registered = keras.saving.get_registered_name(wrapper)
-            if ">" in registered:  # saved as the wrapper (whose from_config makes the subclass again)
-                package, name = registered.split(">", 1)
-                keras.saving.register_keras_serializable(package, name)(made)
-                keras.saving.register_keras_serializable(package, name)(wrapper)  # the name still finds `wrapper`
-    return made
+    unless `wrapped` is a Keras 3 optimizer class (and no wrapper), else a subclass of both,
+    one per pair, registered under `wrapper`'s Keras 3 name so that it saves as `wrapper`
+    (`hvdx.wrapper_core.subclass_for`)."""
+    return wrapper_core.subclass_for(wrapper, wrapped, keras.optimizers.Optimizer, keras.saving.get_registered_name,
+                                     keras.saving.register_keras_serializable)
 
 
 def _refuse_xla() -> None:

@@ -24,8 +24,7 @@
 from __future__ import annotations
 
 import contextlib
-import threading
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Iterator, Optional
 
 import tensorflow as tf
 
@@ -38,7 +37,7 @@ legacy_keras.require_keras2(tf, what="hvdx's Keras integration (DistributedOptim
                                      "the Keras callbacks, load_model, hvdx.keras, hvdx.tensorflow)")
 
 from hvdx.optimizers.lars import LARS  # noqa: E402
-from hvdx.wrapper_core import passing_subclass  # noqa: E402
+from hvdx import wrapper_core  # noqa: E402
 
 __all__ = ["Momentum", "SYNCHRONOUS_MARKER", "check_not_horovods", "check_not_synchronous", "is_horovods",
            "is_synchronous", "subclass_for"]
@@ -47,8 +46,6 @@ __all__ = ["Momentum", "SYNCHRONOUS_MARKER", "check_not_horovods", "check_not_sy
 # there); RMSprop, e.g., branches on `self.momentum > 0` in Python.
 _TENSOR_MOMENTUM = (tf.keras.optimizers.SGD, LARS)
 
-_MADE: Dict[Tuple[type, type], type] = {}
-_LOCK = threading.Lock()
 
 
 def is_horovods(optimizer) -> bool:
@@ -124,27 +121,10 @@ def check_not_horovods(optimizer, wrapper: str, why: str = "its gradients would 
 def subclass_for(wrapper: type, wrapped: type) -> type:
     """The class of a `wrapper` instance that wraps a `wrapped` instance: `wrapper` itself
     unless `wrapped` is a new-style Keras optimizer (and no wrapper), else the subclass of
-    both described in the module docstring (one per pair). A subclass made here passed as
-    `wrapper` stands for the wrapper it was made from."""
-    wrapper = vars(wrapper).get("_hvdx_wrapper", wrapper)
-    if not issubclass(wrapped, tf.keras.optimizers.Optimizer) or "_hvdx_wrapper" in vars(wrapped) \
-            or issubclass(wrapped, wrapper) or issubclass(wrapper, wrapped):
-        return wrapper
-    with _LOCK:
-        made = _MADE.get((wrapper, wrapped))
-        if made is None:
-            made = _MADE[(wrapper, wrapped)] = _make(wrapper, wrapped)
-    return made
-
-
-def _make(wrapper: type, wrapped: type) -> type:
-    made = passing_subclass(wrapper, wrapped)
-    registered = tf.keras.utils.get_registered_name(wrapper)
-    if ">" in registered:  # saved as the wrapper (whose from_config makes the subclass again)
-        package, name = registered.split(">", 1)
-        tf.keras.utils.register_keras_serializable(package, name)(made)
-        tf.keras.utils.register_keras_serializable(package, name)(wrapper)  # the name still finds `wrapper`
-    return made
+    both described in the module docstring, one per pair, registered with tf.keras
+    (`hvdx.wrapper_core.subclass_for`)."""
+    return wrapper_core.subclass_for(wrapper, wrapped, tf.keras.optimizers.Optimizer,
+                                     tf.keras.utils.get_registered_name, tf.keras.utils.register_keras_serializable)
 
 
 class Momentum:

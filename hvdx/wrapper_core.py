@@ -20,7 +20,8 @@ Nothing here imports Keras; the adapters give it the Keras objects it needs.
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+import threading
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import numpy as np
@@ -45,6 +46,10 @@ COMPRESSIONS = {"none": hvd.Compression.none, "fp16": hvd.Compression.fp16}
 _STRUCTURAL = frozenset({"__module__", "__qualname__", "__doc__", "__dict__", "__weakref__", "__slots__",
                          "__annotations__", "__abstractmethods__", "_abc_impl", "__orig_bases__", "__parameters__"})
 
+
+#: The classes `subclass_for` made, one per (wrapper, wrapped) pair, whatever the Keras.
+_MADE: Dict[Tuple[type, type], type] = {}
+_LOCK = threading.Lock()
 
 def is_keras3_optimizer(optimizer: Any) -> bool:
     """Whether `optimizer` is a Keras 3 optimizer (`keras.optimizers.*` from the Keras 3
@@ -331,13 +336,36 @@ class _FromWrapped:
         return getattr(instance.inner_optimizer, self._name)
 
 
+def subclass_for(wrapper: type, wrapped: type, base: type, registered_name: Callable[[type], str],
+                 register: Callable[[str, str], Callable[[type], type]]) -> type:
+    """The class of a `wrapper` instance that wraps a `wrapped` instance: `wrapper` itself
+    unless `wrapped` is a subclass of `base` (the adapter's Keras Optimizer) and no wrapper,
+    else `passing_subclass(wrapper, wrapped)`, made once per pair and registered in the
+    adapter's Keras registry (`registered_name(cls)`, `register(package, name)(cls)`) under
+    `wrapper`'s name, so that it saves as `wrapper` (whose from_config makes it again). A
+    subclass made here passed as `wrapper` stands for the wrapper it was made from."""
+    wrapper = vars(wrapper).get("_hvdx_wrapper", wrapper)
+    if not issubclass(wrapped, base) or "_hvdx_wrapper" in vars(wrapped) \
+            or issubclass(wrapped, wrapper) or issubclass(wrapper, wrapped):
+        return wrapper
+    with _LOCK:
+        made = _MADE.get((wrapper, wrapped))
+        if made is None:
+            made = _MADE[(wrapper, wrapped)] = passing_subclass(wrapper, wrapped)
+            registered = registered_name(wrapper)
+            if ">" in registered:
+                package, name = registered.split(">", 1)
+                register(package, name)(made)
+                register(package, name)(wrapper)  # the name still finds `wrapper`
+    return made
+
+
 def passing_subclass(wrapper: type, wrapped: type) -> type:
     """A subclass of `wrapper` with `wrapped` among its bases (`isinstance(opt, wrapped)`
     holds), which behaves exactly as `wrapper`: an attribute `wrapped` adds to the Keras
     Optimizer both derive from is read from the wrapped optimizer (`inner_optimizer`), one
     it overrides is Keras' Optimizer's. It has `wrapper`'s name, module and docstring, and
-    `_hvdx_wrapper` / `_hvdx_wrapped_class` name the two. Registering it for serialisation
-    and caching it are the adapter's (its Keras' registry)."""
+    `_hvdx_wrapper` / `_hvdx_wrapped_class` name the two. `subclass_for` caches and registers it."""
     shared = [k for k in wrapper.__mro__ if k in wrapped.__mro__]  # Keras' Optimizer and its bases
     own = [k for k in wrapper.__mro__ if k not in shared]
     namespace = {"__module__": wrapper.__module__, "__qualname__": wrapper.__qualname__, "__doc__": wrapper.__doc__,

@@ -62,16 +62,15 @@ LARS_MOMENTUM_CORRECTION_DENSITY = 0.01
 #: sparsified (`TopKStrategy(dense_below=)`; 0: every gradient competes in the top-k).
 DENSE_BELOW = 1024
 #: The density warm-up an Adam-family optimizer (adaptive, no trust ratio) gets by default:
-#: 4 stages of 50 steps from dense (density 1), below that density. Measured on Horovod's Keras
-#: MNIST example (benchmarks/README.md, horovod_examples.py, 5 seeds, 8x8 digits, TensorFlow
-#: 2.21): at 75 steps -0.0 points from the dense step where 4 x 25 steps from 25 % lost 2.5 (and
-#: 4 x 25 from dense 1.0), at 300 steps -0.3. Adam divides by the second moment of what it is
-#: given: a sparse exchange sends an entry every ~1/density steps, T times its size, so the
-#: moment grows ~T-fold and the steps shrink ~sqrt(T)-fold (the trailing of short runs).
+#: 4 stages of 50 steps from dense (density 1), below that density (measured on Horovod's Keras
+#: MNIST example at 75 and 300 steps: benchmarks/README.md, "horovod_examples.py: short runs").
+#: Adam divides by the second moment of what it is given: a sparse exchange sends an entry
+#: about every T = 1/density steps at about T times its size, so the moment grows ~T-fold and
+#: the steps shrink ~sqrt(T)-fold while the residuals fill (the trailing of short runs).
 ADAM_WARMUP_STEPS = 200
 ADAM_WARMUP_DENSITY = 1.0
-#: LAMB's (adaptive with a trust ratio): 4 stages of 25 steps from 25 %. Measured on the small
-#: ResNet (convergence.py --optimizer lamb, 5 seeds): -5.0 points from Horovod, a dense start -12.7.
+#: LAMB's (adaptive with a trust ratio): 4 stages of 25 steps from 25 % (a dense start did worse
+#: on the small ResNet: benchmarks/README.md, convergence.py --optimizer lamb).
 LAMB_WARMUP_STEPS = 100
 LAMB_WARMUP_DENSITY = 0.25
 
