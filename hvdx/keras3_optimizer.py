@@ -8,7 +8,7 @@
 `hvdx.DistributedOptimizer` (hvdx/optimizer.py, the Keras 2 adapter) hands a Keras 3
 optimizer (`hvdx.wrapper_core.is_keras3_optimizer`: `keras.optimizers.*` of the Keras 3
 package) to `DistributedOptimizer` here; a tf_keras one stays on the Keras 2 path. Both run in
-one process on the default stack (tf.keras is tf_keras there, `import keras` is Keras 3).
+one process (`import keras` is Keras 3 whatever tf.keras is; tf_keras beside it).
 What is Keras-neutral (the arguments, the aggregator, the local accumulation, the config,
 the residuals as arrays) is `hvdx.wrapper_core.WrapperCore`; this module holds what is Keras
 3's:
@@ -27,19 +27,48 @@ the residuals as arrays) is `hvdx.wrapper_core.WrapperCore`; this module holds w
   described from their classes, as `hvdx.comm.traits.traits_of` does for tf.keras's.
 - Saving: registered as a Keras 3 serializable ("hvdx>DistributedOptimizer"); `get_config`
   pins the strategy as on the Keras 2 path; a `.keras` archive keeps the wrapped optimizer's
-  variables (under `inner_optimizer`) and this rank's residuals (the wrapper's own
-  variables); `tf.train.Checkpoint` tracks both too.
+  variables (under `inner_optimizer`: a wrapped LossScaleOptimizer's dynamic scale too) and
+  this rank's residuals (the wrapper's own variables); `tf.train.Checkpoint` tracks both too.
 
-Not yet (docs/keras3.md): mixed precision (a Keras 3 LossScaleOptimizer inside or around
-the wrapper), hvdx's LARS/LAMB as Keras 3 optimizers, Horovod's Keras callbacks and
-`hvdx.load_model` over Keras 3 models. XLA cannot compile the step (Horovod's collectives):
-a step compiled with it (Keras 3's `jit_compile="auto"` where a GPU is visible) is refused,
-saying to compile with `jit_compile=False`.
+- Mixed precision (Keras 3's LossScaleOptimizer, "LSO") goes INSIDE the wrapper:
+  `hvdx.DistributedOptimizer(keras.mixed_precision.LossScaleOptimizer(opt), ...)`, or a plain
+  optimizer given while the global policy is mixed_float16, which the wrapper then puts in an
+  LSO itself (what Keras' `compile` would have done for a mixed_float16 model). The wrapper is
+  then an instance of LossScaleOptimizer (so `compile` does not wrap it again); `scale_loss`,
+  `dynamic_scale`, `initial_scale` are the LSO's, the hyper-parameters (`momentum`, ...), the
+  traits the strategies' defaults read and momentum correction are the optimizer's inside it.
+  Each step the ranks first agree whether every rank's (scaled) gradients are finite: one
+  scalar allreduce (Min) of a flag. Finite everywhere: the gradients are aggregated (the
+  strategies' residuals are kept in the scaled units and rescaled when the scale changes),
+  then the LSO unscales and applies them, every rank the same aggregate. Not finite on any
+  rank: the aggregation is skipped on every rank (residuals and velocities untouched, no
+  top-k of a NaN on one rank), the LSO is handed non-finite gradients, so it halves its scale
+  and skips the step on every rank alike, and `nonfinite_steps` counts it (saved with the
+  residuals). The aggregation's collectives run inside a tf.cond on that agreed flag: every
+  rank takes the same branch. With backward_passes_per_step the flag is taken on the
+  window's sums, at the pass that aggregates them. A sparse gradient (tf.IndexedSlices) is
+  aggregated as always but handed on dense (the tf.cond's other branch cannot match its rows).
+- An LSO OUTSIDE the wrapper (`LossScaleOptimizer(hvdx.DistributedOptimizer(opt))`, or a
+  wrapper made under float32 then compiled into a mixed_float16 model, around which Keras'
+  `compile` puts one) is refused with ValueError when it builds the wrapper (fit's first
+  step), naming both fixes. It cannot be made correct without changing Keras: its
+  finiteness check reads each rank's own gradients before calling the wrapper, so a rank
+  whose gradients overflowed would skip the step and its collectives while the others wait
+  in theirs (a hang). Keras gives the wrapped optimizer no sign of the LSO around it (its
+  `loss_scale_factor = None` is short-circuited by Keras' `__setattr__`), so the wrapper
+  looks for it on the Python stack of its `build` and `apply` (an LSO whose `inner_optimizer`
+  is the wrapper); rather than a policy check, which would refuse `compile(...,
+  auto_scale_loss=False)`, where no LSO is made.
+
+Not yet (docs/keras3.md): hvdx's LARS/LAMB as Keras 3 optimizers. XLA cannot compile the
+step (Horovod's collectives): a step compiled with it (Keras 3's `jit_compile="auto"` where a
+GPU is visible) is refused, saying to compile with `jit_compile=False`.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import horovod.tensorflow as hvd
@@ -47,11 +76,12 @@ import keras
 import tensorflow as tf
 
 from hvdx import comm
+from hvdx.accumulation import aggregate_passes
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
 from hvdx.comm.traits import OptimizerTraits, plain_number, traits_of
 from hvdx import wrapper_core
-from hvdx.wrapper_core import (WrapperCore, arguments_from_config, check_name, is_keras3_optimizer, residual_state,
-                               restore_residuals)
+from hvdx.wrapper_core import (WrapperCore, aggregate_and_observe, arguments_from_config, check_name,
+                               is_keras3_optimizer, residual_state, restore_residuals)
 
 __all__ = ["DistributedOptimizer", "keras3_traits", "subclass_for"]
 
@@ -90,6 +120,12 @@ def subclass_for(wrapper: type, wrapped: type) -> type:
                                      keras.saving.register_keras_serializable)
 
 
+def _dense_if_sparse(gradient):
+    """`gradient` as a dense tensor (an aggregated tf.IndexedSlices: rows from every rank, whose
+    count a tf.cond's other branch cannot match)."""
+    return tf.convert_to_tensor(gradient) if isinstance(gradient, tf.IndexedSlices) else gradient
+
+
 def _refuse_xla() -> None:
     """Raises ValueError inside an XLA-compiled function: Horovod's and hvdx's collectives
     are not XLA operations. Keras 3 compiles `fit`'s step with XLA by default where a GPU is
@@ -102,17 +138,39 @@ def _refuse_xla() -> None:
                          "XLA on by default where a GPU is visible)")
 
 
-def _refuse_mixed_precision() -> None:
-    """Raises ValueError under Keras 3's mixed_float16 policy: `compile` then wraps the
-    optimizer in a LossScaleOptimizer, which checks each rank's own gradients for finiteness
-    before the wrapper aggregates them, so one rank could skip the step (and its collectives)
-    while the others wait in theirs."""
-    if keras.mixed_precision.global_policy().name == "mixed_float16":
-        raise ValueError("hvdx.DistributedOptimizer does not support Keras 3's mixed_float16 policy yet: its "
-                         "LossScaleOptimizer would decide on each rank's own gradients before they are "
-                         "aggregated, and ranks could skip different steps. Train in float32 (or "
-                         "mixed_bfloat16, which needs no loss scaling), or use tf.keras (Keras 2) with "
-                         "tf.keras.mixed_precision (docs/keras3.md)")
+_LOSS_SCALER = keras.optimizers.LossScaleOptimizer
+_FIX = ("wrap the loss scaler inside instead: hvdx.DistributedOptimizer(keras.mixed_precision.LossScaleOptimizer("
+        "optimizer), ...), or set the mixed_float16 policy (keras.mixed_precision.set_global_policy) before making "
+        "the wrapper, which then puts the LossScaleOptimizer inside itself")
+
+
+def _loss_scaled_here(optimizer: Any) -> bool:
+    """Whether the wrapper puts a LossScaleOptimizer around `optimizer` itself: Keras 3's
+    global dtype policy is mixed_float16 (as `compile` would, for a model of that policy) and
+    `optimizer` is not one already."""
+    return keras.mixed_precision.global_policy().name == "mixed_float16" and not isinstance(optimizer, _LOSS_SCALER)
+
+
+def _refuse_outer_loss_scaler(wrapper: Any) -> None:
+    """Raises ValueError where a Keras 3 LossScaleOptimizer around `wrapper` calls it (builds
+    it, or applies through it): `LossScaleOptimizer(hvdx.DistributedOptimizer(opt))`, or
+    `compile` of a mixed_float16 model given a wrapper made under another policy. Its
+    finiteness check reads each rank's own gradients before the wrapper aggregates them: a
+    rank whose gradients are not finite would skip the step, and its collectives, while the
+    others wait in theirs. Found on the Python stack (the loss scaler whose `inner_optimizer`
+    is `wrapper`): Keras gives the wrapped optimizer no other sign of it."""
+    frame = sys._getframe(1)
+    for _ in range(60):  # the loss scaler's build or apply, its tf.cond and Keras' layers between
+        if frame is None:
+            return
+        outer = frame.f_locals.get("self")
+        if outer is not wrapper and isinstance(outer, _LOSS_SCALER) and \
+                outer.__dict__.get("inner_optimizer") is wrapper:
+            raise ValueError(
+                "a Keras 3 LossScaleOptimizer around hvdx.DistributedOptimizer checks each rank's own gradients "
+                "for finiteness before they are aggregated, so ranks could skip different steps (and hang in "
+                f"their collectives); {_FIX}")
+        frame = frame.f_back
 
 
 @keras.saving.register_keras_serializable(package="hvdx")
@@ -128,15 +186,24 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     hyper-parameters read through the wrapper (`opt.learning_rate`, `opt.momentum`,
     `opt.beta_1`), `opt.iterations` and `opt.variables` are its own.
 
+    Mixed precision: a Keras 3 `LossScaleOptimizer` is wrapped like any optimizer (made so
+    here where the global policy is mixed_float16); the wrapper is then an instance of
+    LossScaleOptimizer, `opt.dynamic_scale` and `opt.scale_loss` are the loss scaler's, the
+    hyper-parameters read through to the optimizer inside it, and `opt.nonfinite_steps`
+    counts the steps skipped because some rank's gradients were not finite (module docstring).
+
     Raises:
-      ValueError: an optimizer that is not a Keras 3 one, an hvdx wrapper already, a Keras 3
-        LossScaleOptimizer (not yet), or any argument the Keras 2 path refuses, naming the fix.
+      ValueError: an optimizer that is not a Keras 3 one, an hvdx wrapper already, or any
+        argument the Keras 2 path refuses, naming the fix; a LossScaleOptimizer around the
+        wrapper, when it builds the wrapper or applies through it (`fit`'s first step).
     """
 
     averages_gradients_every_step = True  # hvdx.wrapped.SYNCHRONOUS_MARKER: asynchronous methods refuse it
 
     def __new__(cls, optimizer=None, *args, **kwargs):
-        made = subclass_for(cls, type(optimizer))
+        # under mixed_float16 the wrapper puts a LossScaleOptimizer inside (__init__): its class
+        made = subclass_for(cls, _LOSS_SCALER if is_keras3_optimizer(optimizer) and _loss_scaled_here(optimizer)
+                            else type(optimizer))
         if not issubclass(made, cls):
             raise TypeError(f"this class wraps a {cls._hvdx_wrapped_class.__name__}, not a "
                             f"{type(optimizer).__name__}: call hvdx.DistributedOptimizer(optimizer)")
@@ -158,15 +225,22 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                              "hvdx.DistributedOptimizer(optimizer), which takes either Keras' optimizers")
         if getattr(type(optimizer), "averages_gradients_every_step", False) is True:
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-            raise ValueError("hvdx.DistributedOptimizer does not take Keras 3's LossScaleOptimizer yet (mixed "
-                             "precision under Keras 3, docs/keras3.md): wrap the plain optimizer and train in "
-                             "float32, or use tf.keras (Keras 2) with tf.keras.mixed_precision")
+        if isinstance(optimizer, _LOSS_SCALER) and \
+                getattr(type(optimizer.inner_optimizer), "averages_gradients_every_step", False) is True:
+            raise ValueError(f"the LossScaleOptimizer wraps an hvdx.DistributedOptimizer already; {_FIX}")
+        if issubclass(type(self), _LOSS_SCALER) and not isinstance(optimizer, _LOSS_SCALER):
+            # the mixed_float16 policy (__new__ chose the class): what Keras' compile would do
+            optimizer = _LOSS_SCALER(optimizer, name="loss_scale_optimizer")
         # Keras' Optimizer's, not the next class's (the wrapped one's, in a class from `subclass_for`)
         keras.optimizers.Optimizer.__init__(self, learning_rate=0.0, name=name or f"Distributed{type(optimizer).__name__}")
         self.inner_optimizer = optimizer
+        stepping = self._stepping
+        if isinstance(optimizer, _LOSS_SCALER):  # residuals rescaled when the scale changes
+            strategy_options["loss_scale"] = lambda: optimizer.dynamic_scale
+            with tf.init_scope():
+                self._nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdx_nonfinite_steps")
         self._core = WrapperCore(
-            optimizer, keras3_traits(optimizer), example=_EXAMPLE, device_dense=device_dense,
+            stepping, keras3_traits(stepping), example=_EXAMPLE, device_dense=device_dense,
             device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor, op=op,
             backward_passes_per_step=backward_passes_per_step,
@@ -181,6 +255,25 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         self._check_momentum_correction()
 
     # -- what the wrapper is -----------------------------------------------------------
+    @property
+    def _stepping(self):
+        """The optimizer that updates the variables: the wrapped one, or the one inside a
+        wrapped LossScaleOptimizer (its traits, momentum and hyper-parameters are the step's)."""
+        inner = self.__dict__["inner_optimizer"]
+        return inner.inner_optimizer if isinstance(inner, _LOSS_SCALER) else inner
+
+    @property
+    def _loss_scaler(self):
+        """The wrapped LossScaleOptimizer, or None."""
+        inner = self.__dict__.get("inner_optimizer")
+        return inner if isinstance(inner, _LOSS_SCALER) else None
+
+    @property
+    def nonfinite_steps(self) -> Optional[tf.Variable]:
+        """With a LossScaleOptimizer inside: the steps on which some rank's gradients were not
+        finite (int64; the same on every rank), whose aggregation was skipped; else None."""
+        return self.__dict__.get("_nonfinite_steps")
+
     @property
     def aggregator(self) -> GradientAggregator:
         return self._core.aggregator
@@ -197,7 +290,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
           ValueError: as the constructor, for the new strategy (momentum correction with an
             optimizer whose momentum the wrapper cannot set to 0).
         """
-        self._core.switch(communication, keras3_traits(self.inner_optimizer))
+        self._core.switch(communication, keras3_traits(self._stepping))
         self._check_momentum_correction()
 
     @property
@@ -214,8 +307,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def _momentum_zeroable(self) -> bool:
         """Whether the wrapper can apply the wrapped optimizer's step without its momentum:
         Keras 3's SGD, whose step reads `self.momentum`, a Python number, when traced."""
-        return isinstance(self.inner_optimizer, keras.optimizers.SGD) and \
-            plain_number(self.inner_optimizer.momentum) is not None
+        return isinstance(self._stepping, keras.optimizers.SGD) and plain_number(self._stepping.momentum) is not None
 
     def _check_momentum_correction(self) -> None:
         """A strategy with momentum correction needs a wrapped optimizer whose momentum the
@@ -224,21 +316,27 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         Raises:
           ValueError: naming the fix.
         """
-        number = plain_number(getattr(self.inner_optimizer, "momentum", 0.0) or 0.0)
+        number = plain_number(getattr(self._stepping, "momentum", 0.0) or 0.0)
         if self._core.momentum_corrected and (number is None or number) and not self._momentum_zeroable():
             raise ValueError(f"{self._core.aggregator.strategy!r} applies momentum correction, but the wrapper cannot "
-                             f"set the momentum of {type(self.inner_optimizer).__name__} to 0 in its step (it would "
+                             f"set the momentum of {type(self._stepping).__name__} to 0 in its step (it would "
                              f"be applied twice): use {_EXAMPLE}, an optimizer without momentum, or "
                              "momentum_correction=False")
 
     def __getattr__(self, name: str):
         # Only reached when normal lookup fails: the wrapped optimizer's public hyper-parameters
         # (momentum, beta_1, ...) read through the wrapper, as Horovod's callbacks do; never a
-        # private attribute, which Keras' own code probes on the wrapper itself.
+        # private attribute, which Keras' own code probes on the wrapper itself. A wrapped
+        # LossScaleOptimizer's own (dynamic_scale, initial_scale, ...), else its optimizer's.
         inner = self.__dict__.get("inner_optimizer")
         if inner is None or name.startswith("_"):
             raise AttributeError(name)
-        return getattr(inner, name)
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            if not isinstance(inner, _LOSS_SCALER):
+                raise
+            return getattr(inner.inner_optimizer, name)
 
     # -- the step ----------------------------------------------------------------------
     def apply_gradients(self, grads_and_vars):
@@ -270,10 +368,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if len(grads) != len(trainable_variables):
             raise ValueError(f"{len(grads)} gradients for {len(trainable_variables)} variables")
         _refuse_xla()
-        _refuse_mixed_precision()
+        _refuse_outer_loss_scaler(self)
         if not self.built:
             self.build(trainable_variables)
-        aggregated = self._core.aggregate(grads, trainable_variables)
+        if self._loss_scaler is None:
+            aggregated = self._core.aggregate(grads, trainable_variables)
+        else:
+            aggregated = aggregate_passes(self._core.accumulator, self._aggregate_if_finite, grads, trainable_variables)
         applies = self._core.applies_now()
         with self._momentum_as_corrected():
             if applies is None:
@@ -290,6 +391,40 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
             tf.cond(applies, step, skip)
 
+    def _aggregate_if_finite(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        """With a LossScaleOptimizer inside: the ranks first agree whether every rank's `grads`
+        are finite (one scalar allreduce, Min), then all aggregate them, or all skip the
+        aggregation (the strategies' residuals and velocities untouched, no gradient selected
+        on one rank only) and hand the loss scaler non-finite gradients, so that it halves its
+        scale and skips the step on every rank alike; `nonfinite_steps` counts those. The
+        collectives of the aggregation run inside the tf.cond: every rank takes the same branch."""
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return list(grads)
+        values = [grads[i].values if isinstance(grads[i], tf.IndexedSlices) else grads[i] for i in present]
+        mine = tf.reduce_all([tf.reduce_all(tf.math.is_finite(v)) for v in values])
+        aggregator = self._core.aggregator
+        everyone = hvd.allreduce(tf.cast(mine, tf.float32), op=hvd.Min, process_set=aggregator.process_set,
+                                 name="hvdx_keras3_all_finite")
+
+        def finite():
+            out = aggregate_and_observe(self._core.optimizer, aggregator, grads, variables, self._core.local_trust,
+                                        self._core.trust_norms)
+            return [_dense_if_sparse(out[i]) for i in present]
+
+        def not_finite():
+            with tf.control_dependencies([self._nonfinite_steps.assign_add(1)]):
+                return [tf.fill(tf.shape(v), tf.constant(float("nan"), v.dtype))
+                        if not isinstance(grads[i], tf.IndexedSlices) else
+                        tf.fill(tf.cast(grads[i].dense_shape, tf.int32), tf.constant(float("nan"), v.dtype))
+                        for i, v in zip(present, values)]
+
+        results = tf.cond(everyone > 0.5, finite, not_finite)
+        out: List[Any] = [None] * len(grads)
+        for i, r in zip(present, results if isinstance(results, (list, tuple)) else [results]):
+            out[i] = r
+        return out
+
     @contextlib.contextmanager
     def _momentum_as_corrected(self) -> Iterator[None]:
         """With momentum correction on, the wrapped SGD's momentum reads 0 inside (its step is
@@ -297,7 +432,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         if not (self._core.momentum_corrected and self._momentum_zeroable()):
             yield
             return
-        inner = self.inner_optimizer
+        inner = self._stepping
         number = inner.momentum
         object.__setattr__(inner, "momentum", 0.0)
         try:
@@ -306,7 +441,8 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             object.__setattr__(inner, "momentum", number)
 
     def scale_loss(self, loss):
-        """The wrapped optimizer's (its `loss_scale_factor`, which its `apply` divides by)."""
+        """The wrapped optimizer's: a LossScaleOptimizer's dynamic scale, or its
+        `loss_scale_factor` (which its `apply` divides by)."""
         return self.inner_optimizer.scale_loss(loss)
 
     def finalize_variable_values(self, var_list):
@@ -316,8 +452,10 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     def build(self, var_list):
         """Builds the wrapped optimizer's state, and the residuals once hvdx.init() has run
         (so that a `.keras` archive or checkpoint restores into them)."""
+        _refuse_outer_loss_scaler(self)
         var_list = list(var_list)
-        self.inner_optimizer.build(var_list)
+        if not self.inner_optimizer.built:  # a LossScaleOptimizer's build makes new variables every time
+            self.inner_optimizer.build(var_list)
         from hvdx.topology import initialized
 
         if initialized():
@@ -336,11 +474,16 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         counters (Keras saves the wrapped optimizer's variables itself, under inner_optimizer)."""
         for key, value in residual_state(self._core.aggregator).items():
             store[key] = value
+        if self.nonfinite_steps is not None:
+            store["nonfinite_steps"] = self.nonfinite_steps.numpy()
 
     def load_own_variables(self, store) -> None:
         """Restores what `save_own_variables` saved (residuals not created yet get their values
         when they are)."""
-        restore_residuals(self._core.aggregator, list(store.keys()), lambda key: store[key][...])
+        keys = list(store.keys())
+        restore_residuals(self._core.aggregator, keys, lambda key: store[key][...])
+        if self.nonfinite_steps is not None and "nonfinite_steps" in keys:
+            self.nonfinite_steps.assign(store["nonfinite_steps"][...])
 
     @property
     def iterations(self):
@@ -356,13 +499,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     @property
     def momentum(self):
-        """The wrapped optimizer's momentum (AttributeError where it has none). A new value set
-        here reaches its step at the next trace, as it does on the wrapped optimizer."""
-        return self.inner_optimizer.momentum
+        """The wrapped optimizer's momentum (inside a LossScaleOptimizer: its optimizer's;
+        AttributeError where it has none). A new value set here reaches its step at the next
+        trace, as it does on the wrapped optimizer."""
+        return self._stepping.momentum
 
     @momentum.setter
     def momentum(self, value) -> None:
-        self.inner_optimizer.momentum = value
+        self._stepping.momentum = value
 
     def get_config(self) -> Dict[str, Any]:
         """The wrapped optimizer's config, the name, Horovod's and hvdx's options, the strategy

@@ -8,9 +8,13 @@ density 1.0), and `backward_passes_per_step` equals Keras 3's own gradient accum
 momentum correction moves SGD's momentum into the strategy (so at density 1.0 with masking
 the step is plain SGD: the wrapped momentum must be zeroed); the wrapper passes for the
 wrapped class; its config and a `.keras` archive round trip, residuals included; and the
-mixes hvdx cannot serve fail saying what to do. On 2 nodes x 2 ranks
-(tests/multirank/check_optimizer.py's `keras3_fit`) every rank ends with the same weights
-and learns the digits. Skipped where Keras 3 is absent (the tf2.15 stack)."""
+mixes hvdx cannot serve fail saying what to do. Mixed precision: a LossScaleOptimizer inside the
+wrapper (given, or put there under the mixed_float16 policy) trains a mixed_float16 model with
+every strategy to the unwrapped loss scaler's weights, skips a non-finite step leaving weights
+and residuals as they were, saves its scale with the residuals; one around the wrapper is
+refused naming the fix. On 2 nodes x 2 ranks (tests/multirank/check_optimizer.py's
+`keras3_fit`, `keras3_mixed_precision`) every rank ends with the same weights and learns the
+digits, and a step on which only rank 1's gradients are not finite is skipped by every rank. Skipped where Keras 3 is absent (the tf2.15 stack)."""
 import importlib.metadata
 import os
 import subprocess
@@ -227,8 +231,6 @@ def test_mixes_and_unsupported_optimizers_fail_saying_what_to_do(one_rank):
                                   density=0.05, momentum_correction=True)
     with pytest.raises(ValueError, match="momentum_correction=True moves the momentum.*keras.optimizers.SGD"):
         hvdx.DistributedOptimizer(keras.optimizers.Adam(), communication="hitopk", momentum_correction=True)
-    with pytest.raises(ValueError, match="LossScaleOptimizer yet"):
-        hvdx.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1)))
     opt = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match="already an hvdx.DistributedOptimizer"):
         hvdx.DistributedOptimizer(opt)
@@ -241,17 +243,6 @@ def test_mixes_and_unsupported_optimizers_fail_saying_what_to_do(one_rank):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match=r"jit_compile=False"):
         model.fit(*data(), batch_size=16, epochs=1, verbose=0)
-    # Keras 3's mixed_float16 policy: compile wraps the wrapper in a LossScaleOptimizer that would
-    # decide on each rank's own gradients (ranks skipping different steps): refused at the first step
-    keras.mixed_precision.set_global_policy("mixed_float16")
-    try:
-        model = make_model()
-        model.compile(optimizer=hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1)),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        with pytest.raises(ValueError, match="mixed_float16 policy yet"):
-            model.fit(*data(), batch_size=16, epochs=1, verbose=0)
-    finally:
-        keras.mixed_precision.set_global_policy("float32")
     # a tf.keras optimizer given a Keras 3 model's variables: the mix, named with its fix
     keras2 = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
     variables = make_model().trainable_variables
@@ -259,33 +250,253 @@ def test_mixes_and_unsupported_optimizers_fail_saying_what_to_do(one_rank):
         keras2.apply_gradients(zip([tf.zeros_like(v) for v in variables], variables))
 
 
-def test_with_keras3_as_tf_keras_the_keras3_adapter_trains():
-    """$TF_USE_LEGACY_KERAS=0 (tf.keras is Keras 3): hvdx.DistributedOptimizer still raises
-    Keras3Error there (its module needs Keras 2), and the error names the adapter, which trains."""
-    code = ("import hvdx, numpy as np, tensorflow as tf\n"
+def test_with_keras3_as_tf_keras_hvdx_distributed_optimizer_takes_tf_keras_optimizers():
+    """tf.keras left to TensorFlow (Keras 3, no $TF_USE_LEGACY_KERAS), TensorFlow imported
+    first: hvdx.DistributedOptimizer of a tf.keras optimizer is the Keras 3 wrapper, an
+    instance of the wrapped class, and a tf.keras model trains with it."""
+    code = ("import numpy as np, tensorflow as tf\n"
+            "import hvdx\n"
             "from hvdx import legacy_keras\n"
-            "from hvdx.keras3_optimizer import DistributedOptimizer\n"
             "hvdx.init()\n"
             "model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(3)])\n"
-            "opt = DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), communication='hitopk', "
+            "opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9), communication='hitopk', "
             "density=0.5)\n"
             "model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))\n"
             "loss = model.fit(np.eye(32, 8, dtype=np.float32), np.arange(32) % 3, epochs=3, verbose=0)"
             ".history['loss']\n"
-            "try:\n"
-            "    hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))\n"
-            "except legacy_keras.Keras3Error as error:\n"
-            "    print('Keras3Error', 'hvdx.keras3_optimizer.DistributedOptimizer' in str(error))\n"
-            "print(legacy_keras.keras_package(tf), isinstance(opt, tf.keras.optimizers.SGD), loss[-1] < loss[0])\n")
+            "print(legacy_keras.keras_package(tf), type(opt).__module__, isinstance(opt, tf.keras.optimizers.SGD), "
+            "loss[-1] < loss[0])\n")
     env = {k: v for k, v in os.environ.items() if k != legacy_keras.ENV}
     proc = subprocess.run([sys.executable, "-c", code], cwd=harness.ROOT, capture_output=True, text=True,
-                          env=dict(env, TF_CPP_MIN_LOG_LEVEL="3", **{legacy_keras.ENV: "0"}), timeout=300)
+                          env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["Keras3Error", "True", "keras", "True", "True"], proc.stdout
+    assert proc.stdout.split() == ["keras", "hvdx.keras3_optimizer", "True", "True"], proc.stdout
+
+
+# -- mixed precision: Keras 3's LossScaleOptimizer inside the wrapper -------------------------
+
+@pytest.fixture
+def mixed_float16():
+    """Keras 3's global dtype policy mixed_float16 for one test (float32 again after it)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
+def digits(n: int = 256):
+    """The first `n` samples of scikit-learn's digits (tests/multirank/digits.py's split)."""
+    from tests.multirank import digits as digits_task
+
+    x_train, _, y_train, _ = digits_task.split()
+    return x_train[:n], y_train[:n]
+
+
+def digits_model():
+    """A Keras 3 MLP on the digits under the global policy (mixed_float16: float16 compute,
+    float32 variables), the same initial weights every time."""
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(10)])
+    rng = np.random.default_rng(2)
+    model.set_weights([rng.standard_normal(w.shape).astype(np.float32) * 0.2 for w in model.get_weights()])
+    return model
+
+
+def fit_digits(optimizer, epochs: int = 2):
+    """The trained weights (and the model, the losses) after `fit` on the digits, no shuffling."""
+    x, y = digits()
+    model = digits_model()
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0)
+    return [w.copy() for w in model.get_weights()], model, history.history["loss"]
+
+
+def scaled_sgd():
+    return keras.mixed_precision.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
+
+
+@pytest.mark.parametrize("communication", sorted(STRATEGIES))
+def test_a_mixed_float16_model_trains_with_the_loss_scaler_inside_with_every_strategy(one_rank, mixed_float16,
+                                                                                      communication):
+    """One rank: the wrapper aggregates the scaled gradients, then the LossScaleOptimizer inside
+    unscales and applies them: the unwrapped LossScaleOptimizer's weights (allreduce: bitwise)."""
+    want, reference, _ = fit_digits(scaled_sgd())
+    assert isinstance(reference.optimizer, keras.mixed_precision.LossScaleOptimizer)
+    opt = hvdx.DistributedOptimizer(scaled_sgd(), communication=communication, **STRATEGIES[communication])
+    got, model, losses = fit_digits(opt)
+    assert model.optimizer is opt and model.layers[0].compute_dtype == "float16"  # compile did not wrap it again
+    assert losses[-1] < 0.8 * losses[0]
+    assert int(opt.iterations.numpy()) == int(reference.optimizer.iterations.numpy()) == 16
+    assert float(opt.dynamic_scale.numpy()) == float(reference.optimizer.dynamic_scale.numpy())
+    assert int(opt.nonfinite_steps.numpy()) == 0
+    if communication == "allreduce":
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    else:
+        assert_same_weights(got, want)
+
+
+def test_the_wrapper_of_a_loss_scaler_is_one_and_reads_through_both(one_rank):
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    scaler = keras.mixed_precision.LossScaleOptimizer(sgd, initial_scale=1024.0)
+    opt = hvdx.DistributedOptimizer(scaler, communication="hitopk", density=0.05)
+    assert isinstance(opt, keras.mixed_precision.LossScaleOptimizer) and not isinstance(opt, keras.optimizers.SGD)
+    assert isinstance(opt, keras3_optimizer.DistributedOptimizer) and opt.averages_gradients_every_step
+    assert opt.inner_optimizer is scaler and scaler.inner_optimizer is sgd
+    assert opt.communication.momentum == 0.9  # the strategy's defaults read the SGD inside (momentum correction)
+    assert opt.momentum == 0.9 and opt.nesterov is False and opt.initial_scale == 1024.0
+    assert float(opt.scale_loss(tf.constant(2.0))) == 2048.0  # before it is built: the initial scale
+    opt.build(make_model().trainable_variables)
+    assert opt.dynamic_scale is scaler.dynamic_scale and opt.iterations is sgd.iterations
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.1)
+    scaler.dynamic_scale.assign(512.0)
+    assert float(opt.scale_loss(tf.constant(2.0))) == 1024.0
+    assert [id(v) for v in opt.variables] == [id(v) for v in scaler.variables]  # what a broadcast sends
+    assert any(v is scaler.dynamic_scale for v in opt.variables) and len(sgd.variables) == 2 + 4
+
+
+def test_under_the_mixed_float16_policy_the_wrapper_puts_the_loss_scaler_inside(one_rank, mixed_float16):
+    """What Keras' compile would do around a plain optimizer, done inside the wrapper."""
+    sgd = keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = hvdx.DistributedOptimizer(sgd)
+    assert isinstance(opt, keras.mixed_precision.LossScaleOptimizer) and opt.inner_optimizer.inner_optimizer is sgd
+    _, model, losses = fit_digits(opt)
+    assert model.optimizer is opt and losses[-1] < 0.8 * losses[0]
+    # a loss scaler given is not wrapped twice, and a bfloat16 policy needs none
+    scaler = scaled_sgd()
+    assert hvdx.DistributedOptimizer(scaler).inner_optimizer is scaler
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    assert not isinstance(hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1)), keras.mixed_precision.LossScaleOptimizer)
+
+
+@pytest.mark.parametrize("communication", ["allreduce", "hitopk"])
+def test_a_step_with_a_non_finite_gradient_is_skipped_leaving_the_residuals(one_rank, mixed_float16, communication):
+    opt = hvdx.DistributedOptimizer(scaled_sgd(), communication=communication,
+                                    **({"density": 0.05} if communication == "hitopk" else {}))
+    _, model, _ = fit_digits(opt, epochs=1)
+    weights, scale = [w.copy() for w in model.get_weights()], float(opt.dynamic_scale.numpy())
+    residuals = [r.numpy().copy() for r in opt.aggregator.residuals]
+    assert (communication == "hitopk") == bool(residuals) and all(np.abs(r).sum() > 0 for r in residuals)
+    iterations = int(opt.iterations.numpy())
+    x, y = digits(32)
+    x = x.copy()
+    x[3, 5] = np.inf
+    model.train_on_batch(x, y)
+    assert float(opt.dynamic_scale.numpy()) == scale / 2 and int(opt.nonfinite_steps.numpy()) == 1
+    assert int(opt.iterations.numpy()) == iterations  # skipped, as Keras' loss scaler skips it
+    for got, want in zip(model.get_weights(), weights):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(opt.aggregator.residuals, residuals):
+        np.testing.assert_array_equal(got.numpy(), want)
+    x[3, 5] = 0.0
+    model.train_on_batch(x, y)  # the next finite step applies, residuals rescaled to the halved scale
+    assert int(opt.iterations.numpy()) == iterations + 1 and int(opt.nonfinite_steps.numpy()) == 1
+    assert not all(np.array_equal(g, w) for g, w in zip(model.get_weights(), weights))
+
+
+def test_a_loss_scaler_with_local_accumulation_skips_a_non_finite_window(one_rank, mixed_float16):
+    opt = hvdx.DistributedOptimizer(scaled_sgd(), backward_passes_per_step=2, average_aggregated_gradients=True)
+    got, model, _ = fit_digits(opt)
+    reference = keras.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2))
+    assert_same_weights(got, fit_digits(reference)[0])
+    x, y = digits(32)
+    x = x.copy()
+    x[0, 0] = np.nan
+    scale, iterations = float(opt.dynamic_scale.numpy()), int(opt.iterations.numpy())
+    model.train_on_batch(x, y)  # the first pass of a window: accumulated locally
+    model.train_on_batch(digits(32)[0], y)  # the second: the window holds a NaN, skipped
+    assert float(opt.dynamic_scale.numpy()) == scale / 2 and int(opt.nonfinite_steps.numpy()) == 1
+    assert int(opt.iterations.numpy()) == iterations + 1 and int(opt._agg_helper.counter.numpy()) == 0
+
+
+def test_a_loss_scaler_around_the_wrapper_is_refused_naming_the_fix(one_rank):
+    """Keras' LossScaleOptimizer outside would decide on each rank's own gradients (ranks
+    skipping different steps): refused when it builds the wrapper, naming both fixes."""
+    fix = r"hvdx.DistributedOptimizer\(keras.mixed_precision.LossScaleOptimizer\(optimizer\).*policy"
+    outside = keras.mixed_precision.LossScaleOptimizer(hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1)))
+    with pytest.raises(ValueError, match=fix):
+        fit_digits(outside)
+    with pytest.raises(ValueError, match=fix):
+        outside.apply([tf.zeros_like(v) for v in make_model().trainable_variables], make_model().trainable_variables)
+    plain = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1))  # made under float32,
+    keras.mixed_precision.set_global_policy("mixed_float16")  # compiled into a mixed_float16 model
+    try:
+        model = digits_model()
+        model.compile(optimizer=plain, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert model.optimizer is not plain and model.optimizer.inner_optimizer is plain  # Keras' compile wrapped it
+        with pytest.raises(ValueError, match=fix):
+            model.fit(*digits(64), batch_size=32, epochs=1, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with pytest.raises(ValueError, match="wraps an hvdx.DistributedOptimizer already"):
+        hvdx.DistributedOptimizer(outside)
+
+
+def test_config_round_trip_of_the_wrapped_loss_scaler(one_rank):
+    opt = hvdx.DistributedOptimizer(keras.mixed_precision.LossScaleOptimizer(
+        keras.optimizers.SGD(0.1, momentum=0.9), initial_scale=256.0, dynamic_growth_steps=50),
+        communication="hitopk", density=0.05)
+    config = keras.saving.serialize_keras_object(opt)
+    assert config["registered_name"] == "hvdx>DistributedOptimizer"
+    again = keras.saving.deserialize_keras_object(config)
+    assert type(again) is type(opt) and isinstance(again, keras.mixed_precision.LossScaleOptimizer)
+    assert again.get_config() == opt.get_config() and repr(again.communication) == repr(opt.communication)
+    assert again.initial_scale == 256.0 and again.dynamic_growth_steps == 50
+    assert again.inner_optimizer.inner_optimizer.get_config() == opt.inner_optimizer.inner_optimizer.get_config()
+
+
+def trained_with_a_skipped_step(communication: str = "hitopk"):
+    """A mixed_float16 model fit through the wrapped loss scaler, then one non-finite step."""
+    opt = hvdx.DistributedOptimizer(scaled_sgd(), communication=communication, density=0.05)
+    _, model, _ = fit_digits(opt)
+    x, y = digits(32)
+    model.train_on_batch(np.where(np.arange(64) == 7, np.inf, x).astype(np.float32), y)
+    assert int(opt.nonfinite_steps.numpy()) == 1 and float(opt.dynamic_scale.numpy()) == 2.0 ** 14
+    residuals = [r.numpy().copy() for r in opt.aggregator.residuals]
+    assert residuals and any(np.abs(r).sum() > 0 for r in residuals)
+    return opt, model, residuals
+
+
+def test_a_keras_archive_keeps_the_dynamic_scale_residuals_and_state(one_rank, mixed_float16, tmp_path):
+    opt, model, residuals = trained_with_a_skipped_step()
+    path = str(tmp_path / "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    again = loaded.optimizer
+    assert type(again) is type(opt) and again.get_config() == opt.get_config()
+    assert isinstance(again, keras.mixed_precision.LossScaleOptimizer)
+    assert float(again.dynamic_scale.numpy()) == 2.0 ** 14 and int(again.nonfinite_steps.numpy()) == 1
+    assert_same_weights(loaded.get_weights(), model.get_weights())
+    for got, want in zip(again.aggregator.residuals, residuals):
+        np.testing.assert_array_equal(got.numpy(), want)
+    assert len(again.variables) == len(opt.variables)  # step counter, scale, SGD's iterations and momentums
+    for got, want in zip(again.variables, opt.variables):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    loaded.fit(*digits(64), batch_size=32, epochs=1, shuffle=False, verbose=0)  # and it trains on
+    assert int(again.iterations.numpy()) == int(opt.iterations.numpy()) + 2
+
+
+def test_a_checkpoint_keeps_the_dynamic_scale_and_residuals(one_rank, mixed_float16, tmp_path):
+    opt, model, residuals = trained_with_a_skipped_step("sparse_allgather")
+    state = [np.asarray(v).copy() for v in opt.variables]
+    path = tf.train.Checkpoint(model=model, optimizer=opt).save(str(tmp_path / "ckpt"))
+    for r in opt.aggregator.residuals:
+        r.assign(tf.zeros_like(r))
+    for v in opt.variables:
+        v.assign(tf.zeros_like(v))
+    opt.nonfinite_steps.assign(0)
+    tf.train.Checkpoint(model=model, optimizer=opt).restore(path).assert_existing_objects_matched()
+    assert float(opt.dynamic_scale.numpy()) == 2.0 ** 14 and int(opt.nonfinite_steps.numpy()) == 1
+    for got, want in zip(opt.variables, state):
+        np.testing.assert_array_equal(np.asarray(got), want)
+    for got, want in zip(opt.aggregator.residuals, residuals):
+        np.testing.assert_array_equal(got.numpy(), want)
 
 
 #: On a stack without Keras 3 no launch is asked for this check (its test is skipped there).
 KERAS3_CHECKS = [suite.check("optimizer.keras3_fit", "2x2", timeout=420)] if HAS_KERAS3 else []
+MIXED_PRECISION_CHECKS = [suite.check("optimizer.keras3_mixed_precision", "2x2", timeout=420)] if HAS_KERAS3 else []
 
 
 @suite.runs(*KERAS3_CHECKS)
@@ -302,3 +513,29 @@ def test_a_keras3_model_fit_on_two_nodes_agrees_and_learns(ranks):
             assert run["accuracy"] > 0.85, (rank, communication, run)
             assert run["last_loss"] < 0.5 * run["first_loss"], (rank, communication, run)
             assert run["wrapper"] == "hvdx.keras3_optimizer" and run["is_sgd"], (rank, communication, run)
+
+
+@suite.runs(*MIXED_PRECISION_CHECKS)
+def test_a_mixed_float16_fit_on_two_nodes_skips_a_step_one_rank_overflowed_on_every_rank(ranks):
+    """2 nodes x 2 ranks, `fit` of a mixed_float16 Keras 3 MLP on the digits through the wrapper
+    (a LossScaleOptimizer inside it) with allreduce and HiTopK; one step on which only rank 1's
+    gradients are not finite is skipped by every rank alike (no hang: the check returned): the
+    same halved scale, weights and HiTopK's residuals as before it; training learns and every
+    rank ends bitwise identical, optimizer state included."""
+    assert sorted(ranks) == [0, 1, 2, 3]
+    scales = set()
+    for rank, data_ in ranks.items():
+        assert data_["keras"].startswith("3."), data_
+        assert sorted(data_["runs"]) == ["allreduce", "hitopk"]
+        for communication, run in data_["runs"].items():
+            where = (rank, communication, run)
+            assert run["is_loss_scaler"] and run["compiled_as_given"] and run["compute_dtype"] == "float16", where
+            skipped = run["skipped"]
+            assert skipped["weights_unchanged"] and skipped["residuals_unchanged"], where
+            assert skipped["has_residuals"] == (communication == "hitopk"), where
+            assert skipped["scale_after"] == skipped["scale_before"] / 2 and skipped["scale_spread"] == 0.0, where
+            assert skipped["nonfinite_counted"] == 1 and skipped["iterations_counted"] == 0, where
+            assert run["spread_before"] > 0.0 and run["spread"] == 0.0 and run["optimizer_spread"] == 0.0, where
+            assert run["accuracy"] > 0.85 and run["last_loss"] < 0.5 * run["first_loss"], where
+            scales.add((communication, run["dynamic_scale"]))
+    assert len(scales) == 2, scales  # one final scale per strategy, whatever the rank

@@ -6,7 +6,10 @@
   `accuracy_bar`) the MSTopK strategies end within 1 point of Allreduce's test accuracy;
 - residuals survive a checkpoint round-trip; bad input fails clearly;
 - `keras3_fit`: a Keras 3 model trained by `fit` through hvdx.DistributedOptimizer around a
-  Keras 3 SGD (hvdx/keras3_optimizer.py) ends with identical weights on every rank and learns.
+  Keras 3 SGD (hvdx/keras3_optimizer.py) ends with identical weights on every rank and learns;
+- `keras3_mixed_precision`: the same under Keras 3's mixed_float16 policy (a LossScaleOptimizer
+  inside the wrapper), with one step on which only rank 1's gradients are not finite: every
+  rank skips it alike.
 """
 import os
 import tempfile
@@ -173,4 +176,81 @@ def check_keras3_fit(topo, epochs: int = 6) -> dict:
     return {"keras": version, "runs": runs}
 
 
-CHECKS = {"training": check_training, "keras3_fit": check_keras3_fit}
+def _spread(values: np.ndarray, name: str) -> float:
+    """max - min over the ranks of each element of `values`, the largest (0.0: bitwise identical)."""
+    values = tf.constant(values)
+    return float(tf.reduce_max(hvd.allreduce(values, op=hvd.Max, name=f"{name}.max") -
+                               hvd.allreduce(values, op=hvd.Min, name=f"{name}.min")))
+
+
+def check_keras3_mixed_precision(topo, epochs: int = 6) -> dict:
+    """A Keras 3 MLP under the mixed_float16 policy trained by `fit` through
+    hvdx.DistributedOptimizer(keras.optimizers.SGD) (made under the policy: a LossScaleOptimizer
+    inside it) with allreduce and HiTopK, the ranks seeded apart then given rank 0's weights;
+    halfway, one step on which only rank 1's batch holds an inf (its gradients alone are not
+    finite): per strategy, whether every rank skipped it alike (weights, residuals as they were,
+    the scale halved, the same scale everywhere), the weights' spread over the ranks after
+    training, test accuracy and losses. Where the keras package is not Keras 3 it trains nothing."""
+    import importlib.metadata
+
+    version = importlib.metadata.version("keras")
+    if int(version.split(".")[0]) < 3:
+        return {"keras": version, "skipped": "no Keras 3 on this stack"}
+    import keras
+
+    x_train, x_test, y_train, y_test = digits.split()
+    per_rank = len(x_train) // topo.size
+    x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
+    runs = {}
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        for communication in ("allreduce", "hitopk"):
+            keras.utils.set_random_seed(topo.rank)
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                                      keras.layers.Dense(10)])
+            density = {"density": 0.05} if communication == "hitopk" else {}
+            optimizer = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.05 * topo.size, momentum=0.9),
+                                                  communication=communication, **density)
+            model.compile(optimizer=optimizer, metrics=["accuracy"],
+                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            flat = lambda: np.concatenate([np.asarray(w).ravel() for w in model.trainable_variables])
+            spread_before = _spread(flat(), f"mp0.{communication}")
+            hvdx.broadcast_variables(model.variables, root_rank=0)
+            first = model.fit(x_mine, y_mine, batch_size=16, epochs=epochs // 2, verbose=0).history["loss"]
+            # one step on which only rank 1's gradients are not finite
+            weights, scale = flat(), float(optimizer.dynamic_scale.numpy())
+            residuals = [r.numpy().copy() for r in optimizer.aggregator.residuals]
+            nonfinite, iterations = int(optimizer.nonfinite_steps.numpy()), int(optimizer.iterations.numpy())
+            batch = x_mine[:16].copy()
+            if topo.rank == 1:
+                batch[0, 0] = np.inf
+            model.train_on_batch(batch, y_mine[:16])
+            skipped = {
+                "weights_unchanged": bool(np.array_equal(flat(), weights)),
+                "residuals_unchanged": len(residuals) == len(optimizer.aggregator.residuals) and all(
+                    np.array_equal(r.numpy(), before) for r, before in zip(optimizer.aggregator.residuals, residuals)),
+                "has_residuals": bool(residuals),
+                "scale_before": scale, "scale_after": float(optimizer.dynamic_scale.numpy()),
+                "scale_spread": _spread(np.array([optimizer.dynamic_scale.numpy()], np.float32),
+                                        f"mpscale.{communication}"),
+                "nonfinite_counted": int(optimizer.nonfinite_steps.numpy()) - nonfinite,
+                "iterations_counted": int(optimizer.iterations.numpy()) - iterations,
+            }
+            last = model.fit(x_mine, y_mine, batch_size=16, epochs=epochs - epochs // 2, verbose=0).history["loss"]
+            _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+            state = np.concatenate([np.asarray(v, np.float64).ravel() for v in optimizer.variables])
+            runs[communication] = {
+                "spread_before": spread_before, "spread": _spread(flat(), f"mp.{communication}"),
+                "optimizer_spread": _spread(state, f"mpopt.{communication}"),
+                "accuracy": float(accuracy), "first_loss": first[0], "last_loss": last[-1], "skipped": skipped,
+                "dynamic_scale": float(optimizer.dynamic_scale.numpy()),
+                "is_loss_scaler": isinstance(optimizer, keras.mixed_precision.LossScaleOptimizer),
+                "compute_dtype": model.layers[0].compute_dtype, "compiled_as_given": model.optimizer is optimizer}
+            print(f"keras3 mixed_float16 {communication}: test accuracy {accuracy:.4f}, {skipped}", flush=True)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    return {"keras": version, "runs": runs}
+
+
+CHECKS = {"training": check_training, "keras3_fit": check_keras3_fit,
+          "keras3_mixed_precision": check_keras3_mixed_precision}
