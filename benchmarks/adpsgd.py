@@ -36,6 +36,10 @@ Writes <out>/<stem>.json, <stem>.png (stem: adpsgd) and the table of benchmarks/
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import json
 import os

@@ -20,6 +20,10 @@ wire: an exchange that spans W steps whose times do not grow is overlapped. Writ
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import json
 import os

@@ -28,6 +28,10 @@ Writes <out>/daso_transport.json (benchmarks/daso.py reuses the numbers; no READ
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import json
 import os

@@ -38,6 +38,10 @@ Writes <out>/datacache_scale.json and the table of benchmarks/README.md.
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import contextlib
 import json
@@ -55,7 +59,7 @@ import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import hvdx  # noqa: E402  (first, before TensorFlow)
+import hvdx  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 from hvdx.data import DataCache, GFileSource, SlowSource  # noqa: E402

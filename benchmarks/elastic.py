@@ -32,6 +32,10 @@ Writes benchmarks/results/elastic.json and elastic.png and its section of benchm
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import contextlib
 import json

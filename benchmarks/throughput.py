@@ -25,6 +25,10 @@ section of benchmarks/README.md.
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import json
 import statistics

@@ -24,6 +24,10 @@ Writes <out>/topk.json, <out>/topk.png and the tables of benchmarks/README.md.
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import json
 import os
@@ -35,7 +39,7 @@ from typing import Callable, Dict, List, Optional
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import hvdx  # noqa: E402  (first, before TensorFlow: tf.keras is Keras 2, tf_keras, on TensorFlow 2.16+)
+import hvdx  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 

@@ -17,6 +17,10 @@ docs/dawnbench.md explains the recipe and how it maps to the paper.
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import dataclasses
 import json
@@ -25,7 +29,7 @@ import time
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-import hvdx  # first, before TensorFlow: tf.keras is Keras 2 (tf_keras) on TensorFlow 2.16+
+import hvdx
 import numpy as np
 import tensorflow as tf
 

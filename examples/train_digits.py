@@ -13,13 +13,17 @@ dense allreduce, measured in the same run.
 """
 from __future__ import annotations
 
+from hvdx.legacy_keras import use_keras2  # noqa: E402
+
+use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+
 import argparse
 import hashlib
 import time
 
 import statistics
 
-import hvdx  # first, before TensorFlow: tf.keras is Keras 2 (tf_keras) on TensorFlow 2.16+
+import hvdx
 import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf

@@ -9,12 +9,11 @@ and poorly connected between each other.
     model.fit(..., callbacks=[hvdx.adpsgd.ADPSGDCallback(topology="exponential")])   # AD-PSGD
 
 `hvdx.keras` and `hvdx.tensorflow` are Horovod's APIs with hvdx's optimizer and tape.
-`hvdx.DistributedOptimizer(keras.optimizers.SGD(...))` wraps a Keras 3 optimizer (`import
-keras`, beside tf.keras's tf_keras) for a Keras 3 model's `fit` (hvdx/keras3_optimizer.py).
-With Keras 3 as tf.keras (the user's choice, `TF_USE_LEGACY_KERAS=0`),
-`hvdx.keras3_optimizer.DistributedOptimizer`, `hvdx.init()`, `hvdx.DistributedGradientTape`
-and `hvdx.broadcast_variables` work; the Keras 2 integration raises
-`hvdx.legacy_keras.Keras3Error` (docs/keras3.md).
+tf.keras is what TensorFlow makes it (Keras 3 from TensorFlow 2.16 on, tf_keras with
+$TF_USE_LEGACY_KERAS=1): importing hvdx changes nothing there, in any import order.
+`hvdx.DistributedOptimizer` takes the path of the optimizer it is given: a Keras 3 one
+(`keras.optimizers.*`) the Keras 3 adapter (hvdx/keras3_optimizer.py), a Keras 2 one the
+Keras 2 adapter (hvdx/optimizer.py); docs/keras3.md says what works on each.
 
 The package is lazy: `import hvdx` imports no TensorFlow and no Horovod; each name below is
 imported on first use (PEP 562), so the parts that need neither (the launchers of
@@ -26,15 +25,8 @@ import importlib
 import importlib.util
 from typing import Any, Dict, List
 
-# First, before anything imports TensorFlow: tf.keras is Keras 2 (tf_keras from TensorFlow
-# 2.16 on), or the user chose Keras 3, or the import fails saying what to do
-# (hvdx/legacy_keras.py).
-from hvdx import legacy_keras as _legacy_keras
-
-_legacy_keras.prepare()
-
-from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology  # noqa: E402
-from hvdx.version import __version__  # noqa: E402
+from hvdx.topology import Topology, TopologyError, barrier, init, shutdown, topology
+from hvdx.version import __version__
 
 #: Public names of submodules: name -> (module, attribute).
 _NAMES: Dict[str, tuple] = {

@@ -1,69 +1,94 @@
-"""Keras 2 as tf.keras on every TensorFlow hvdx supports: from TensorFlow 2.16 on, tf.keras
-routed to the tf_keras package.
+"""Which Keras: tf.keras is TensorFlow's choice; hvdx's Keras 2 code names the Keras 2 package.
 
-TensorFlow 2.16 made Keras 3 its tf.keras. Horovod's Keras integration, and hvdx's built on
-it, needs Keras 2: under Keras 3 every Horovod path fails ("'Variable' object has no
-attribute 'ref'", horovod#4290). TensorFlow routes tf.keras to tf_keras (Keras 2) when
-$TF_USE_LEGACY_KERAS is "1", "true" or "True" at `import tensorflow`; it reads the variable
-once, then, and a later change leaves tf.keras half routed.
+From TensorFlow 2.16 on, tf.keras is Keras 3 unless $TF_USE_LEGACY_KERAS is "1", "true" or
+"True" at `import tensorflow` (then it is the tf_keras package, Keras 2). hvdx leaves that
+choice to the user and TensorFlow: importing it sets nothing and requires nothing, in any
+import order. Both Keras can be in one process (`import keras` is Keras 3 from 2.16 on,
+whatever tf.keras is), and hvdx takes the path of the object it is given:
 
-`import hvdx` calls `prepare()` first: it sets TF_USE_LEGACY_KERAS=1 where the user did not
-set it, TensorFlow is not imported yet and tf_keras is installed (TensorFlow 2.15 reads the
-variable too and fails without tf_keras); where TensorFlow is imported already, it checks
-tf.keras at once, unless the user chose Keras 3 (`keras3_chosen`: the variable set to
-another value). `require_keras2()` raises `Keras3Error` where tf.keras is Keras 3, saying
-what to do; the Keras wrappers call it before they use tf.keras. Under Keras 3,
-`hvdx.keras3_optimizer.DistributedOptimizer` wraps a Keras 3 optimizer for `Model.fit`, and
-`hvdx.init()`, `hvdx.DistributedGradientTape` and `hvdx.broadcast_variables` work in a
-custom training loop (docs/keras3.md). Importing this module imports no TensorFlow
-(`import hvdx` stays light).
+- its Keras 2 code (the Keras 2 optimizer adapter, DASO, LARS/LAMB, the training methods'
+  callbacks) uses `keras2()`: tf.keras where that is Keras 2 (TensorFlow <= 2.15, or the
+  variable set), else the tf_keras package;
+- its Keras 3 code imports `keras`;
+- where it must choose without an object, it follows tf.keras (`tf_keras_is_keras3`).
+
+A script written for Keras 2 as tf.keras (hvdx's own examples and benchmarks; Horovod's
+examples as written) calls `use_keras2()` before TensorFlow's import, or is run with
+$TF_USE_LEGACY_KERAS=1, as TensorFlow requires of such a script.
+
+Importing this module imports no TensorFlow (`import hvdx` stays light).
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from types import ModuleType
-from typing import Optional, Tuple
+from typing import Tuple
 
-__all__ = ["ENV", "KERAS3_NATIVE", "KERAS3_SINCE", "Keras3Error", "keras3_chosen", "keras_package", "prepare",
-           "require_keras2", "route_to_tf_keras"]
+__all__ = ["ENV", "KERAS3_SINCE", "Keras2Missing", "is_keras3_object", "keras2", "keras_package",
+           "tf_keras_is_keras3", "use_keras2"]
 
 ENV = "TF_USE_LEGACY_KERAS"
 KERAS3_SINCE = (2, 16)   # the first TensorFlow whose tf.keras is Keras 3 by default
-_ON = ("1", "true", "True")   # the values TensorFlow reads as "route to tf_keras"
 
 
-_checked = False  # the running TensorFlow's tf.keras passed `require_keras2`
+class Keras2Missing(ImportError):
+    """hvdx's Keras 2 code was asked for where no Keras 2 is installed (TensorFlow >= 2.16
+    without the tf_keras package)."""
 
 
-#: What works under Keras 3 (docs/keras3.md), for the messages.
-KERAS3_NATIVE = ("hvdx.keras3_optimizer.DistributedOptimizer around a Keras 3 optimizer in Model.fit, and hvdx.init(), "
-                 "hvdx.DistributedGradientTape and hvdx.broadcast_variables in a custom training loop")
+_ON = ("1", "true", "True")   # the values TensorFlow reads as "tf.keras is tf_keras"
 
 
-class Keras3Error(ImportError):
-    """tf.keras is Keras 3, with which Horovod's and hvdx's Keras integration fails."""
+def _installed_version(package: str) -> Tuple[int, int]:
+    """(major, minor) of the installed distribution that provides the top-level `package`
+    (tensorflow comes as tensorflow, tensorflow-cpu, ...), (0, 0) where none does."""
+    from importlib import metadata
+
+    def version(name: str) -> Tuple[int, int]:
+        try:
+            return tuple(int(part) for part in metadata.version(name).split(".")[:2])
+        except (metadata.PackageNotFoundError, ValueError):
+            return (0, 0)
+
+    found = version(package)
+    if found == (0, 0):  # another distribution's name (a scan of every installed one)
+        found = max((version(name) for name in metadata.packages_distributions().get(package, ())), default=(0, 0))
+    return found
 
 
-def keras3_chosen() -> bool:
-    """Whether the user chose Keras 3 as tf.keras: $TF_USE_LEGACY_KERAS set to a value
-    TensorFlow does not read as "route to tf_keras" (e.g. "0")."""
-    return ENV in os.environ and os.environ[ENV] not in _ON
+def use_keras2(script: str = "this script") -> None:
+    """For a script written for Keras 2 as tf.keras: sets $TF_USE_LEGACY_KERAS=1 before
+    TensorFlow's import, where TensorFlow reads it (2.16 on; before, tf.keras is Keras 2).
 
-
-def route_to_tf_keras() -> bool:
-    """Sets $TF_USE_LEGACY_KERAS=1 for TensorFlow's coming import, where that is safe.
-
-    Returns:
-        Whether it set the variable: not where the user set it (to anything), where
-        TensorFlow is already imported (it read the variable then), or where tf_keras is
-        not installed.
+    Raises:
+        RuntimeError: TensorFlow is imported already with tf.keras as Keras 3, or the user set
+            the variable to another value; the message says what to change.
+        Keras2Missing: TensorFlow >= 2.16 without the tf_keras package.
     """
-    if ENV in os.environ or "tensorflow" in sys.modules or importlib.util.find_spec("tf_keras") is None:
-        return False
+    if "tensorflow" in sys.modules:
+        if tf_keras_is_keras3():
+            raise RuntimeError(f"{script} is written for Keras 2 as tf.keras, and TensorFlow was imported before "
+                               f"with tf.keras as Keras 3: call use_keras2() before `import tensorflow`, or run it "
+                               f"with {ENV}=1")
+        return
+    version = _installed_version("tensorflow")
+    if version < KERAS3_SINCE:
+        return
+    if os.environ.get(ENV, "1") not in _ON:
+        raise RuntimeError(f"{script} is written for Keras 2 as tf.keras, and ${ENV} is set to "
+                           f"{os.environ[ENV]!r}: unset it or set it to 1")
+    if _installed_version("tf_keras") == (0, 0):
+        raise Keras2Missing(f"{script} is written for Keras 2 as tf.keras, which TensorFlow "
+                            f"{'.'.join(map(str, version))} takes from the tf_keras package: "
+                            f"`pip install tf-keras~={'.'.join(map(str, version))}.0`")
     os.environ[ENV] = "1"
-    return True
+
+
+def _tensorflow() -> ModuleType:
+    import tensorflow as tf
+
+    return tf
 
 
 def _version(tf: ModuleType) -> Tuple[int, int]:
@@ -75,45 +100,38 @@ def keras_package(tf: ModuleType) -> str:
     return tf.keras.Model.__module__.split(".")[0]
 
 
-def require_keras2(tf: Optional[ModuleType] = None, what: str = "hvdx's Keras integration") -> None:
-    """Checks that tf.keras is Keras 2 (once per process where it is).
+def tf_keras_is_keras3(tf: ModuleType = None) -> bool:
+    """Whether tf.keras is Keras 3 in this process (TensorFlow >= 2.16 without
+    $TF_USE_LEGACY_KERAS=1 at its import). `tf`: the tensorflow module (None: imported here)."""
+    tf = tf or _tensorflow()
+    return _version(tf) >= KERAS3_SINCE and keras_package(tf) != "tf_keras"
 
-    Args:
-        tf: the imported tensorflow module (None: imported here).
-        what: what needs Keras 2, for the message.
+
+def keras2() -> ModuleType:
+    """The Keras 2 API: tf.keras where it is Keras 2, else the tf_keras package.
 
     Raises:
-        Keras3Error: TensorFlow >= 2.16 with tf.keras resolved to Keras 3; the message says
-            why (tf_keras missing, the variable set otherwise, TensorFlow imported before
-            hvdx), how to fix it, and what works under Keras 3 instead.
+        Keras2Missing: tf.keras is Keras 3 and tf_keras is not installed; the message names
+            the package to install.
     """
-    global _checked
-    if tf is None:
-        if _checked:
-            return
-        import tensorflow as tf
-    if _version(tf) < KERAS3_SINCE or keras_package(tf) == "tf_keras":
-        _checked = _checked or tf is sys.modules.get("tensorflow")
-        return
-    minor = ".".join(str(part) for part in _version(tf))
-    if importlib.util.find_spec("tf_keras") is None:
-        why = f"the tf_keras package is not installed: `pip install tf-keras~={minor}.0`"
-    elif keras3_chosen():
-        why = f"${ENV} is set to {os.environ[ENV]!r}: set it to 1 (or unset it and import hvdx first)"
-    else:
-        why = (f"tensorflow was imported before hvdx without ${ENV}=1: import hvdx before tensorflow, "
-               f"or set {ENV}=1 in the environment (or in os.environ before `import tensorflow`)")
-    raise Keras3Error(
-        f"{what} needs Keras 2 as tf.keras, and TensorFlow {tf.__version__}'s tf.keras is Keras 3 here (Horovod's "
-        f"Keras integration fails under Keras 3, horovod#4290): {why}. Under Keras 3, use {KERAS3_NATIVE} "
-        f"(docs/keras3.md).")
+    tf = _tensorflow()
+    if not tf_keras_is_keras3(tf):
+        return tf.keras
+    try:
+        import tf_keras
+    except ImportError as error:
+        minor = ".".join(str(part) for part in _version(tf))
+        raise Keras2Missing(
+            f"this part of hvdx is Keras 2 code (tf_keras), and TensorFlow {tf.__version__}'s tf.keras is Keras 3 "
+            f"here with no tf_keras installed: `pip install tf-keras~={minor}.0` (docs/keras3.md lists what works "
+            f"on Keras 3 alone)") from error
+    return tf_keras
 
 
-def prepare() -> None:
-    """At `import hvdx`: tf.keras routed to tf_keras before TensorFlow's import
-    (`route_to_tf_keras`); where TensorFlow is imported already, checked now
-    (`require_keras2`) unless the user chose Keras 3 (`keras3_chosen`). Raises Keras3Error
-    as `require_keras2`."""
-    route_to_tf_keras()
-    if "tensorflow" in sys.modules and not keras3_chosen():
-        require_keras2(what="hvdx")
+def is_keras3_object(obj) -> bool:
+    """Whether `obj` (a model, layer, optimizer, variable, callback) belongs to Keras 3: its
+    class comes from the `keras` package and that package is Keras 3. Loads nothing."""
+    keras = sys.modules.get("keras")
+    if keras is None or not str(getattr(keras, "__version__", "0")).startswith("3."):
+        return False
+    return any((cls.__module__ or "").split(".")[0] == "keras" for cls in type(obj).__mro__)

@@ -38,15 +38,18 @@ import tensorflow as tf
 
 from hvdx.arguments import integer
 from hvdx.lifecycle import TrainingMethod
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["LocalSGD"]
 
 SYNC_NAME = "hvdx.localsgd.sync"  # the one allreduce's name, the same on every rank and every sync
 
 
-def default_outer_optimizer() -> tf.keras.optimizers.Optimizer:
+def default_outer_optimizer() -> keras2.optimizers.Optimizer:
     """DiLoCo's outer optimizer (sec. 3): Nesterov momentum 0.9, learning rate 0.7."""
-    return tf.keras.optimizers.SGD(learning_rate=0.7, momentum=0.9, nesterov=True)
+    return keras2.optimizers.SGD(learning_rate=0.7, momentum=0.9, nesterov=True)
 
 
 class LocalSGD(TrainingMethod):
@@ -82,11 +85,11 @@ class LocalSGD(TrainingMethod):
     same_steps_on_every_rank = True
     needs_every_step = True
 
-    def __init__(self, sync_every: int = 8, outer_optimizer: Optional[tf.keras.optimizers.Optimizer] = None, *,
+    def __init__(self, sync_every: int = 8, outer_optimizer: Optional[keras2.optimizers.Optimizer] = None, *,
                  sync_every_epoch: bool = True) -> None:
         sync_every = integer(sync_every, "sync_every", 1, expected="a positive number of local steps (an int)")
         outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
-        if not isinstance(outer, (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)):
+        if not isinstance(outer, (keras2.optimizers.Optimizer, keras2.optimizers.legacy.Optimizer)):
             raise ValueError(f"outer_optimizer must be a Keras optimizer (e.g. "
                              f"tf.keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)), got {type(outer).__name__}")
         self.check_optimizer(outer)
@@ -183,7 +186,7 @@ class LocalSGD(TrainingMethod):
     def state(self) -> Dict[str, Any]:
         """{"steps", "outer_steps", "sync_every", "outer_optimizer": its Keras config} (JSON)."""
         return {"steps": self.steps, "outer_steps": self.outer_steps, "sync_every": self.sync_every,
-                "outer_optimizer": tf.keras.optimizers.serialize(self.outer_optimizer)}
+                "outer_optimizer": keras2.optimizers.serialize(self.outer_optimizer)}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Takes back a `state()`: the counts, `sync_every` and the outer optimizer (rebuilt from
@@ -191,8 +194,8 @@ class LocalSGD(TrainingMethod):
         self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
         self.sync_every = int(state["sync_every"])
         config = state.get("outer_optimizer")
-        if config is not None and config != tf.keras.optimizers.serialize(self.outer_optimizer):
-            self.outer_optimizer = tf.keras.optimizers.deserialize(dict(config))
+        if config is not None and config != keras2.optimizers.serialize(self.outer_optimizer):
+            self.outer_optimizer = keras2.optimizers.deserialize(dict(config))
             self._sync_fn = None
 
     def stats(self) -> Dict[str, Any]:

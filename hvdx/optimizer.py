@@ -33,10 +33,13 @@ from hvdx.comm.traits import traits_of
 from hvdx.wrapped import Momentum, check_not_horovods, subclass_for
 from hvdx.wrapper_core import (WrapperCore, arguments_from_config, check_name, is_keras3_optimizer,
                                is_keras3_variable, residual_state, restore_residuals)
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["DistributedOptimizer", "PartialDistributedOptimizer"]
 
-_KERAS_OPTIMIZERS = (tf.keras.optimizers.Optimizer, tf.keras.optimizers.legacy.Optimizer)
+_KERAS_OPTIMIZERS = (keras2.optimizers.Optimizer, keras2.optimizers.legacy.Optimizer)
 _EXAMPLE = "tf.keras.optimizers.SGD(lr, momentum=0.9)"  # an optimizer whose momentum the wrapper corrects
 
 
@@ -48,11 +51,11 @@ class _CallableList(list):
 
 
 def _is_legacy(optimizer) -> bool:
-    return isinstance(optimizer, tf.keras.optimizers.legacy.Optimizer)
+    return isinstance(optimizer, keras2.optimizers.legacy.Optimizer)
 
 
-@tf.keras.utils.register_keras_serializable(package="hvdx")
-class DistributedOptimizer(tf.keras.optimizers.Optimizer):
+@keras2.utils.register_keras_serializable(package="hvdx")
+class DistributedOptimizer(keras2.optimizers.Optimizer):
     """Wraps a tf.keras optimizer so that gradients are aggregated over all ranks before
     the wrapped optimizer applies them. Like Horovod's, the wrapper is an instance of the
     wrapped optimizer's class (of a new-style Keras optimizer's; hvdx.wrapped).
@@ -135,21 +138,22 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
                  **strategy_options: Any) -> None:
         check_name(name)
         if is_keras3_optimizer(optimizer):  # reached by a subclass (DASO): hvdx.DistributedOptimizer takes it
-            raise ValueError(f"{type(self).__name__} wraps a tf.keras (Keras 2, tf_keras) optimizer; got the Keras 3 "
+            raise ValueError(f"{type(self).__name__} is Keras 2 code and wraps a Keras 2 optimizer; got the Keras 3 "
                              f"{type(optimizer).__name__} ({type(optimizer).__module__}), which only "
-                             "hvdx.DistributedOptimizer takes so far (docs/keras3.md): pass "
-                             f"tf.keras.optimizers.{type(optimizer).__name__}(...) and a tf.keras model")
+                             "hvdx.DistributedOptimizer takes so far (docs/keras3.md): run the script with "
+                             "TF_USE_LEGACY_KERAS=1 (tf.keras is then Keras 2, tf_keras) and pass "
+                             f"tf.keras.optimizers.{type(optimizer).__name__}(...) with a tf.keras model")
         if not isinstance(optimizer, _KERAS_OPTIMIZERS):
             hint = ("; a tf.compat.v1.train optimizer is wrapped by hvdx.tensorflow.DistributedOptimizer"
                     if isinstance(optimizer, tf.compat.v1.train.Optimizer) else "")
-            raise ValueError("hvdx.DistributedOptimizer wraps a tf.keras optimizer "
-                             "(tf.keras.optimizers.* or tf.keras.optimizers.legacy.*), got "
+            raise ValueError("hvdx.DistributedOptimizer wraps a Keras optimizer (keras.optimizers.*, "
+                             "tf.keras.optimizers.*, or Keras 2's tf.keras.optimizers.legacy.*), got "
                              f"{type(optimizer).__name__}{hint}")
         if isinstance(optimizer, DistributedOptimizer):
             raise ValueError("the optimizer is already an hvdx.DistributedOptimizer")
         check_not_horovods(optimizer, "hvdx.DistributedOptimizer")
         self._ready = False
-        tf.keras.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
+        keras2.optimizers.Optimizer.__init__(self, name=name or f"Distributed{type(optimizer).__name__}")
         self._momentum = Momentum(optimizer)
         self._optimizer = optimizer
         self._core = WrapperCore(
@@ -386,12 +390,12 @@ class DistributedOptimizer(tf.keras.optimizers.Optimizer):
     def get_config(self):
         """The wrapped optimizer's config, the name, Horovod's and hvdx's options, the strategy
         pinned (`hvdx.wrapper_core.WrapperCore.config`)."""
-        return {"optimizer": tf.keras.optimizers.serialize(self._optimizer), "name": self.name, **self._core.config()}
+        return {"optimizer": keras2.optimizers.serialize(self._optimizer), "name": self.name, **self._core.config()}
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         # never mutate the caller's dict (Keras' deserialize would): arguments_from_config copies
-        optimizer = tf.keras.optimizers.deserialize(copy.deepcopy(config["optimizer"]), custom_objects=custom_objects)
+        optimizer = keras2.optimizers.deserialize(copy.deepcopy(config["optimizer"]), custom_objects=custom_objects)
         return cls(optimizer, **arguments_from_config(config))
 
 

@@ -17,6 +17,9 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["Phase", "PhaseSchedule", "first_step", "parse_phases", "phase_at", "phase_start", "total_epochs"]
 
@@ -86,8 +89,8 @@ def first_step(phases: Sequence[Phase], steps_per_epoch: Sequence[int], epoch: i
     return step
 
 
-@tf.keras.utils.register_keras_serializable(package="hvdx")
-class PhaseSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
+@keras2.utils.register_keras_serializable(package="hvdx")
+class PhaseSchedule(keras2.optimizers.schedules.LearningRateSchedule):
     """The learning rate of a phased run: the optimizer step is mapped to a fractional
     epoch e over phases of `steps_per_epoch[i]` steps for `epochs[i]` epochs; then
 
@@ -138,4 +141,4 @@ class PhaseSchedule(tf.keras.optimizers.schedules.LearningRateSchedule):
 
 # The recipe registered the schedule as "dawnbench>PhaseSchedule" before it moved here: configs
 # saved then still load.
-tf.keras.utils.get_custom_objects().setdefault("dawnbench>PhaseSchedule", PhaseSchedule)
+keras2.utils.get_custom_objects().setdefault("dawnbench>PhaseSchedule", PhaseSchedule)

@@ -23,6 +23,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 import tensorflow as tf
 
 from hvdx.phases import Phase
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["EpochTime", "comm_shares", "comm_time", "load_baseline", "phase_throughput",
            "scaling_efficiency", "single_rank_throughput", "table"]
@@ -100,7 +103,7 @@ def comm_shares(rows: List[dict], seconds: Dict[str, float]) -> None:
         row["comm_share"] = {c: seconds[c] / row["step_s"] for c in row["communication"] if c in seconds}
 
 
-def single_rank_throughput(model: tf.keras.Model, phases: Sequence[Phase], steps: int, rank: int,
+def single_rank_throughput(model: keras2.Model, phases: Sequence[Phase], steps: int, rank: int,
                            num_classes: int) -> Dict[str, float]:
     """One rank's samples/s per phase (keyed by str(phase)), Table 4's baseline: `model`
     (compiled with a plain, not distributed, optimizer) trains `steps` steps at each phase's

@@ -1,6 +1,6 @@
 """Variables of either Keras as TensorFlow's: the tf.Variable behind a Keras 3 variable.
 
-Keras 3 (tf.keras from TensorFlow 2.16 on, unless routed to tf_keras: hvdx/legacy_keras.py)
+Keras 3 (tf.keras from TensorFlow 2.16 on, unless TF_USE_LEGACY_KERAS=1: hvdx/legacy_keras.py)
 holds a model's and an optimizer's state in `keras.Variable`s. On the TensorFlow backend one
 wraps a tf.Variable (its `.value`), which a tf.GradientTape watches, but it has no `ref()`
 (what the aggregator keys residuals, fusion groups and local variables by) and Horovod's

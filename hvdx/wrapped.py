@@ -31,20 +31,18 @@ import tensorflow as tf
 from hvdx import legacy_keras
 from hvdx.arguments import is_real
 
-# What follows subclasses tf.keras' optimizers: Keras 2 only. Every Keras wrapper, method and
-# callback of hvdx imports this module, so each fails here, clearly, under Keras 3.
-legacy_keras.require_keras2(tf, what="hvdx's Keras integration (DistributedOptimizer, DASO, the training methods, "
-                                     "the Keras callbacks, load_model, hvdx.keras, hvdx.tensorflow)")
+from hvdx import wrapper_core
+from hvdx.optimizers.lars import LARS
 
-from hvdx.optimizers.lars import LARS  # noqa: E402
-from hvdx import wrapper_core  # noqa: E402
+# What follows subclasses Keras 2's optimizers (tf.keras where it is Keras 2, else tf_keras).
+keras2 = legacy_keras.keras2()
 
 __all__ = ["Momentum", "SYNCHRONOUS_MARKER", "check_not_horovods", "check_not_synchronous", "is_horovods",
            "is_synchronous", "subclass_for"]
 
 # Optimizers whose step reads `self.momentum` through TensorFlow ops only (a variable works
 # there); RMSprop, e.g., branches on `self.momentum > 0` in Python.
-_TENSOR_MOMENTUM = (tf.keras.optimizers.SGD, LARS)
+_TENSOR_MOMENTUM = (keras2.optimizers.SGD, LARS)
 
 
 
@@ -121,10 +119,10 @@ def check_not_horovods(optimizer, wrapper: str, why: str = "its gradients would 
 def subclass_for(wrapper: type, wrapped: type) -> type:
     """The class of a `wrapper` instance that wraps a `wrapped` instance: `wrapper` itself
     unless `wrapped` is a new-style Keras optimizer (and no wrapper), else the subclass of
-    both described in the module docstring, one per pair, registered with tf.keras
+    both described in the module docstring, one per pair, registered with Keras 2
     (`hvdx.wrapper_core.subclass_for`)."""
-    return wrapper_core.subclass_for(wrapper, wrapped, tf.keras.optimizers.Optimizer,
-                                     tf.keras.utils.get_registered_name, tf.keras.utils.register_keras_serializable)
+    return wrapper_core.subclass_for(wrapper, wrapped, keras2.optimizers.Optimizer,
+                                     keras2.utils.get_registered_name, keras2.utils.register_keras_serializable)
 
 
 class Momentum:

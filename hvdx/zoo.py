@@ -6,12 +6,17 @@ only (no hvdx module).
     model = resnet((32, 64, 128), blocks_per_stage=2, input_shape=(32, 32, 3))
 
 Every builder takes `seed`: an int reseeds Python, NumPy and TensorFlow
-(`tf.keras.utils.set_random_seed`) before the first layer, so one seed gives the same
+(the Keras' `utils.set_random_seed`) before the first layer, so one seed gives the same
 initial weights in every process (what data-parallel ranks start from); None (the default)
 builds from the global random state as it is. Keras' layer names are its automatic ones
 (`dense`, `dense_1`, ...) unless a builder says otherwise; layers take the global dtype
 policy, except that the ResNets' logits are float32 under any policy (mixed precision's
 recipe).
+
+The builders are Keras 2 (tf_keras, or tf.keras where it is Keras 2); `mlp`, `cnn` and
+`resnet` take `keras=`, the Keras module whose layers they use, e.g. `keras=keras` (Keras 3,
+`import keras`) builds the same architecture as a Keras 3 model (its initial weights differ:
+each Keras draws its own).
 """
 from __future__ import annotations
 
@@ -20,21 +25,24 @@ from typing import Collection, Optional, Sequence, Union
 import tensorflow as tf
 
 from hvdx.arguments import integer, is_integer
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["cnn", "mlp", "resnet", "resnet50", "transformer", "vgg19"]
 
 Shape = Sequence[Optional[int]]
 
 
-def _reseed(seed: Optional[int]) -> None:
+def _reseed(seed: Optional[int], keras=None) -> None:
     seed = integer(seed, "seed", optional=True)
     if seed is not None:
-        tf.keras.utils.set_random_seed(seed)
+        (keras or keras2).utils.set_random_seed(seed)
 
 
 def mlp(inputs: int = 64, widths: Sequence[int] = (64,), classes: int = 10, *, activation: Optional[str] = "relu",
         output_activation: Optional[str] = None, name: Optional[str] = None,
-        seed: Optional[int] = None) -> tf.keras.Sequential:
+        seed: Optional[int] = None, keras=None) -> keras2.Sequential:
     """A fully connected network: `inputs` features -> one Dense of each of `widths` with
     `activation` -> `classes` outputs with `output_activation` (None: logits).
 
@@ -45,14 +53,16 @@ def mlp(inputs: int = 64, widths: Sequence[int] = (64,), classes: int = 10, *, a
       activation, output_activation: Keras activations of the hidden and the output layers.
       name: the Sequential's name (None: Keras' `sequential_N`).
       seed: see the module.
+      keras: the Keras module to build with (None: Keras 2; `keras`: Keras 3); see the module.
 
     Returns:
       A built Sequential: Input, len(widths) + 1 Dense layers; inputs * w1 + w1 + ... +
       w_last * classes + classes parameters.
     """
-    _reseed(seed)
-    layers = [tf.keras.Input((inputs,))] + [tf.keras.layers.Dense(w, activation=activation) for w in widths]
-    return tf.keras.Sequential(layers + [tf.keras.layers.Dense(classes, activation=output_activation)], name=name)
+    keras = keras or keras2
+    _reseed(seed, keras)
+    layers = [keras.Input((inputs,))] + [keras.layers.Dense(w, activation=activation) for w in widths]
+    return keras.Sequential(layers + [keras.layers.Dense(classes, activation=output_activation)], name=name)
 
 
 def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel_size: int = 3,
@@ -60,7 +70,7 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
         pool_after: Collection[int] = (), rescale: Optional[float] = None, dropout: float = 0.0,
         head: str = "average", dense: Sequence[int] = (), dense_dropout: float = 0.0,
         output_activation: Optional[str] = None, name: Optional[str] = None,
-        seed: Optional[int] = None) -> tf.keras.Sequential:
+        seed: Optional[int] = None, keras=None) -> keras2.Sequential:
     """A plain convolutional network, in this order: [Rescaling(rescale)], one Conv2D of each
     of `filters` (each followed by a 2x2 MaxPool2D where its index is in `pool_after`),
     [Dropout(dropout)], the head (GlobalAveragePooling2D for "average", Flatten for
@@ -77,7 +87,7 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
       dropout: the rate of a Dropout after the convolutions (0: none).
       head: "average" (global average pooling) or "flatten".
       dense, dense_dropout: the hidden Dense layers' units and the rate of the Dropout after each.
-      classes, output_activation, name, seed: as `mlp`'s.
+      classes, output_activation, name, seed, keras: as `mlp`'s.
 
     Returns:
       A built Sequential.
@@ -90,9 +100,10 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
     steps = [int(strides)] * len(filters) if is_integer(strides) else list(strides)
     if len(steps) != len(filters):
         raise ValueError(f"{len(steps)} strides for {len(filters)} convolutions: pass one int or one per convolution")
-    _reseed(seed)
-    layers = tf.keras.layers
-    stack = [tf.keras.Input(tuple(input_shape))] + ([layers.Rescaling(rescale)] if rescale is not None else [])
+    keras = keras or keras2
+    _reseed(seed, keras)
+    layers = keras.layers
+    stack = [keras.Input(tuple(input_shape))] + ([layers.Rescaling(rescale)] if rescale is not None else [])
     for i, (f, s) in enumerate(zip(filters, steps)):
         stack.append(layers.Conv2D(f, kernel_size, strides=s, padding=padding, activation=activation))
         stack += [layers.MaxPool2D()] if i in pool_after else []
@@ -101,12 +112,13 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
     for units in dense:
         stack.append(layers.Dense(units, activation=activation))
         stack += [layers.Dropout(dense_dropout)] if dense_dropout else []
-    return tf.keras.Sequential(stack + [layers.Dense(classes, activation=output_activation)], name=name)
+    return keras.Sequential(stack + [layers.Dense(classes, activation=output_activation)], name=name)
 
 
 def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (None, None, 3),
            blocks_per_stage: int = 1, bn_momentum: float = 0.99, layer_names: bool = True,
-           shortcut_first: bool = True, name: Optional[str] = None, seed: Optional[int] = None) -> tf.keras.Model:
+           shortcut_first: bool = True, name: Optional[str] = None, seed: Optional[int] = None,
+           keras=None) -> keras2.Model:
     """A ResNet of basic blocks (He et al., "Deep Residual Learning for Image Recognition",
     2016, arXiv:1512.03385, sec. 4.2's CIFAR networks): a 3x3 stem of widths[0] filters, then
     one stage per width of `blocks_per_stage` blocks, global average pooling, Dense logits.
@@ -133,12 +145,14 @@ def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (No
         order), by the Add's inputs.
       name: the Model's name (None: Keras' `model_N`).
       seed: see the module.
+      keras: as `mlp`'s.
 
     Returns:
       A built functional Model.
     """
-    _reseed(seed)
-    layers = tf.keras.layers
+    keras = keras or keras2
+    _reseed(seed, keras)
+    layers = keras.layers
 
     def label(text: str) -> Optional[str]:
         return text if layer_names else None
@@ -148,7 +162,7 @@ def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (No
                           name=label(f"{prefix}_conv"))(x)
         return layers.BatchNormalization(momentum=bn_momentum, name=label(f"{prefix}_bn"))(x)
 
-    inputs = tf.keras.Input(tuple(input_shape))
+    inputs = keras.Input(tuple(input_shape))
     x = layers.ReLU(name=label("stem_relu"))(conv_bn(inputs, widths[0], 3, 1, "stem"))
     for s, width in enumerate(widths):
         for b in range(blocks_per_stage):
@@ -162,44 +176,44 @@ def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (No
             x = layers.ReLU(name=label(f"{prefix}_out"))(layers.Add(name=label(f"{prefix}_add"))(pair))
     x = layers.GlobalAveragePooling2D(name=label("pool"))(x)
     outputs = layers.Dense(classes, name=label("logits"), dtype="float32")(x)
-    return tf.keras.Model(inputs, outputs, name=name)
+    return keras.Model(inputs, outputs, name=name)
 
 
 def resnet50(classes: int = 1000, *, input_shape: Shape = (None, None, 3), name: str = "resnet50",
-             seed: Optional[int] = None) -> tf.keras.Model:
+             seed: Optional[int] = None) -> keras2.Model:
     """Keras' ResNet-50 without weights and without its top, average-pooled, under a Dense
     "logits" layer of `classes` (float32 under any dtype policy): 23.6M + 2049 * classes
     parameters. `input_shape`'s default takes any image size; `seed`: see the module."""
     _reseed(seed)
-    base = tf.keras.applications.ResNet50(weights=None, include_top=False, input_shape=tuple(input_shape),
+    base = keras2.applications.ResNet50(weights=None, include_top=False, input_shape=tuple(input_shape),
                                           pooling="avg")
-    outputs = tf.keras.layers.Dense(classes, name="logits", dtype="float32")(base.output)
-    return tf.keras.Model(base.input, outputs, name=name)
+    outputs = keras2.layers.Dense(classes, name="logits", dtype="float32")(base.output)
+    return keras2.Model(base.input, outputs, name=name)
 
 
 def vgg19(classes: int = 1000, *, input_shape: Shape = (224, 224, 3), name: str = "vgg19",
-          seed: Optional[int] = None) -> tf.keras.Model:
+          seed: Optional[int] = None) -> keras2.Model:
     """Keras' VGG-19 without weights and without its top, flattened, under two Dense(4096,
     ReLU) and a Dense of `classes` logits (VGG's classifier; `input_shape` fixes its first
     Dense's size, 143.7M parameters at 224 px); `seed`: see the module."""
     _reseed(seed)
-    layers = tf.keras.layers
-    base = tf.keras.applications.VGG19(weights=None, include_top=False, input_shape=tuple(input_shape))
+    layers = keras2.layers
+    base = keras2.applications.VGG19(weights=None, include_top=False, input_shape=tuple(input_shape))
     x = layers.Flatten()(base.output)
     x = layers.Dense(4096, activation="relu")(layers.Dense(4096, activation="relu")(x))
-    return tf.keras.Model(base.input, layers.Dense(classes)(x), name=name)
+    return keras2.Model(base.input, layers.Dense(classes)(x), name=name)
 
 
 def transformer(vocabulary: int, width: int, blocks: int, heads: int, length: int, *,
-                name: Optional[str] = None, seed: Optional[int] = None) -> tf.keras.Model:
+                name: Optional[str] = None, seed: Optional[int] = None) -> keras2.Model:
     """A pre-norm Transformer encoder over int32 token sentences of `length`: an Embedding
     of `vocabulary` x `width`, `blocks` blocks of h += MultiHeadAttention(heads, width //
     heads)(LN(h), LN(h)) and h += Dense(width)(Dense(4 * width, GELU)(LN(h))), then LN and
     Dense logits over the vocabulary at every position. (16000, 512, 3, 8, 64) has 25.8M
     parameters. `name`: the Model's (None: Keras' `model_N`); `seed`: see the module."""
     _reseed(seed)
-    layers = tf.keras.layers
-    tokens = tf.keras.Input((length,), dtype=tf.int32)
+    layers = keras2.layers
+    tokens = keras2.Input((length,), dtype=tf.int32)
     h = layers.Embedding(vocabulary, width)(tokens)
     for _ in range(blocks):
         a = layers.LayerNormalization()(h)
@@ -207,4 +221,4 @@ def transformer(vocabulary: int, width: int, blocks: int, heads: int, length: in
         f = layers.LayerNormalization()(h)
         f = layers.Dense(4 * width, activation="gelu")(f)
         h = h + layers.Dense(width)(f)
-    return tf.keras.Model(tokens, layers.Dense(vocabulary)(layers.LayerNormalization()(h)), name=name)
+    return keras2.Model(tokens, layers.Dense(vocabulary)(layers.LayerNormalization()(h)), name=name)

@@ -1,5 +1,9 @@
 """Session-wide guards and the multi-rank suite.
 
+- tf.keras is Keras 2 in the tests' processes ($TF_USE_LEGACY_KERAS=1 from TensorFlow 2.16 on, set here before
+  anything imports TensorFlow; the rank scripts they launch inherit it): the tests written
+  with tf.keras are Keras 2 tests. Keras 3 tests use `import keras` (Keras 3 beside it), or
+  launch with tf.keras left to TensorFlow (the suite's "keras3:2x2" topology).
 - No test may write into the checkout.
 - Tests made with `tests.suite.runs` get their check's result as the `ranks` fixture: each
   topology is launched once, for the union of the checks that the selected tests need. The
@@ -13,10 +17,14 @@ import resource
 import subprocess
 import time
 
-import pytest
+from hvdx.legacy_keras import use_keras2  # noqa: E402  (imports no TensorFlow)
 
-from tests import suite
-from tests.harness import ROOT
+use_keras2("the test suite")  # TF_USE_LEGACY_KERAS=1 before TensorFlow's import, where TensorFlow reads it
+
+import pytest  # noqa: E402
+
+from tests import suite  # noqa: E402
+from tests.harness import ROOT  # noqa: E402
 
 SUITE = pytest.StashKey[suite.Suite]()
 COST = pytest.StashKey[dict]()

@@ -110,8 +110,9 @@ def test_env(result_dir: str = ".") -> Dict[str, str]:
 
 
 def launch(script: str, *args: str, np: int, hosts: str, timeout: float = 180,
-           env: Optional[Dict[str, str]] = None) -> Launch:
-    """Runs tests/multirank/<script> on `np` ranks placed on `hosts`, under `timeout`."""
+           env: Optional[Dict[str, Optional[str]]] = None) -> Launch:
+    """Runs tests/multirank/<script> on `np` ranks placed on `hosts`, under `timeout`, with
+    `env` over the test environment (a None value removes that variable)."""
     script_path = str(MULTIRANK / script)
     command = horovodrun_command([sys.executable, script_path, *args], np=np, hosts=hosts)
     return _run(command, script_path, np, timeout, env)
@@ -155,7 +156,8 @@ CPU_METER = Path(__file__).resolve().with_name("cpu_meter.py")
 def _run(command: List[str], script_path: str, np: int, timeout: float, env: Optional[Dict[str, str]]) -> Launch:
     with tempfile.TemporaryDirectory(prefix="hvdx-ranks-") as result_dir:
         full_env = test_env(result_dir)
-        full_env.update(env or {})
+        for key, value in (env or {}).items():  # None: the variable removed
+            full_env.pop(key, None) if value is None else full_env.__setitem__(key, value)
         meter = Path(result_dir) / "cpu.json"
         job = run([sys.executable, str(CPU_METER), str(meter), "--", *command], timeout=timeout, env=full_env,
                   cwd=ROOT)

@@ -19,7 +19,9 @@ those tests run first, the multi-rank tests after them, each waiting for its lau
 has not ended yet (HVDX_LAUNCH_AHEAD=0: each launch when its first test needs it).
 
 Topologies: "2x2" (2 nodes x 2 ranks, harness.hosts), "1+2" (nodes of different sizes,
-harness.host_list), "cluster:2x2" (the emulated cluster, 1 Gbit/s links; "cluster:2x2@100mbit").
+harness.host_list), "cluster:2x2" (the emulated cluster, 1 Gbit/s links; "cluster:2x2@100mbit"),
+"keras3:2x2" (2x2 with tf.keras left to TensorFlow: no $TF_USE_LEGACY_KERAS, Keras 3 from
+TensorFlow 2.16 on, where the suite's own processes have tf.keras as Keras 2: tests/conftest.py).
 """
 from __future__ import annotations
 
@@ -49,10 +51,16 @@ class Topology:
     name: str
     sizes: Tuple[int, ...]
     cluster_rate: Optional[str] = None
+    keras3: bool = False
 
     @classmethod
     def parse(cls, name: str) -> "Topology":
         spec, rate = name, None
+        if spec.startswith("keras3:"):
+            inner = cls.parse(spec[len("keras3:"):])
+            if inner.cluster_rate is not None:
+                raise ValueError(f"bad topology {name!r}: keras3: takes a loopback topology ('keras3:2x2')")
+            return cls(name, inner.sizes, keras3=True)
         if spec.startswith("cluster:"):
             spec, _, rate = spec[len("cluster:"):].partition("@")
             rate = rate or "1gbit"
@@ -62,7 +70,7 @@ class Topology:
         if re.fullmatch(r"\d+(\+\d+)+", spec) and rate is None:
             return cls(name, tuple(int(n) for n in spec.split("+")))
         raise ValueError(f"bad topology {name!r}: give 'NODESxRANKS' (e.g. '2x2'), sizes per node ('1+2'), "
-                         "or 'cluster:NODESxRANKS[@RATE]'")
+                         "'cluster:NODESxRANKS[@RATE]' or 'keras3:NODESxRANKS'")
 
     @property
     def np(self) -> int:
@@ -83,8 +91,9 @@ class Topology:
         if self.cluster_rate is not None:
             return harness.launch_on_cluster("suite.py", str(plan), nodes=self.nodes, ranks_per_node=self.per_node,
                                              rate=self.cluster_rate, timeout=timeout)
+        env = {"TF_USE_LEGACY_KERAS": None} if self.keras3 else None
         return harness.launch("suite.py", str(plan), np=self.np, hosts=harness.host_list(self.sizes),
-                              timeout=timeout)
+                              timeout=timeout, env=env)
 
 
 @dataclass(frozen=True)

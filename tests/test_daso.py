@@ -242,7 +242,7 @@ def test_bad_arguments_and_disagreeing_ranks_fail_clearly(ranks):
         assert "exceed total_epochs" in result["phases"]
         assert result["skips"].startswith("ValueError: max_global_skips")
         assert result["wire"].startswith("ValueError: blocking_wire_dtype must be one of")
-        assert result["optimizer"].startswith("ValueError: hvdx.DistributedOptimizer wraps a tf.keras optimizer")
+        assert result["optimizer"].startswith("ValueError: hvdx.DistributedOptimizer wraps a Keras optimizer")
         assert result["timeout"].startswith("ValueError: timeout")
         assert result["after_step_first"].startswith("RuntimeError: after_step() comes after")
         assert "compiled with hvdx.DASO" in result["callback_without_daso"]

@@ -46,15 +46,15 @@ def initialized():
 
 NAMESPACES = {
     "hvdx.tensorflow": (horovod_tf, hvdx.tensorflow, {
-        "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape", "elastic", "init",
-        "keras", "shutdown"}),
+        "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape", "broadcast_variables",
+        "elastic", "init", "keras", "shutdown"}),
     "hvdx.keras": (horovod_keras, hvdx.keras, {"DistributedOptimizer", "callbacks", "elastic", "init", "load_model",
                                                "shutdown"}),
     "hvdx.tensorflow.keras": (horovod_keras, hvdx.tensorflow.keras, {
         "DistributedOptimizer", "callbacks", "elastic", "init", "load_model", "shutdown"}),
     "hvdx.keras.callbacks": (horovod_callbacks, hvdx.keras.callbacks, {
-        "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
-        "MetricAverageCallback"}),
+        "BestModelCheckpoint", "BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+        "LearningRateWarmupCallback", "MetricAverageCallback"}),
 }
 
 

@@ -7,15 +7,23 @@ import of Horovod's API becomes hvdx's (`hvdx.keras` / `hvdx.tensorflow`), MNIST
 download) becomes scikit-learn's bundled digits, and the examples train for a few steps
 instead of thousands. Every listed change must apply exactly once.
 
+`tests/upstream/keras3/` holds the four examples as a Keras 3 user writes them (Horovod ships
+none): they run the same way, adapted alike, with tf.keras left to TensorFlow (Keras 3: the
+suite's "keras3:2x2" launch), on 2 nodes x 2 ranks with allreduce, 2DTAR and HiTopK, one also
+with hvdx imported before Keras and TensorFlow.
+
 The tests run with dense averaging (hvdx's default) on 2 nodes x 1 rank, and with HiTopK
 ($HVDX_COMMUNICATION=hitopk) on 2 nodes x 2 ranks: at density 0.01 where a test asserts no
 exact numbers, at density 1.0 where it does (gradient sums checked to the last digit). The
 examples run on 2 nodes x 1 rank with each. All of them are checks of
 tests/multirank/check_upstream.py in the suite's launch of their topology.
 """
+import importlib.metadata
 import shutil
 from pathlib import Path
 from typing import Callable, Dict
+
+import pytest
 
 from tests import suite
 
@@ -48,10 +56,26 @@ DENSE = {"HVDX_COMMUNICATION": "allreduce"}
 HITOPK = {"HVDX_COMMUNICATION": "hitopk"}
 
 
-def adapt(name: str, into: Path) -> Path:
-    """The adapted copy of tests/upstream/horovod/<name> in `into` (with the digits helper)."""
-    text = (UPSTREAM / "horovod" / name).read_text()
-    for old, new in ADAPTATIONS[name]:
+KERAS3_MNIST = ("keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())", "digits_as_mnist.load_data()")
+KERAS3_ADAPTATIONS = {
+    "tensorflow2_keras_mnist.py": [HVDX_KERAS, KERAS3_MNIST, DIGITS_IMPORT, ADAPTATIONS["tensorflow2_keras_mnist.py"][3],
+                                   ADAPTATIONS["tensorflow2_keras_mnist.py"][4]],
+    "tensorflow2_mnist.py": [ADAPTATIONS["tensorflow2_mnist.py"][0], KERAS3_MNIST, DIGITS_IMPORT,
+                             ADAPTATIONS["tensorflow2_mnist.py"][3]],
+    "tensorflow2_keras_synthetic_benchmark.py": [HVDX_KERAS],
+    "tensorflow2_synthetic_benchmark.py": ADAPTATIONS["tensorflow2_synthetic_benchmark.py"],
+}
+#: hvdx imported first, before Keras and TensorFlow (the examples import TensorFlow first).
+HVDX_FIRST = [("import horovod\nimport hvdx.keras as hvd\n", "import horovod\n"),
+              ("import keras\nimport tensorflow as tf\n", "import hvdx.keras as hvd\nimport keras\nimport tensorflow as tf\n")]
+
+
+def adapt(name: str, into: Path, form: str = "horovod", extra=()) -> Path:
+    """The adapted copy of tests/upstream/<form>/<name> in `into` (with the digits helper):
+    form "horovod" (Horovod's files, ADAPTATIONS) or "keras3" (their Keras 3 form,
+    KERAS3_ADAPTATIONS), then `extra` changes."""
+    text = (UPSTREAM / form / name).read_text()
+    for old, new in [*(ADAPTATIONS if form == "horovod" else KERAS3_ADAPTATIONS)[name], *extra]:
         assert text.count(old) == 1, f"{name}: expected {old!r} once, found it {text.count(old)} times"
         text = text.replace(old, new)
     shutil.copy(UPSTREAM / "digits_as_mnist.py", into / "digits_as_mnist.py")
@@ -60,18 +84,29 @@ def adapt(name: str, into: Path) -> Path:
     return path
 
 
-def adapted(name: str) -> Callable[[Path], Dict[str, str]]:
+def adapted(name: str, form: str = "horovod", extra=()) -> Callable[[Path], Dict[str, str]]:
     """A suite check's setup: the adapted copy of `name` in the check's work directory."""
-    return lambda workdir: {"path": str(adapt(name, workdir))}
+    return lambda workdir: {"path": str(adapt(name, workdir, form, extra))}
 
 
-def test_adaptations_change_only_imports_data_and_length(tmp_path):
-    """Undoing the listed changes gives Horovod's files back, byte for byte."""
-    for name in ADAPTATIONS:
-        text = adapt(name, tmp_path).read_text()
-        for old, new in reversed(ADAPTATIONS[name]):
+@pytest.mark.parametrize("form", ["horovod", "keras3"])
+def test_adaptations_change_only_imports_data_and_length(tmp_path, form):
+    """Undoing the listed changes gives the files back, byte for byte."""
+    adaptations = ADAPTATIONS if form == "horovod" else KERAS3_ADAPTATIONS
+    for name in adaptations:
+        text = adapt(name, tmp_path, form).read_text()
+        for old, new in reversed(adaptations[name]):
             text = text.replace(new, old)
-        assert text == (UPSTREAM / "horovod" / name).read_text(), name
+        assert text == (UPSTREAM / form / name).read_text(), name
+
+
+def test_the_keras3_forms_are_horovods_examples_in_keras3s_names():
+    """tests/upstream/keras3/ differs from Horovod's files only in Keras' names (import keras,
+    keras.*, `.keras` checkpoints, optimizer.variables) and the dropped Keras 2 argument."""
+    for name in KERAS3_ADAPTATIONS:
+        keras3 = (UPSTREAM / "keras3" / name).read_text()
+        assert "import keras\n" in keras3 and "tf.keras" not in keras3 and "experimental_run_tf_function" not in keras3
+        assert "import horovod" in keras3  # as a Horovod user wrote it; the test swaps the import
 
 
 # (topology, environment, phases: (pytest -k expression, $HVDX_DENSITY or "")) per strategy
@@ -103,3 +138,31 @@ def test_horovods_examples_run_with_hvdx(ranks):
     assert sorted(ranks) == [0, 1]
     for data in ranks.values():  # the example ran to its end on every rank
         assert Path(data["ran"]).parent == ranks.workdir and Path(data["ran"]).name in EXAMPLES
+
+
+#: Every strategy on the Keras 3 forms; the synthetic benchmarks (a MobileNet each) with HiTopK.
+KERAS3_RUNS = {f"{strategy}-{name}": (name, {"HVDX_COMMUNICATION": strategy}, ())
+               for strategy in ("allreduce", "hierarchical", "hitopk")
+               for name in ("tensorflow2_keras_mnist.py", "tensorflow2_mnist.py")}
+KERAS3_RUNS.update({f"hitopk-{name}": (name, HITOPK, args) for name, args in EXAMPLES.items() if "synthetic" in name})
+KERAS3_RUNS["hitopk-hvdx-first-tensorflow2_keras_mnist.py"] = ("tensorflow2_keras_mnist.py", HITOPK, ())
+
+
+#: Keras 3 is `import keras` from TensorFlow 2.16 on (the tf2.21 stack): no launch on tf2.15.
+HAS_KERAS3 = int(importlib.metadata.version("keras").split(".")[0]) >= 3
+
+
+@suite.runs(*[suite.check("upstream.script", "keras3:2x2", env=env, args=args, timeout=600,
+                          setup=adapted(name, "keras3", HVDX_FIRST if "hvdx-first" in key else ()))
+              for key, (name, env, args) in KERAS3_RUNS.items() if HAS_KERAS3],
+            ids=list(KERAS3_RUNS) if HAS_KERAS3 else [])
+def test_horovods_examples_in_keras3_form_run_with_hvdx(ranks):
+    """The Keras 3 forms, import swapped, with tf.keras as TensorFlow makes it (Keras 3): every
+    rank runs each to its end; rank 0 of the Keras example writes a `.keras` checkpoint per epoch."""
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, data in ranks.items():
+        assert data["tf_keras"] == "keras", (rank, data)
+        assert Path(data["ran"]).parent == ranks.workdir and Path(data["ran"]).name in KERAS3_ADAPTATIONS
+    if Path(ranks[0]["ran"]).name == "tensorflow2_keras_mnist.py":
+        assert [f for f in ranks[0]["files"] if f.startswith("checkpoint-")] == [
+            f"checkpoint-{epoch}.keras" for epoch in (1, 2, 3)], ranks[0]["files"]

@@ -1,12 +1,11 @@
-"""Keras 3 as tf.keras (TensorFlow 2.16+, $TF_USE_LEGACY_KERAS=0; docs/keras3.md):
+"""Keras 3 as tf.keras (TensorFlow 2.16+ without $TF_USE_LEGACY_KERAS; docs/keras3.md):
 hvdx.init(), hvdx.DistributedGradientTape over a Keras 3 model's variables and
-hvdx.broadcast_variables of its model and optimizer train it in a custom loop, and the Keras
-integration fails with Keras3Error saying what to use instead. This test process has tf.keras
-routed to tf_keras, so the Keras 3 runs are fresh processes (tests/multirank/keras3_loop.py).
+hvdx.broadcast_variables of its model and optimizer train it in a custom loop, and hvdx's
+Keras entry points take Keras 3's objects. This test process has tf.keras as Keras 2
+(tests/conftest.py), so the Keras 3 runs are fresh processes (tests/multirank/keras3_loop.py).
 The unwrapping of Keras 3 variables (hvdx.variables) is checked on every stack."""
 import importlib.metadata
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -19,15 +18,16 @@ import hvdx
 from hvdx import legacy_keras
 from hvdx.aggregator import GradientAggregator
 from hvdx.variables import tf_variable
-from tests import harness
+from tests import harness, suite
 
 TF = tuple(int(p) for p in tf.__version__.split(".")[:2])
 KERAS = importlib.metadata.version("keras")
+HAS_KERAS3 = TF >= legacy_keras.KERAS3_SINCE and int(KERAS.split(".")[0]) >= 3
 keras3 = pytest.mark.skipif(
-    TF < legacy_keras.KERAS3_SINCE or int(KERAS.split(".")[0]) < 3,
+    not HAS_KERAS3,
     reason=f"no Keras 3 to run: TensorFlow {tf.__version__} with the keras package {KERAS} (Keras 3 is tf.keras "
            f"from TensorFlow 2.16 on, the tf2.21 stack)")
-KERAS3_ENV = {legacy_keras.ENV: "0"}
+KERAS3_ENV = {legacy_keras.ENV: None}  # removed: tf.keras is TensorFlow's default, Keras 3
 
 
 class Keras3Variable:
@@ -67,7 +67,7 @@ def run_alone(*communications: str) -> dict:
     """tests/multirank/keras3_loop.py in a fresh process with Keras 3 as tf.keras: one
     rank (Horovod of size 1). Returns its result."""
     with tempfile.TemporaryDirectory() as out:
-        env = dict(harness.test_env(out), **KERAS3_ENV)
+        env = {k: v for k, v in harness.test_env(out).items() if k != legacy_keras.ENV}
         proc = subprocess.run([sys.executable, str(harness.MULTIRANK / "keras3_loop.py"), *communications],
                               cwd=harness.ROOT, env=env, capture_output=True, text=True, timeout=300)
         result = Path(out, "rank-0.json")
@@ -84,34 +84,18 @@ def assert_trained(runs: dict) -> None:
         assert run["spread_after"] == 0.0, (communication, run)
 
 
-def assert_unsupported_say_what_to_use(unsupported: dict) -> None:
-    assert sorted(unsupported) == ["DistributedOptimizer", "callbacks", "keras", "load_model"]
-    for name, message in unsupported.items():
-        assert message.startswith("Keras3Error:"), (name, message)
-        assert "Under Keras 3, use " + legacy_keras.KERAS3_NATIVE in message, (name, message)
-        assert "set it to 1" in message, (name, message)  # how to get Keras 2 back
+def assert_entry_points_take_keras3(entry_points: dict) -> None:
+    assert entry_points == {"DistributedOptimizer": "hvdx.keras3_optimizer", "keras": "True", "load_model": "True"}
 
 
 @keras3
-def test_a_keras3_model_trains_with_the_tape_and_the_keras_integration_fails_clearly():
+def test_a_keras3_model_trains_with_the_tape_and_the_keras_entry_points_take_keras3():
     data = run_alone("allreduce", "hitopk")
     assert data["tf_keras_package"] == "keras" and data["keras"].startswith("3.")
     assert data["size"] == 1
     assert sorted(data["runs"]) == ["allreduce", "hitopk"]
     assert_trained(data["runs"])
-    assert_unsupported_say_what_to_use(data["unsupported"])
-
-
-@keras3
-def test_choosing_keras3_lets_tensorflow_be_imported_first():
-    """$TF_USE_LEGACY_KERAS=0 is a choice: `import hvdx` after TensorFlow does not refuse it."""
-    code = ("import tensorflow as tf\nimport hvdx\nfrom hvdx import legacy_keras\n"
-            "print(legacy_keras.keras_package(tf), hvdx.init().size)")
-    env = {k: v for k, v in os.environ.items() if k != legacy_keras.ENV}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=harness.ROOT, env=dict(env, TF_CPP_MIN_LOG_LEVEL="3",
-                          **KERAS3_ENV), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split() == ["keras", "1"]
+    assert_entry_points_take_keras3(data["entry_points"])
 
 
 @keras3
@@ -126,3 +110,33 @@ def test_ranks_of_two_nodes_agree_and_learn_with_every_strategy():
         assert data["size"] == 4 and data["num_nodes"] == 2
         assert_trained(data["runs"])
         assert all(run["spread_before"] > 0 for run in data["runs"].values()), data["runs"]
+
+
+KERAS3_USER = {"allreduce": ("allreduce", False), "hierarchical": ("hierarchical", False),
+               "hitopk": ("hitopk", False), "sparse_allgather": ("sparse_allgather", False),
+               "hitopk-mixed_float16": ("hitopk", True), "allreduce-mixed_float16": ("allreduce", True)}
+
+
+@suite.runs(*[suite.check("keras3_user.train_resume", "keras3:2x2", communication=communication,
+                          mixed_precision=mixed, timeout=420) for communication, mixed in KERAS3_USER.values()
+              if HAS_KERAS3], ids=list(KERAS3_USER) if HAS_KERAS3 else [])  # no launch where Keras 3 is absent
+def test_a_keras3_users_job_trains_saves_and_resumes_on_two_nodes(ranks):
+    """tests/multirank/check_keras3_user.py: `import keras` then `import hvdx.keras as hvd`, no
+    environment variable; `fit` with Horovod's callbacks on 2 nodes x 2 ranks, each rank seeded
+    apart; every rank saves a `.keras` checkpoint, `hvd.load_model` gives the wrapper back with
+    its strategy and bitwise the same residuals and weights, and training goes on from it, the
+    ranks bitwise identical throughout; the model classifies the digits."""
+    assert sorted(ranks) == [0, 1, 2, 3]
+    kwargs = dict(ranks.check.kwargs)
+    sparse, mixed = kwargs["communication"] in ("hitopk", "sparse_allgather"), kwargs["mixed_precision"]
+    for rank, run in ranks.items():
+        assert run["keras"].startswith("3."), run
+        assert run["spread_before"] > 0.0 and run["spread"] == 0.0, (rank, run)
+        assert run["same_weights"] and run["same_residuals"], (rank, run)
+        assert (run["nonzero_residuals"] > 0) is sparse, (rank, run)  # error feedback kept, and restored
+        assert run["loaded"]["module"] == "hvdx.keras3_optimizer", (rank, run)
+        assert run["loaded"]["is_sgd"] is not mixed, (rank, run)  # under mixed_float16 it passes for the LSO
+        assert run["compute_dtype"] == ("float16" if mixed else "float32"), (rank, run)
+        assert run["lr"] == pytest.approx(run["initial_lr"]), (rank, run)  # the warm-up ended at the rate
+        assert run["loss"][-1] < 0.5 * run["loss"][0], (rank, run)
+        assert run["accuracy"] > 0.85, (rank, run)

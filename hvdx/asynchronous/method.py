@@ -39,6 +39,9 @@ from hvdx.asynchronous.staleness import Staleness, merge
 from hvdx.lifecycle import TrainingMethod
 from hvdx.topology import Topology, barrier, initialized, topology as current_topology
 from hvdx.variables import slot_variables
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["SharedModelMethod", "check_optimizer"]
 
@@ -259,7 +262,7 @@ class SharedModelMethod(TrainingMethod):
         method whose update reads it back skips this), differentiates `variables_to_train()`
         only (PASSM: restricted backpropagation), applies the model's optimizer to them and
         adds the update to the shared model. Returns the metrics' logs."""
-        x, y, sample_weight = tf.keras.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
         self.step_begin_ops()
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)

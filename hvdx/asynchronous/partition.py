@@ -41,7 +41,7 @@ def layer_units(model_or_variables) -> Tuple[List[tf.Variable], List[Unit]]:
 
     A Keras model is split by its innermost layers; a list of variables gives one unit per
     variable. Raises ValueError for no variables or a non-float one."""
-    if isinstance(model_or_variables, tf.keras.Model):
+    if hasattr(model_or_variables, "_flatten_layers") and hasattr(model_or_variables, "trainable_variables"):
         variables = list(model_or_variables.trainable_variables)
         owner: Dict[int, str] = {}
         for layer in model_or_variables._flatten_layers(include_self=False):

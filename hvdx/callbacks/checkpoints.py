@@ -9,11 +9,14 @@ import tensorflow as tf
 
 from hvdx.checkpoints import EpochCheckpoints, write_json
 from hvdx.topology import barrier
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["CheckpointCallback"]
 
 
-class CheckpointCallback(tf.keras.callbacks.Callback):
+class CheckpointCallback(keras2.callbacks.Callback):
     """After every epoch: every rank writes `checkpoint` (`checkpoints.write`); once all have,
     rank 0 writes `state(epoch, checkpoint name)` to `state_path` (`write_json`); once it
     has, every rank prunes its old checkpoints. Collective: two barriers per epoch."""

@@ -14,11 +14,14 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.arguments import is_integer
 from hvdx.plateau import PlateauDetector
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["CommunicationPolicy", "Phase", "SwitchCommunication", "switch"]
 
 
-class SwitchCommunication(tf.keras.callbacks.Callback):
+class SwitchCommunication(keras2.callbacks.Callback):
     """At the start of epoch `epoch`, switch the hvdx.DistributedOptimizer's strategy to
     `communication`, and have Keras trace the step function again."""
 
@@ -32,7 +35,7 @@ class SwitchCommunication(tf.keras.callbacks.Callback):
             switch(self.model, self.communication)
 
 
-def switch(model: tf.keras.Model, communication: Union[str, comm.Strategy]) -> None:
+def switch(model: keras2.Model, communication: Union[str, comm.Strategy]) -> None:
     """Sets the strategy of `model`'s hvdx.DistributedOptimizer (under a LossScaleOptimizer
     too) and has Keras trace the step function again."""
     optimizer = model.optimizer
@@ -51,7 +54,7 @@ def switch(model: tf.keras.Model, communication: Union[str, comm.Strategy]) -> N
 Phase = Tuple[Union[str, comm.Strategy], Union[int, str, None]]
 
 
-class CommunicationPolicy(tf.keras.callbacks.Callback):
+class CommunicationPolicy(keras2.callbacks.Callback):
     """shi2021 sec. 5.6's practice as a policy: e.g. a dense warm-up, then HiTopK while the
     loss falls, then 2DTAR once it plateaus (sparse aggregation "would cause accuracy loss"
     late in training)::

@@ -39,11 +39,14 @@ from hvdx.asynchronous.method import SharedModelMethod
 from hvdx.callbacks.broadcast import check_same_steps
 from hvdx.daso.optimizer import DASO
 from hvdx.lifecycle import TrainingMethod, find_method, running, stopped
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["ADPSGDCallback", "DASOCallback", "SharedModelCallback", "TrainingMethodCallback"]
 
 
-class TrainingMethodCallback(tf.keras.callbacks.Callback):
+class TrainingMethodCallback(keras2.callbacks.Callback):
     """Drives `method` during `Model.fit` (module docstring); None: the `TrainingMethod` the
     model's optimizer is or wraps (e.g. hvdx.DASO under a LossScaleOptimizer), found at train
     begin and kept for later fits.

@@ -10,11 +10,14 @@ import tensorflow as tf
 
 from hvdx.phases import Phase, phase_at
 from hvdx.throughput import EpochTime
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["EpochLog", "EpochTimer"]
 
 
-class EpochTimer(tf.keras.callbacks.Callback):
+class EpochTimer(keras2.callbacks.Callback):
     """Times each epoch of `Model.fit`: `last` is the EpochTime of the epoch that just ended
     (set at the start of `on_epoch_end`; a subclass reads it after `super().on_epoch_end`).
     Its per-batch work is one clock read at the first batch of an epoch."""

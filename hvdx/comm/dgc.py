@@ -41,6 +41,8 @@ from hvdx.arguments import integer, is_integer, real
 
 __all__ = ["DensityWarmup", "WARMUP_STAGES", "accumulate", "check_aids", "local_clip", "mask_velocity"]
 
+_EPSILON = 1e-7  # Keras' backend.epsilon(): no norm divides by less
+
 #: How many densities the warm-up steps through (DGC's ImageNet schedule: 4 epochs,
 #: 25 % -> 6.25 % -> 1.5625 % -> 0.4 % before 0.1 %).
 WARMUP_STAGES = 4
@@ -63,7 +65,7 @@ def local_clip(grad: tf.Tensor, clip_norm: float, num_ranks: int, scale: Optiona
     if scale is not None:
         threshold = threshold * tf.cast(scale, grad.dtype)
     norm = tf.norm(grad)
-    return grad * tf.minimum(tf.ones([], grad.dtype), threshold / tf.maximum(norm, tf.keras.backend.epsilon()))
+    return grad * tf.minimum(tf.ones([], grad.dtype), threshold / tf.maximum(norm, _EPSILON))
 
 
 def accumulate(grad: tf.Tensor, residual: tf.Tensor, velocity: Optional[tf.Tensor], momentum: float,

@@ -17,6 +17,7 @@ from typing import Any, Optional, Tuple
 
 import tensorflow as tf
 
+from hvdx import legacy_keras
 from hvdx.arguments import is_real, real
 
 __all__ = ["ADAM_FAMILY", "OptimizerTraits", "TRUST_RATIOS", "traits_of"]
@@ -32,10 +33,15 @@ def _classes(namespace: Any, names: Tuple[str, ...]) -> Tuple[type, ...]:
     return tuple(cls for cls in (getattr(namespace, name, None) for name in names) if isinstance(cls, type))
 
 
-#: Keras' optimizers with Adam's per-coordinate moments (subclasses included): tf.keras's
-#: Adam, AdamW, Adamax, Nadam and their legacy versions, those the installed Keras has.
-ADAM_FAMILY = (_classes(tf.keras.optimizers, ("Adam", "AdamW", "Adamax", "Nadam"))
-               + _classes(tf.keras.optimizers.legacy, ("Adam", "Adamax", "Nadam")))
+try:  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
+    _keras2 = legacy_keras.keras2()
+except legacy_keras.Keras2Missing:  # Keras 3 alone: no Keras 2 optimizer can be given (keras3_traits reads Keras 3's)
+    _keras2 = None
+
+#: Keras 2's optimizers with Adam's per-coordinate moments (subclasses included): Adam,
+#: AdamW, Adamax, Nadam and their legacy versions, those the installed Keras 2 has.
+ADAM_FAMILY = (_classes(_keras2.optimizers, ("Adam", "AdamW", "Adamax", "Nadam"))
+               + _classes(_keras2.optimizers.legacy, ("Adam", "Adamax", "Nadam"))) if _keras2 else ()
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ def traits_of(optimizer: Any) -> OptimizerTraits:
             raise TypeError(f"{name}.hvdx_traits must be (or return) an hvdx.comm.traits.OptimizerTraits, got "
                             f"{traits!r}")
         return traits
-    if type(optimizer) is tf.keras.optimizers.SGD:
+    if _keras2 is not None and type(optimizer) is _keras2.optimizers.SGD:
         return OptimizerTraits(name=name, momentum=plain_number(optimizer.momentum),
                                nesterov=bool(optimizer.nesterov))
     if isinstance(optimizer, ADAM_FAMILY):

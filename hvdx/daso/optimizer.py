@@ -52,6 +52,9 @@ from hvdx.optimizer import DistributedOptimizer
 from hvdx.plateau import PlateauDetector
 from hvdx.topology import Topology, elastic_job, initialized as _initialized, topology as _get_topology
 from hvdx.wrapped import check_not_horovods
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
     from hvdx.transport.ring import GroupTransport
@@ -62,7 +65,7 @@ log = logging.getLogger("hvdx.daso")
 HISTORY = 100_000  # actions kept in DASO.history
 
 
-@tf.keras.utils.register_keras_serializable(package="hvdx")
+@keras2.utils.register_keras_serializable(package="hvdx")
 class DASO(DistributedOptimizer, TrainingMethod):
     """Wraps a tf.keras optimizer: node-local gradient averaging every step, global
     parameter averaging in rotating groups, blocking in the first `warmup_epochs` and the
@@ -425,14 +428,14 @@ class DASO(DistributedOptimizer, TrainingMethod):
             self._write_state()
 
     def get_config(self):
-        config = {"optimizer": tf.keras.optimizers.serialize(self._optimizer), "name": self.name,
+        config = {"optimizer": keras2.optimizers.serialize(self._optimizer), "name": self.name,
                   **self._daso_config, "schedule_state": self.schedule.state()}
         return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         config = dict(config)
-        optimizer = tf.keras.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
+        optimizer = keras2.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(optimizer, **config)
 
 

@@ -9,10 +9,11 @@ in the script (`hvd.DistributedOptimizer(opt, communication="hitopk")`) or from 
 environment ($HVDX_COMMUNICATION=hitopk, $HVDX_DENSITY=0.01). hvdx's own names: init,
 shutdown (`hvdx.init`), elastic (`hvdx.elastic`: Horovod's, resetting hvdx too), DistributedOptimizer (an instance of the wrapped optimizer's class,
 as Horovod's), PartialDistributedOptimizer, callbacks (`hvdx.keras.callbacks`), load_model,
-and horovod.tensorflow's Adasum, allgather_object, broadcast_object, broadcast_variables.
+horovod.tensorflow's Adasum, allgather_object, broadcast_object, and broadcast_variables
+(`hvdx.broadcast_variables`: Horovod's, for the variables of either Keras).
 """
 import horovod.tensorflow.keras as _horovod
-from horovod.tensorflow import Adasum, allgather_object, broadcast_object, broadcast_variables
+from horovod.tensorflow import Adasum, allgather_object, broadcast_object
 
 from hvdx import elastic
 from hvdx.keras import callbacks
@@ -20,6 +21,7 @@ from hvdx.loading import load_model
 from hvdx.optimizer import DistributedOptimizer, PartialDistributedOptimizer
 from hvdx.tensorflow import _horovod_api
 from hvdx.topology import init, shutdown
+from hvdx.variables import broadcast_variables
 
 _EXPORTED = _horovod_api.reexport(_horovod, globals(), own=(
     "Adasum", "DistributedOptimizer", "PartialDistributedOptimizer", "allgather_object", "broadcast_object",

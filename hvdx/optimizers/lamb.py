@@ -15,11 +15,14 @@ import tensorflow as tf
 
 from hvdx.comm.traits import OptimizerTraits
 from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["LAMB"]
 
 
-@tf.keras.utils.register_keras_serializable(package="hvdx")
+@keras2.utils.register_keras_serializable(package="hvdx")
 class LAMB(LayerwiseOptimizer):
     """Layer-wise adaptive moments for large batches (tf.keras optimizer, Keras 2 API).
 

@@ -39,6 +39,9 @@ import tensorflow as tf
 from hvdx.comm.traits import OptimizerTraits, plain_number
 from hvdx.optimizers import sketch
 from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["LARS", "NORMS"]
 
@@ -46,7 +49,7 @@ __all__ = ["LARS", "NORMS"]
 NORMS = ("average", "rank")
 
 
-@tf.keras.utils.register_keras_serializable(package="hvdx")
+@keras2.utils.register_keras_serializable(package="hvdx")
 class LARS(LayerwiseOptimizer):
     """Layer-wise adaptive rate scaling (tf.keras optimizer, Keras 2 API).
 

@@ -40,6 +40,9 @@ import tensorflow as tf
 from hvdx import pto
 from hvdx.arguments import real
 from hvdx.buckets import AggregationObserver, AggregationRecord, Ranges
+from hvdx import legacy_keras
+
+keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["LayerwiseOptimizer", "MODES", "flag", "squared_norm"]
 
@@ -109,7 +112,7 @@ def number(value: Any, argument: str, low: float = 0.0, high: Optional[float] = 
     return real(value, argument, low, high, low_open=low_open, high_open=high_open, optional=optional)
 
 
-class LayerwiseOptimizer(tf.keras.optimizers.Optimizer, AggregationObserver):
+class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
     """Base of hvdx.optimizers.LARS and LAMB (Keras 2 optimizer API of TF 2.15).
 
     A step runs in three phases over all variables at once (`_internal_apply_gradients`):

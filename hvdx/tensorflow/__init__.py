@@ -8,7 +8,8 @@ import alone,
 dense averaging (Horovod's), or with the strategy given to them (communication=...) or in
 $HVDX_COMMUNICATION. hvdx's own names: elastic (`hvdx.elastic`), init, shutdown (`hvdx.init`: Horovod's plus hvdx's
 topology), DistributedOptimizer, DistributedGradientTape, PartialDistributedGradientTape,
-PartialDistributedOptimizer, keras (`hvdx.tensorflow.keras` is `hvdx.keras`).
+PartialDistributedOptimizer, broadcast_variables (`hvdx.broadcast_variables`: Horovod's, for
+the variables of either Keras), keras (`hvdx.tensorflow.keras` is `hvdx.keras`).
 """
 from typing import Optional as _Optional, Union as _Union
 
@@ -23,6 +24,7 @@ from hvdx.optimizer_v1 import DistributedOptimizerV1 as _DistributedOptimizerV1
 from hvdx.tape import DistributedGradientTape
 from hvdx.tensorflow import _horovod_api
 from hvdx.topology import init, shutdown
+from hvdx.variables import broadcast_variables
 
 
 def DistributedOptimizer(optimizer, name: _Optional[str] = None, use_locking: bool = False, device_dense: str = "",
@@ -58,6 +60,11 @@ def DistributedOptimizer(optimizer, name: _Optional[str] = None, use_locking: bo
     return _keras_optimizer.DistributedOptimizer(optimizer, communication=communication, **horovod_args, **options)
 
 
+def _is_layer(obj) -> bool:
+    """Whether `obj` is a Keras layer, of Keras 2 or Keras 3 (both have trainable_weights)."""
+    return not isinstance(obj, type) and hasattr(obj, "trainable_weights") and callable(getattr(obj, "add_weight", None))
+
+
 def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_sparse: str = "",
                                    compression=_horovod.Compression.none, sparse_as_dense: bool = False,
                                    op=_horovod.Average, gradient_predivide_factor: float = 1.0, num_groups: int = 0,
@@ -66,14 +73,15 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
                                    **options) -> DistributedGradientTape:
     """Horovod's PartialDistributedGradientTape (its arguments, in its order, then hvdx's
     keyword options as in DistributedGradientTape): the gradients of the trainable weights
-    of `local_layers` (a tf.keras layer or a list of them) stay local; the others are
-    aggregated. Raises ValueError if an entry of `local_layers` is not a tf.keras layer."""
+    of `local_layers` (a Keras layer or a list of them) stay local; the others are
+    aggregated. Raises ValueError if an entry of `local_layers` is not a Keras layer."""
     if local_layers is None:
         local_layers = []
-    elif isinstance(local_layers, _tf.keras.layers.Layer):
+    elif _is_layer(local_layers):
         local_layers = [local_layers]
-    elif not all(isinstance(layer, _tf.keras.layers.Layer) for layer in local_layers):
-        raise ValueError("every entry of local_layers must be a tf.keras.layers.Layer")
+    elif not all(_is_layer(layer) for layer in local_layers):
+        raise ValueError("every entry of local_layers must be a Keras layer (tf.keras.layers.Layer, or "
+                         "keras.layers.Layer of either Keras)")
     tape = DistributedGradientTape(gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
                                    gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
                                    **options)
@@ -86,5 +94,5 @@ def PartialDistributedGradientTape(gradtape, device_dense: str = "", device_spar
 _LAZY = ("keras",)  # hvdx.tensorflow.keras imports this package: imported on first use
 _EXPORTED = _horovod_api.reexport(_horovod, globals(), lazy=_LAZY, own=(
     "DistributedGradientTape", "DistributedOptimizer", "PartialDistributedGradientTape", "PartialDistributedOptimizer",
-    "elastic", "init", "shutdown"))
+    "broadcast_variables", "elastic", "init", "shutdown"))
 __getattr__ = _horovod_api.late(_horovod, __name__, lazy=_LAZY, exported=_EXPORTED)  # and __all__

@@ -23,11 +23,17 @@ class Outcomes:
 
 
 def run_script(path: str, args: Sequence[str] = ()) -> dict:
+    """Runs the script; returns its path, the package tf.keras resolves to in this rank
+    ("keras": Keras 3, "tf_keras": Keras 2), and the files it left in its directory."""
     os.chdir(os.path.dirname(path))  # the examples write their checkpoints into the cwd
     sys.argv = [path, *args]
     sys.path.insert(0, os.path.dirname(path))
     runpy.run_path(path, run_name="__main__")
-    return {"ran": path}
+    import tensorflow as tf
+
+    from hvdx import legacy_keras
+
+    return {"ran": path, "tf_keras": legacy_keras.keras_package(tf), "files": sorted(os.listdir("."))}
 
 
 def run_pytest(path: str, phases: Sequence[Sequence[str]]) -> dict:

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-import hvdx  # first: Keras 2 as tf.keras  # noqa: I100
+import hvdx
 import tensorflow as tf
 
 STEPS = int(os.environ.get("STALL_STEPS", "3"))
