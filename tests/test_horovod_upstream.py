@@ -7,8 +7,8 @@ import of Horovod's API becomes hvdx's (`hvdx.keras` / `hvdx.tensorflow`), MNIST
 download) becomes scikit-learn's bundled digits, and the examples train for a few steps
 instead of thousands. Every listed change must apply exactly once.
 
-`tests/upstream/keras3/` holds the four examples as a Keras 3 user writes them (Horovod ships
-none): they run the same way, adapted alike, with tf.keras left to TensorFlow (Keras 3: the
+The four examples as a Keras 3 user writes them (`KERAS3_FORM`: Horovod ships none) run the
+same way, adapted alike, with tf.keras left to TensorFlow (Keras 3: the
 suite's "keras3:2x2" launch), on 2 nodes x 2 ranks with allreduce, 2DTAR and HiTopK, one also
 with hvdx imported before Keras and TensorFlow.
 
@@ -19,6 +19,7 @@ examples run on 2 nodes x 1 rank with each. All of them are checks of
 tests/multirank/check_upstream.py in the suite's launch of their topology.
 """
 import importlib.metadata
+import re
 import shutil
 from pathlib import Path
 from typing import Callable, Dict
@@ -56,6 +57,19 @@ DENSE = {"HVDX_COMMUNICATION": "allreduce"}
 HITOPK = {"HVDX_COMMUNICATION": "hitopk"}
 
 
+#: Horovod's examples as a Keras 3 user writes them (Horovod ships none): `import keras`,
+#: keras.* for tf.keras.* / tf.optimizers / tf.losses, `optimizer.variables` (a list), `.keras`
+#: checkpoints, no Keras 2 compile argument. (pattern, replacement, count: 0 = every match).
+KERAS3_FORM = [
+    (r"import tensorflow as tf\n", "import keras\nimport tensorflow as tf\n", 1),
+    (r"from tensorflow\.keras import applications", "from keras import applications", 0),
+    (r"\btf\.(keras|optimizers|losses)\.", lambda m: "keras." + ("" if m.group(1) == "keras" else m.group(1) + "."), 0),
+    (r"opt\.variables\(\)", "opt.variables", 0),
+    (r"'\./checkpoint-\{epoch\}\.h5'", "'./checkpoint-{epoch}.keras'", 0),
+    (r"\n *# Horovod: Specify `experimental_run_tf_function=False`[^\n]*\n *# uses hvd\.DistributedOptimizer\(\)[^\n]*\n",
+     "\n", 0),
+    (r",\n *experimental_run_tf_function=False\)", ")", 0),
+]
 KERAS3_MNIST = ("keras.datasets.mnist.load_data(path='mnist-%d.npz' % hvd.rank())", "digits_as_mnist.load_data()")
 KERAS3_ADAPTATIONS = {
     "tensorflow2_keras_mnist.py": [HVDX_KERAS, KERAS3_MNIST, DIGITS_IMPORT, ADAPTATIONS["tensorflow2_keras_mnist.py"][3],
@@ -70,11 +84,19 @@ HVDX_FIRST = [("import horovod\nimport hvdx.keras as hvd\n", "import horovod\n")
               ("import keras\nimport tensorflow as tf\n", "import hvdx.keras as hvd\nimport keras\nimport tensorflow as tf\n")]
 
 
+def keras3_form(name: str) -> str:
+    """Horovod's tests/upstream/horovod/<name> as a Keras 3 user writes it (KERAS3_FORM)."""
+    text = (UPSTREAM / "horovod" / name).read_text()
+    for pattern, replacement, count in KERAS3_FORM:
+        text = re.sub(pattern, replacement, text, count=count)
+    return text
+
+
 def adapt(name: str, into: Path, form: str = "horovod", extra=()) -> Path:
-    """The adapted copy of tests/upstream/<form>/<name> in `into` (with the digits helper):
-    form "horovod" (Horovod's files, ADAPTATIONS) or "keras3" (their Keras 3 form,
+    """The adapted copy of Horovod's tests/upstream/horovod/<name> in `into` (with the digits
+    helper): form "horovod" (the file, ADAPTATIONS) or "keras3" (its Keras 3 form,
     KERAS3_ADAPTATIONS), then `extra` changes."""
-    text = (UPSTREAM / form / name).read_text()
+    text = (UPSTREAM / "horovod" / name).read_text() if form == "horovod" else keras3_form(name)
     for old, new in [*(ADAPTATIONS if form == "horovod" else KERAS3_ADAPTATIONS)[name], *extra]:
         assert text.count(old) == 1, f"{name}: expected {old!r} once, found it {text.count(old)} times"
         text = text.replace(old, new)
@@ -97,16 +119,22 @@ def test_adaptations_change_only_imports_data_and_length(tmp_path, form):
         text = adapt(name, tmp_path, form).read_text()
         for old, new in reversed(adaptations[name]):
             text = text.replace(new, old)
-        assert text == (UPSTREAM / form / name).read_text(), name
+        original = (UPSTREAM / "horovod" / name).read_text() if form == "horovod" else keras3_form(name)
+        assert text == original, name
 
 
-def test_the_keras3_forms_are_horovods_examples_in_keras3s_names():
-    """tests/upstream/keras3/ differs from Horovod's files only in Keras' names (import keras,
-    keras.*, `.keras` checkpoints, optimizer.variables) and the dropped Keras 2 argument."""
-    for name in KERAS3_ADAPTATIONS:
-        keras3 = (UPSTREAM / "keras3" / name).read_text()
-        assert "import keras\n" in keras3 and "tf.keras" not in keras3 and "experimental_run_tf_function" not in keras3
-        assert "import horovod" in keras3  # as a Horovod user wrote it; the test swaps the import
+def test_the_keras3_forms_use_keras3s_names_only():
+    """Every change of KERAS3_FORM applies to one of the four files at least, and leaves no
+    Keras 2 name: no tf.keras, tf.optimizers, tf.losses, optimizer.variables(), `.h5`
+    checkpoint or experimental_run_tf_function; Horovod's import stays (the test swaps it)."""
+    texts = {name: (UPSTREAM / "horovod" / name).read_text() for name in KERAS3_ADAPTATIONS}
+    for pattern, _, _ in KERAS3_FORM:
+        assert any(re.search(pattern, text) for text in texts.values()), pattern
+    for name in texts:
+        keras3 = keras3_form(name)
+        assert keras3.count("import keras\n") == 1 and "import horovod" in keras3, name
+        assert not re.search(r"tf\.(keras|optimizers|losses)\b|variables\(\)|\.h5'|experimental_run_tf_function",
+                             keras3), name
 
 
 # (topology, environment, phases: (pytest -k expression, $HVDX_DENSITY or "")) per strategy

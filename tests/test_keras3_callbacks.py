@@ -35,14 +35,7 @@ if HAS_KERAS3:
 STEPS = 4  # batches per epoch of `data()` at batch 16
 
 
-@pytest.fixture(scope="module")
-def one_rank():
-    return hvdx.init()
-
-
-def data(n: int = 64):
-    rng = np.random.default_rng(0)
-    return rng.standard_normal((n, 8)).astype(np.float32), (np.arange(n) % 3).astype(np.int32)
+from tests.test_keras3_optimizer import data, one_rank  # noqa: E402,F401  (the same one rank and data)
 
 
 def model_with(optimizer, built: bool = True):

@@ -130,6 +130,22 @@ def check_training(topo, epochs: int = 14, accuracy_bar: bool = True) -> dict:
     return {"accuracy": accuracy, "switched": switched}
 
 
+def _keras3_digits_mlp(topo, communication: str):
+    """A Keras 3 MLP for the digits, seeded by rank (the ranks start apart), compiled with
+    hvdx.DistributedOptimizer(keras.optimizers.SGD(0.05 x size, momentum 0.9)) and
+    `communication` (HiTopK at density 0.05). Returns (model, optimizer)."""
+    import keras
+
+    keras.utils.set_random_seed(topo.rank)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    density = {"density": 0.05} if communication == "hitopk" else {}
+    optimizer = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.05 * topo.size, momentum=0.9),
+                                          communication=communication, **density)
+    model.compile(optimizer=optimizer, metrics=["accuracy"],
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, optimizer
+
+
 def check_keras3_fit(topo, epochs: int = 6) -> dict:
     """A Keras 3 model (`import keras`, beside tf.keras's tf_keras) trained by `fit` through
     hvdx.DistributedOptimizer(keras.optimizers.SGD) with allreduce, 2DTAR and HiTopK, each rank
@@ -149,14 +165,7 @@ def check_keras3_fit(topo, epochs: int = 6) -> dict:
     x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
     runs = {}
     for communication in ("allreduce", "hierarchical", "hitopk"):
-        keras.utils.set_random_seed(topo.rank)  # the ranks start apart
-        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                                  keras.layers.Dense(10)])
-        density = {"density": 0.05} if communication == "hitopk" else {}
-        optimizer = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.05 * topo.size, momentum=0.9),
-                                              communication=communication, **density)
-        model.compile(optimizer=optimizer, metrics=["accuracy"],
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model, optimizer = _keras3_digits_mlp(topo, communication)
         before = np.concatenate([np.asarray(w).ravel() for w in model.trainable_variables])
         spread_before = hvd.allreduce(tf.constant(before), op=hvd.Max, name=f"k3max0.{communication}") - \
             hvd.allreduce(tf.constant(before), op=hvd.Min, name=f"k3min0.{communication}")
@@ -205,14 +214,7 @@ def check_keras3_mixed_precision(topo, epochs: int = 6) -> dict:
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         for communication in ("allreduce", "hitopk"):
-            keras.utils.set_random_seed(topo.rank)
-            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
-                                      keras.layers.Dense(10)])
-            density = {"density": 0.05} if communication == "hitopk" else {}
-            optimizer = hvdx.DistributedOptimizer(keras.optimizers.SGD(0.05 * topo.size, momentum=0.9),
-                                                  communication=communication, **density)
-            model.compile(optimizer=optimizer, metrics=["accuracy"],
-                          loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+            model, optimizer = _keras3_digits_mlp(topo, communication)  # made under the policy
             flat = lambda: np.concatenate([np.asarray(w).ravel() for w in model.trainable_variables])
             spread_before = _spread(flat(), f"mp0.{communication}")
             hvdx.broadcast_variables(model.variables, root_rank=0)
