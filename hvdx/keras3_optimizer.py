@@ -60,9 +60,16 @@ the residuals as arrays) is `hvdx.wrapper_core.WrapperCore`; this module holds w
   is the wrapper); rather than a policy check, which would refuse `compile(...,
   auto_scale_loss=False)`, where no LSO is made.
 
-Not yet (docs/keras3.md): hvdx's LARS/LAMB as Keras 3 optimizers. XLA cannot compile the
-step (Horovod's collectives): a step compiled with it (Keras 3's `jit_compile="auto"` where a
-GPU is visible) is refused, saying to compile with `jit_compile=False`.
+- hvdx's Keras 3 LARS / LAMB (`hvdx.optimizers.keras3`): as on the Keras 2 path, they are
+  handed each aggregation's record (`AggregationObserver`, `wrapper_core.aggregate_and_observe`)
+  and, with the local trust ratio on, LARS' trust ratio goes before the strategy and its step
+  applies the aggregate inside `trust_applied()`. An optimizer that declares its traits
+  (`hvdx_traits`) with a momentum has its momentum set to 0 in the step under momentum
+  correction, as Keras 3's SGD (a Python number its step reads when traced).
+
+XLA cannot compile the step (Horovod's collectives): a step compiled with it (Keras 3's
+`jit_compile="auto"` where a GPU is visible) is refused, saying to compile with
+`jit_compile=False`.
 """
 from __future__ import annotations
 
@@ -296,7 +303,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
     @property
     def local_trust_ratio(self) -> bool:
         """Whether a wrapped LARS' trust ratio is applied to each rank's gradient before the
-        strategy (no Keras 3 optimizer has one yet: False)."""
+        strategy (on only while the strategy is a sparse one)."""
         return self._core.local_trust
 
     def register_local_var(self, var) -> None:
@@ -306,8 +313,13 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
 
     def _momentum_zeroable(self) -> bool:
         """Whether the wrapper can apply the wrapped optimizer's step without its momentum:
-        Keras 3's SGD, whose step reads `self.momentum`, a Python number, when traced."""
-        return isinstance(self._stepping, keras.optimizers.SGD) and plain_number(self._stepping.momentum) is not None
+        Keras 3's SGD, whose step reads `self.momentum`, a Python number, when traced; or an
+        optimizer whose declared traits (`hvdx_traits`) have a momentum, which promise the same
+        (hvdx's Keras 3 LARS)."""
+        stepping = self._stepping
+        if getattr(type(stepping), "hvdx_traits", None) is not None:
+            return keras3_traits(stepping).momentum is not None
+        return isinstance(stepping, keras.optimizers.SGD) and plain_number(stepping.momentum) is not None
 
     def _check_momentum_correction(self) -> None:
         """A strategy with momentum correction needs a wrapped optimizer whose momentum the
@@ -376,7 +388,9 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         else:
             aggregated = aggregate_passes(self._core.accumulator, self._aggregate_if_finite, grads, trainable_variables)
         applies = self._core.applies_now()
-        with self._momentum_as_corrected():
+        # with the local trust ratio, the wrapped LARS applies the aggregate as local_trusted's (ratio 1, no decay)
+        trusted = self._stepping.trust_applied(True) if self._core.local_trust else contextlib.nullcontext()
+        with self._momentum_as_corrected(), trusted:
             if applies is None:
                 self.inner_optimizer.apply(aggregated, trainable_variables)
                 return

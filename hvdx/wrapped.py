@@ -32,7 +32,7 @@ from hvdx import legacy_keras
 from hvdx.arguments import is_real
 
 from hvdx import wrapper_core
-from hvdx.optimizers.lars import LARS
+from hvdx.optimizers.keras2 import LARS
 
 # What follows subclasses Keras 2's optimizers (tf.keras where it is Keras 2, else tf_keras).
 keras2 = legacy_keras.keras2()

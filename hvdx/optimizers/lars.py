@@ -26,6 +26,10 @@ normalise away what error feedback accumulated (each entry is sent about once ev
 1/density steps, with that many steps' gradients in it, and the trust ratio divides it
 back to one step's norm: about sqrt(density) of LARS' progress per entry) and, with the
 momentum moved into the strategy, the accumulated velocity (another factor 1 - momentum).
+
+This module holds the rule, Keras-neutral (`LARSRule`, on `layerwise.Layerwise`); the
+optimizers are `hvdx.optimizers.keras2.LARS` (Keras 2 / tf_keras) and
+`hvdx.optimizers.keras3.LARS` (Keras 3); `hvdx.optimizers.LARS` is tf.keras's Keras' one.
 """
 from __future__ import annotations
 
@@ -38,21 +42,16 @@ import tensorflow as tf
 
 from hvdx.comm.traits import OptimizerTraits, plain_number
 from hvdx.optimizers import sketch
-from hvdx.optimizers.layerwise import LayerwiseOptimizer, flag, number
-from hvdx import legacy_keras
+from hvdx.optimizers.layerwise import Layerwise, flag, number
+from hvdx.variables import tf_variable
 
-keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
-
-__all__ = ["LARS", "NORMS"]
+__all__ = ["LARSRule", "NORMS", "lars_options"]
 
 #: What `LARS.local_trusted` measures ||g|| of eq. 11 on: the ranks' average (sketched) or this rank's own.
 NORMS = ("average", "rank")
 
-
-@keras2.utils.register_keras_serializable(package="hvdx")
-class LARS(LayerwiseOptimizer):
-    """Layer-wise adaptive rate scaling (tf.keras optimizer, Keras 2 API).
-
+#: The LARS docstring's Args, shared by both Keras' classes.
+ARGS = """
     Args:
       learning_rate: eta_t, a float >= 0 or a LearningRateSchedule.
       momentum: in [0, 1).
@@ -68,31 +67,24 @@ class LARS(LayerwiseOptimizer):
         exclude_from_weight_decay's).
       min_trust_ratio, max_trust_ratio: clip the trust ratio (e.g. 1e-5 and 1.0).
       parallel: None (replicated, fused), "pto" or "slices": see hvdx.optimizers.layerwise.
-    """
+"""
 
-    def __init__(self, learning_rate=0.1, momentum: float = 0.9, weight_decay: float = 1e-4, eeta: float = 0.001,
-                 epsilon: float = 0.0, nesterov: bool = False, classic_momentum: bool = True,
-                 exclude_from_weight_decay=None, exclude_from_layer_adaptation=None,
-                 min_trust_ratio: Optional[float] = None, max_trust_ratio: Optional[float] = None,
-                 parallel: Optional[str] = None, name: str = "LARS", **kwargs) -> None:
-        super().__init__(name, weight_decay=weight_decay, exclude_from_weight_decay=exclude_from_weight_decay,
-                         exclude_from_layer_adaptation=exclude_from_layer_adaptation,
-                         min_trust_ratio=min_trust_ratio, max_trust_ratio=max_trust_ratio, parallel=parallel,
-                         **kwargs)
-        self._check_learning_rate(learning_rate)
-        self._learning_rate = self._build_learning_rate(learning_rate)
-        self.momentum = number(momentum, "momentum", 0.0, 1.0, high_open=True)
-        self.eeta = number(eeta, "eeta", low_open=True)
-        self.epsilon = number(epsilon, "epsilon")
-        self.nesterov = flag(nesterov, "nesterov")
-        self.classic_momentum = flag(classic_momentum, "classic_momentum")
 
-    def build(self, var_list):
-        super().build(var_list)
-        if getattr(self, "_built", False):
-            return
-        self._built = True
-        self.momentums = [self.add_variable_from_reference(v, "m") for v in var_list]
+def lars_options(*, momentum: float, eeta: float, epsilon: float, nesterov: bool,
+                 classic_momentum: bool) -> Dict[str, Any]:
+    """LARS' own hyper-parameters, checked (ValueError naming the argument)."""
+    return dict(momentum=number(momentum, "momentum", 0.0, 1.0, high_open=True),
+                eeta=number(eeta, "eeta", low_open=True), epsilon=number(epsilon, "epsilon"),
+                nesterov=flag(nesterov, "nesterov"), classic_momentum=flag(classic_momentum, "classic_momentum"))
+
+
+class LARSRule(Layerwise):
+    """LARS' update rule (module docstring), for either Keras: the adapters put it on their
+    Optimizer (`hvdx.optimizers.keras2.LARS`, `hvdx.optimizers.keras3.LARS`). Its momentum is
+    a Python number the step reads when traced (the wrapper sets it to 0 there under momentum
+    correction)."""
+
+    _SLOTS = {"m": "momentums"}
 
     def hvdx_traits(self) -> OptimizerTraits:
         """What hvdx's strategies decide their default aids from (`hvdx.comm.traits`): momentum
@@ -101,9 +93,6 @@ class LARS(LayerwiseOptimizer):
         `local_trusted`) or the momentum step."""
         return OptimizerTraits(name=type(self).__name__, momentum=plain_number(self.momentum), nesterov=self.nesterov,
                                trust_ratio="gradient" if self.classic_momentum else "step")
-
-    def _momentum(self, variable):
-        return self.momentums[self._index_dict[self._var_key(variable)]]
 
     def local_trusted(self, gradients: List[Optional[tf.Tensor]], variables: List[Any], norms: str = "average",
                       process_set: Optional[hvd.ProcessSet] = None,
@@ -163,7 +152,8 @@ class LARS(LayerwiseOptimizer):
     def _decayed(self, gradient: tf.Tensor, variable) -> tf.Tensor:
         if not self._decays(variable) or self._book.trust_applied:
             return gradient
-        return gradient + tf.cast(self.weight_decay, variable.dtype) * variable
+        value = tf.convert_to_tensor(tf_variable(variable))
+        return gradient + tf.cast(self.weight_decay, value.dtype) * value
 
     def _prepare(self, gradients: List[tf.Tensor], variables: List[Any]) -> List[tf.Tensor]:
         if self.classic_momentum:  # eq. 11 measures the gradient itself
@@ -171,10 +161,11 @@ class LARS(LayerwiseOptimizer):
         steps = []
         for g, v in zip(gradients, variables):
             g = self._decayed(g, v)
-            m = self._momentum(v)
-            momentum = tf.cast(self.momentum, v.dtype)
-            m.assign(momentum * m + g)
-            steps.append(momentum * m + g if self.nesterov else tf.convert_to_tensor(m))
+            m = self._slot("m", v)
+            momentum = tf.cast(self.momentum, tf.as_dtype(v.dtype))
+            self._assign(m, momentum * tf.convert_to_tensor(tf_variable(m)) + g)
+            m = tf.convert_to_tensor(tf_variable(m))
+            steps.append(momentum * m + g if self.nesterov else m)
         return steps
 
     def _ratio(self, w_norm: tf.Tensor, d_norm: tf.Tensor, decay: tf.Tensor) -> tf.Tensor:
@@ -182,18 +173,16 @@ class LARS(LayerwiseOptimizer):
             return self.eeta * w_norm / (d_norm + decay * w_norm + self.epsilon)
         return self.eeta * w_norm / (d_norm + self.epsilon)
 
-    def _apply(self, gradient: tf.Tensor, direction: tf.Tensor, variable, ratio: tf.Tensor):
-        rate = tf.cast(self.learning_rate, variable.dtype) * tf.cast(ratio, variable.dtype)
+    def _apply(self, gradient: tf.Tensor, direction: tf.Tensor, variable, ratio: tf.Tensor, learning_rate):
+        dtype = tf.as_dtype(variable.dtype)
+        rate = tf.cast(learning_rate, dtype) * tf.cast(ratio, dtype)
         if self.classic_momentum:  # one fused kernel: accum = momentum accum - rate g; w += accum
             return tf.raw_ops.ResourceApplyKerasMomentum(
-                var=variable.handle, accum=self._momentum(variable).handle, lr=rate,
-                grad=self._decayed(gradient, variable), momentum=tf.cast(self.momentum, variable.dtype),
+                var=tf_variable(variable).handle, accum=tf_variable(self._slot("m", variable)).handle, lr=rate,
+                grad=self._decayed(gradient, variable), momentum=tf.cast(self.momentum, dtype),
                 use_nesterov=self.nesterov)
-        return variable.assign_sub(rate * direction)
+        return self._assign_sub(variable, rate * direction)
 
-    def get_config(self) -> Dict[str, Any]:
-        config = super().get_config()
-        config.update(learning_rate=self._serialize_hyperparameter(self._learning_rate), momentum=self.momentum,
-                      eeta=self.eeta, epsilon=self.epsilon, nesterov=self.nesterov,
-                      classic_momentum=self.classic_momentum)
-        return config
+    def _rule_config(self) -> Dict[str, Any]:
+        return dict(momentum=self.momentum, eeta=self.eeta, epsilon=self.epsilon, nesterov=self.nesterov,
+                    classic_momentum=self.classic_momentum)

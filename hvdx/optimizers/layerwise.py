@@ -1,4 +1,4 @@
-"""Layer-wise adaptive rates: what LARS and LAMB share (shi2021 sec. 4.2, eq. 11).
+"""Layer-wise adaptive rates: what LARS and LAMB share (shi2021 sec. 4.2, eq. 11), whatever the Keras.
 
 Both scale each layer's step by a trust ratio computed from two per-layer norms, ||w|| and
 ||d|| (d: the gradient for LARS, eq. 11; the Adam direction for LAMB). Every rank holds the
@@ -25,6 +25,12 @@ aggregation's record (`AggregationRecord.process_set`): all ranks by default, th
 one node under hvdx.DASO, where each node holds its own gradients, so the norms are shared
 inside the node only. Variables that stay local (hvdx's / Horovod's register_local_var) are
 reduced locally in every mode.
+
+This module imports no Keras. `Layerwise` holds the optimizers' Keras-neutral part (options,
+weight-decay and adaptation patterns, the step's phases, the trust ratios and norms in every
+mode, the hook of hvdx.DistributedOptimizer); `lars.py` and `lamb.py` hold the update rules;
+the Keras adapters (`keras2.py`: Keras 2 / tf_keras, `keras3.py`: Keras 3) put them on their
+Keras' Optimizer and give them its slots and assignments (`_slot`, `_assign`, `_assign_sub`).
 """
 from __future__ import annotations
 
@@ -40,11 +46,9 @@ import tensorflow as tf
 from hvdx import pto
 from hvdx.arguments import real
 from hvdx.buckets import AggregationObserver, AggregationRecord, Ranges
-from hvdx import legacy_keras
+from hvdx.variables import tf_variable
 
-keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
-
-__all__ = ["LayerwiseOptimizer", "MODES", "flag", "squared_norm"]
+__all__ = ["Layerwise", "MODES", "check_learning_rate", "flag", "layerwise_options", "number", "squared_norm"]
 
 MODES = (None, "pto", "slices")
 
@@ -93,7 +97,8 @@ def patterns(value: Union[None, str, Iterable[str]], argument: str) -> Optional[
 
 
 def variable_name(variable) -> str:
-    """The name patterns are matched against: Keras' variable name without ':0'."""
+    """The name patterns are matched against, without ':0': a Keras 3 variable's path
+    ("sequential/dense/kernel", also the name of the tf.Variable behind it), a Keras 2 one's name."""
     return re.sub(r":\d+$", "", getattr(variable, "path", None) or variable.name)
 
 
@@ -112,13 +117,45 @@ def number(value: Any, argument: str, low: float = 0.0, high: Optional[float] = 
     return real(value, argument, low, high, low_open=low_open, high_open=high_open, optional=optional)
 
 
-class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
-    """Base of hvdx.optimizers.LARS and LAMB (Keras 2 optimizer API of TF 2.15).
+def check_learning_rate(learning_rate) -> Any:
+    """The learning rate as given, a plain number as a float (>= 0: ValueError naming it
+    otherwise); a schedule or callable as it is."""
+    if isinstance(learning_rate, numbers.Real) and not isinstance(learning_rate, bool):
+        return number(learning_rate, "learning_rate")
+    return learning_rate
 
-    A step runs in three phases over all variables at once (`_internal_apply_gradients`):
-    `_prepare` (each layer's direction d, updating moment slots), the trust ratios from
-    ||w|| and ||d|| in the configured mode, and `_apply` (per variable, through Keras'
-    update_step). Subclasses define those and `_ratio` (the formula, vectorised over layers).
+
+def layerwise_options(*, weight_decay: float, exclude_from_weight_decay, exclude_from_layer_adaptation,
+                      min_trust_ratio: Optional[float], max_trust_ratio: Optional[float],
+                      parallel: Optional[str]) -> Dict[str, Any]:
+    """The options every layer-wise optimizer takes, checked (`Layerwise._adopt` takes them).
+
+    Raises:
+      ValueError: naming the argument.
+    """
+    options = dict(weight_decay=number(weight_decay, "weight_decay"),
+                   decay_patterns=patterns(exclude_from_weight_decay, "exclude_from_weight_decay") or (),
+                   adaptation_patterns=patterns(exclude_from_layer_adaptation, "exclude_from_layer_adaptation"),
+                   min_trust_ratio=number(min_trust_ratio, "min_trust_ratio", optional=True),
+                   max_trust_ratio=number(max_trust_ratio, "max_trust_ratio", low_open=True, optional=True))
+    low, high = options["min_trust_ratio"], options["max_trust_ratio"]
+    if low is not None and high is not None and low > high:
+        raise ValueError(f"min_trust_ratio ({low}) must not exceed max_trust_ratio ({high})")
+    if parallel not in MODES:
+        raise ValueError(f"parallel must be one of {MODES}, got {parallel!r}")
+    options["parallel"] = parallel
+    return options
+
+
+class Layerwise(AggregationObserver):
+    """The Keras-neutral part of hvdx's LARS and LAMB, on either Keras' Optimizer.
+
+    A step runs in three phases over all variables at once (`_plan`, called by the adapter's
+    hook that sees every variable of the step): `_prepare` (each layer's direction d, updating
+    moment slots), the trust ratios from ||w|| and ||d|| in the configured mode, then `_apply`
+    per variable (`_update`, from Keras' per-variable update step). The rules (lars.py,
+    lamb.py) define `_prepare`, `_ratio` (the formula, vectorised over layers), `_apply` and
+    `_rule_config`; the adapters `_slot(kind, variable)`, `_assign`, `_assign_sub`.
 
     Weight decay belongs to the update rule (weight_decay=, exclude_from_weight_decay=), not
     to Keras' decoupled weight decay, which stays off. Layers matching
@@ -126,35 +163,45 @@ class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
     Trust ratios are clipped to [min_trust_ratio, max_trust_ratio] when given.
     """
 
-    def __init__(self, name: str, *, weight_decay: float, exclude_from_weight_decay, exclude_from_layer_adaptation,
-                 min_trust_ratio: Optional[float], max_trust_ratio: Optional[float], parallel: Optional[str],
-                 **kwargs) -> None:
-        kwargs.pop("jit_compile", None)  # the rates are computed outside update_step: no per-variable XLA
-        super().__init__(name=name, weight_decay=None, jit_compile=False, **kwargs)
-        self.weight_decay = number(weight_decay, "weight_decay")
-        self._book = _Book()  # Python-side state, kept out of tf.Module's attribute tracking
-        self._book.decay_patterns = patterns(exclude_from_weight_decay, "exclude_from_weight_decay") or ()
-        self._book.adaptation_patterns = patterns(exclude_from_layer_adaptation, "exclude_from_layer_adaptation")
-        self.min_trust_ratio = number(min_trust_ratio, "min_trust_ratio", optional=True)
-        self.max_trust_ratio = number(max_trust_ratio, "max_trust_ratio", low_open=True, optional=True)
-        if self.min_trust_ratio is not None and self.max_trust_ratio is not None \
-                and self.min_trust_ratio > self.max_trust_ratio:
-            raise ValueError(f"min_trust_ratio ({self.min_trust_ratio}) must not exceed max_trust_ratio "
-                             f"({self.max_trust_ratio})")
-        if parallel not in MODES:
-            raise ValueError(f"parallel must be one of {MODES}, got {parallel!r}")
-        self.parallel = parallel
+    #: The rule's slots: kind (the slot variables' name suffix) -> the attribute holding their list.
+    _SLOTS: Dict[str, str] = {}
+
+    def _adopt(self, options: Dict[str, Any], hyper: Dict[str, Any]) -> None:
+        """Takes `layerwise_options` and the rule's checked hyper-parameters (after the Keras
+        Optimizer's __init__)."""
+        self._book = _Book()  # Python-side state, kept out of Keras' and tf.Module's attribute tracking
+        self._book.decay_patterns = options["decay_patterns"]
+        self._book.adaptation_patterns = options["adaptation_patterns"]
+        self.weight_decay = options["weight_decay"]
+        self.min_trust_ratio = options["min_trust_ratio"]
+        self.max_trust_ratio = options["max_trust_ratio"]
+        self.parallel = options["parallel"]
+        for key, value in hyper.items():
+            setattr(self, key, value)
 
     @property
     def last_mode(self) -> Optional[str]:
         """The mode the last trust-ratio computation used (None: replicated)."""
         return self._book.last_mode
 
-    # -- configuration -----------------------------------------------------------------
-    def _check_learning_rate(self, learning_rate) -> None:
-        if isinstance(learning_rate, numbers.Real):
-            number(learning_rate, "learning_rate")
+    # -- what the adapters give -----------------------------------------------------------
+    def _slot(self, kind: str, variable) -> Any:
+        """The slot variable of `kind` (a key of `_SLOTS`) kept for `variable`."""
+        raise NotImplementedError
 
+    def _assign(self, variable, value) -> Any:
+        raise NotImplementedError
+
+    def _assign_sub(self, variable, value) -> Any:
+        raise NotImplementedError
+
+    def _slot_lists(self, var_list, add: Callable[[Any, str], Any]) -> None:
+        """Creates the rule's slots for `var_list` with `add(variable, kind)` (the Keras'
+        add_variable_from_reference), every kind's list in turn."""
+        for kind, attribute in self._SLOTS.items():
+            setattr(self, attribute, [add(v, kind) for v in var_list])
+
+    # -- configuration -----------------------------------------------------------------
     @property
     def exclude_from_weight_decay_patterns(self) -> Tuple[str, ...]:
         return self._book.decay_patterns
@@ -178,15 +225,19 @@ class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
     def _apply_weight_decay(self, variables) -> None:
         """Keras' decoupled weight decay: off (the update rules apply their own)."""
 
-    def get_config(self) -> Dict[str, Any]:
-        config = super().get_config()
+    def _layerwise_config(self) -> Dict[str, Any]:
+        """The layer-wise options and the rule's, as the constructor takes them."""
         book = self._book
-        config.update(weight_decay=self.weight_decay, exclude_from_weight_decay=list(book.decay_patterns),
+        config = dict(weight_decay=self.weight_decay, exclude_from_weight_decay=list(book.decay_patterns),
                       exclude_from_layer_adaptation=None if book.adaptation_patterns is None
                       else list(book.adaptation_patterns),
                       min_trust_ratio=self.min_trust_ratio, max_trust_ratio=self.max_trust_ratio,
                       parallel=self.parallel)
+        config.update(self._rule_config())
         return config
+
+    def _rule_config(self) -> Dict[str, Any]:
+        raise NotImplementedError
 
     # -- the hook of hvdx.DistributedOptimizer -------------------------------------------
     def observe_aggregation(self, record: AggregationRecord) -> None:
@@ -204,34 +255,35 @@ class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
     def _ratio(self, w_norm: tf.Tensor, d_norm: tf.Tensor, decay: tf.Tensor) -> tf.Tensor:
         raise NotImplementedError
 
-    def _apply(self, gradient: tf.Tensor, direction: tf.Tensor, variable, ratio: tf.Tensor):
+    def _apply(self, gradient: tf.Tensor, direction: tf.Tensor, variable, ratio: tf.Tensor, learning_rate):
         raise NotImplementedError
 
-    @tf.autograph.experimental.do_not_convert
-    def _internal_apply_gradients(self, grads_and_vars):
-        grads_and_vars = [(tf.convert_to_tensor(g), v) for g, v in grads_and_vars]  # IndexedSlices: dense
-        variables = [v for _, v in grads_and_vars]
-        directions = self._prepare([g for g, _ in grads_and_vars], variables)
+    def _plan(self, gradients: Sequence[tf.Tensor], variables: Sequence[Any]) -> None:
+        """The first two phases of a step over all its variables: directions (moment slots
+        updated) and trust ratios, kept for `_update` (by the Keras' variable key) until
+        `_planned` ends."""
+        gradients, variables = [tf.convert_to_tensor(g) for g in gradients], list(variables)  # IndexedSlices: dense
+        directions = self._prepare(gradients, variables)
         if self._book.trust_applied:  # LARS.local_trusted's aggregate: rates applied before aggregation
             ratios = [tf.ones([], tf.float32)] * len(variables)
         else:
             ratios = self.trust_ratios(variables, directions)
         self._book.pending = {self._var_key(v): (d, r) for v, d, r in zip(variables, directions, ratios)}
-        try:
-            return super()._internal_apply_gradients(grads_and_vars)
-        finally:
-            self._book.pending = {}
 
-    @tf.autograph.experimental.do_not_convert
-    def update_step(self, gradient, variable):
+    def _update(self, gradient, variable, learning_rate):
+        """The last phase for one variable: its planned direction and ratio applied (called on
+        its own, outside a planned step: this variable's rate, replicated)."""
         gradient = tf.convert_to_tensor(gradient)
         pending = self._book.pending.pop(self._var_key(variable), None)
-        if pending is None:  # called on its own: this variable's rate, replicated
+        if pending is None:
             direction = self._prepare([gradient], [variable])[0]
             ratio = self.trust_ratios([variable], [direction], mode=None)[0]
         else:
             direction, ratio = pending
-        return self._apply(gradient, direction, variable, ratio)
+        return self._apply(gradient, direction, variable, ratio, learning_rate)
+
+    def _unplan(self) -> None:
+        self._book.pending = {}
 
     # -- trust ratios ----------------------------------------------------------------------
     def trust_ratios(self, variables: Sequence[Any], directions: Sequence[tf.Tensor],
@@ -288,7 +340,7 @@ class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
         shared = self._shared(variables)
         aggregated = self._book.aggregated
         if mode == "slices" and aggregated is not None:
-            ranges = [aggregated.get(v.ref()) if s else None for v, s in zip(variables, shared)]
+            ranges = [aggregated.get(_ref(v)) if s else None for v, s in zip(variables, shared)]
             if any(r is not None for r in ranges):
                 self._book.last_mode = "slices"
                 return self._slice_norms(variables, directions, ranges)
@@ -305,17 +357,18 @@ class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
         if not together:
             return squares
         gathered = pto.parallel_map(lambda w, d: tf.stack([squared_norm(w), squared_norm(d)]),
-                                    [(variables[i], directions[i]) for i in together], output_shape=[2],
-                                    process_set=process_set, name=self._collective_name("pto", [variables[i] for i in together]))
+                                    [(_value(variables[i]), directions[i]) for i in together], output_shape=[2],
+                                    process_set=process_set,
+                                    name=self._collective_name("pto", [variables[i] for i in together]))
         return tf.tensor_scatter_nd_update(squares, [[i] for i in together], gathered)
 
     def _shared(self, variables: Sequence[Any]) -> List[bool]:
         """Which variables hold the same gradient on every rank: those an attached hvdx
         aggregator averaged; without one, all but Horovod's registered local variables."""
         if self._book.aggregated is not None:
-            return [v.ref() in self._book.aggregated for v in variables]
+            return [_ref(v) in self._book.aggregated for v in variables]
         local = getattr(self, "_local_vars", None) or set()  # hvd.DistributedOptimizer's register_local_var
-        return [v.ref() not in local for v in variables]
+        return [_ref(v) not in local for v in variables]
 
     def _slice_norms(self, variables, directions, ranges: List[Optional[Ranges]]) -> tf.Tensor:
         from hvdx.topology import topology
@@ -339,7 +392,7 @@ class LayerwiseOptimizer(keras2.optimizers.Optimizer, AggregationObserver):
 
 
 class _Book:
-    """What a LayerwiseOptimizer keeps on the Python side (never checkpointed)."""
+    """What a layer-wise optimizer keeps on the Python side (never checkpointed)."""
 
     def __init__(self) -> None:
         self.decay_patterns: Tuple[str, ...] = ()
@@ -351,8 +404,14 @@ class _Book:
         self.trust_applied = False  # LARS.trust_applied(): the gradients carry their trust ratio
 
 
+def _ref(variable) -> Any:
+    """The key of `variable` in an aggregation's record: the tf.Variable behind it (a Keras 3
+    variable's `.value`), by `ref()`."""
+    return tf_variable(variable).ref()
+
+
 def _value(variable) -> tf.Tensor:
-    return variable if isinstance(variable, tf.Tensor) else tf.convert_to_tensor(variable)
+    return variable if isinstance(variable, tf.Tensor) else tf.convert_to_tensor(tf_variable(variable))
 
 
 def _replicated(variables: Sequence[Any], directions: Sequence[tf.Tensor],
