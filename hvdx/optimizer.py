@@ -208,7 +208,7 @@ class DistributedOptimizer(keras2.optimizers.Optimizer):
             inner = float(getattr(self._optimizer, "momentum", 0.0) or 0.0)
         except (TypeError, ValueError):
             inner = 1.0  # a momentum the wrapper cannot read as a number
-        if getattr(self._aggregator.strategy, "momentum", 0.0) and not self._momentum.held and inner:
+        if self._core.momentum_corrected and not self._momentum.held and inner:
             raise ValueError(f"{self._aggregator.strategy!r} applies momentum correction, but the wrapper cannot set "
                              f"the momentum of {type(self._optimizer).__name__} to 0 in its step: use "
                              "tf.keras.optimizers.SGD (not legacy), or an optimizer without momentum")
@@ -281,7 +281,7 @@ class DistributedOptimizer(keras2.optimizers.Optimizer):
         self._just_aggregated = None
         # Momentum correction (DGC): the strategy accumulated the velocity, so the wrapped
         # optimizer applies the aggregate without a momentum of its own.
-        corrected = bool(getattr(self._aggregator.strategy, "momentum", 0.0))
+        corrected = self._core.momentum_corrected
         trusted = self._optimizer.trust_applied(True) if self._core.local_trust else contextlib.nullcontext()
         if self._agg_helper is None:
             with self._momentum.read_by_step(zero=corrected), trusted:  # the step reads the momentum variable

@@ -71,7 +71,7 @@ class DistributedOptimizerV1(tf.compat.v1.train.Optimizer):
             groups=groups, num_groups=num_groups,
             scale_local_gradients=scale_local_gradients, device_dense=device_dense, device_sparse=device_sparse,
             **strategy_options)
-        if getattr(self._aggregator.strategy, "momentum", 0.0) and isinstance(
+        if self._aggregator.strategy.corrects_momentum and isinstance(
                 optimizer, tf.compat.v1.train.MomentumOptimizer):
             raise ValueError(f"{self._aggregator.strategy!r} applies momentum correction (the strategy accumulates "
                              "the velocity), and the wrapped MomentumOptimizer would apply momentum again: wrap "

@@ -32,7 +32,6 @@ from hvdx import legacy_keras
 from hvdx.arguments import is_real
 
 from hvdx import wrapper_core
-from hvdx.optimizers.keras2 import LARS
 
 # What follows subclasses Keras 2's optimizers (tf.keras where it is Keras 2, else tf_keras).
 keras2 = legacy_keras.keras2()
@@ -40,9 +39,14 @@ keras2 = legacy_keras.keras2()
 __all__ = ["Momentum", "SYNCHRONOUS_MARKER", "check_not_horovods", "check_not_synchronous", "is_horovods",
            "is_synchronous", "subclass_for"]
 
-# Optimizers whose step reads `self.momentum` through TensorFlow ops only (a variable works
-# there); RMSprop, e.g., branches on `self.momentum > 0` in Python.
-_TENSOR_MOMENTUM = (keras2.optimizers.SGD, LARS)
+#: The class attribute by which an optimizer declares that its step reads `self.momentum`
+#: through TensorFlow ops only (a variable works there; hvdx's LARS). Keras' SGD does too;
+#: RMSprop, e.g., branches on `self.momentum > 0` in Python.
+MOMENTUM_READ_BY_OPS = "momentum_read_by_ops"
+
+
+def _reads_momentum_by_ops(optimizer) -> bool:
+    return isinstance(optimizer, keras2.optimizers.SGD) or getattr(type(optimizer), MOMENTUM_READ_BY_OPS, False) is True
 
 
 
@@ -137,7 +141,7 @@ class Momentum:
     def __init__(self, optimizer) -> None:
         self._optimizer = optimizer
         number = getattr(optimizer, "momentum", None)
-        self.held = isinstance(optimizer, _TENSOR_MOMENTUM) and is_real(number)
+        self.held = _reads_momentum_by_ops(optimizer) and is_real(number)
         self._variable: Optional[tf.Variable] = None
         self._number = None
 

@@ -227,7 +227,7 @@ class WrapperCore:
     def momentum_corrected(self) -> bool:
         """Whether the current strategy applies momentum correction (DGC): the wrapped
         optimizer must then apply the aggregate without a momentum of its own."""
-        return bool(getattr(self.aggregator.strategy, "momentum", 0.0))
+        return self.aggregator.strategy.corrects_momentum
 
     def resolve_local_trust(self, strict: bool) -> bool:
         """local_trust_ratio with the current strategy: as given, else the strategy's default

@@ -263,6 +263,13 @@ class Strategy:
         return progress.mark(outputs, self.progress_label, name, "leave"), result
 
     @property
+    def corrects_momentum(self) -> bool:
+        """Whether the strategy applies the optimizer's momentum itself before it aggregates
+        (Deep Gradient Compression's momentum correction): the wrapped optimizer must then apply
+        the aggregate without a momentum of its own. None does by default."""
+        return False
+
+    @property
     def progress_label(self) -> str:
         """The name of this strategy's collective calls in the watchdog's reports
         (`hvdx.progress`): its registered name, else its class's."""

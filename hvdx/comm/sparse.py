@@ -120,6 +120,11 @@ class TopKStrategy(Strategy):
         self._velocities = ResidualMemory(f"{self.key}_velocity")
         self.last_indices: Optional[tf.Tensor] = None  # diagnostics: last call's selection
 
+    @property
+    def corrects_momentum(self) -> bool:
+        """DGC's momentum correction is on (a momentum given or decided by `defaults_for`)."""
+        return bool(self.momentum)
+
     @classmethod
     def defaults_for(cls, traits: OptimizerTraits, options: Mapping[str, Any]) -> Dict[str, Any]:
         """The aids applied by default for an optimizer of `traits`, at the density of

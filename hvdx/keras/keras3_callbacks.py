@@ -192,7 +192,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def _velocities(self) -> List[Any]:
         """The SGD velocity buffers momentum correction scales (see the class), else []."""
         optimizer = self.model.optimizer
-        if getattr(getattr(optimizer, "communication", None), "momentum", 0.0):  # hvdx's momentum correction
+        if getattr(getattr(optimizer, "communication", None), "corrects_momentum", False):  # hvdx's (DGC's)
             return []
         sgd = optimizer
         while getattr(sgd, "inner_optimizer", None) is not None:

@@ -73,6 +73,8 @@ class LayerwiseOptimizer(Layerwise, _keras.optimizers.Optimizer):
 class LARS(lars.LARSRule, LayerwiseOptimizer):
     __doc__ = "Layer-wise adaptive rate scaling (Keras 2 optimizer: hvdx.optimizers.lars).\n" + lars.ARGS
 
+    momentum_read_by_ops = True  # hvdx.wrapped.MOMENTUM_READ_BY_OPS: a momentum variable works in its step
+
     def __init__(self, learning_rate=0.1, momentum: float = 0.9, weight_decay: float = 1e-4, eeta: float = 0.001,
                  epsilon: float = 0.0, nesterov: bool = False, classic_momentum: bool = True,
                  exclude_from_weight_decay=None, exclude_from_layer_adaptation=None,
