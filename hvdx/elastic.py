@@ -17,6 +17,11 @@ topology. Error-feedback residuals carry their owner (rank, size): one written u
 old membership is read as zeros by the new step (`hvdx.comm.memory`), never applied by a
 rank or a layout it was not computed for.
 
+A Keras 3 model (`import keras`, or tf.keras where it is Keras 3) takes the Keras 3 state:
+the states are chosen by the model given, and keep its variables and its optimizer's through
+Keras 3's API and `hvdx.broadcast_variables` (`hvdx.keras3_elastic`); Horovod's Keras elastic
+callbacks serve its `fit` as they are.
+
 A job launched by MPI cannot be elastic (Horovod supports elastic runs under Gloo only):
 `run` raises `ElasticError` saying how to launch.
 """
@@ -30,6 +35,7 @@ from horovod.common.elastic import ObjectState, State
 from horovod.tensorflow import elastic as _tf_elastic
 from horovod.tensorflow.keras import elastic as _keras_elastic
 
+from hvdx.legacy_keras import is_keras3_object
 from hvdx.lifecycle import reset_running
 from hvdx.topology import initialized, reinit
 from hvdx.variables import build_optimizer
@@ -68,11 +74,12 @@ def reset_hvdx(model: Optional[Any] = None) -> None:
         for name in _TRACED:
             if getattr(model, name, None) is not None:
                 setattr(model, name, None)
-        # Keras' fit keeps its validation data's handler until it returns: one interrupted by
-        # the reset would serve the next fit the old validation dataset (a DataCache's: split
-        # for the old ranks)
-        if getattr(model, "_eval_data_handler", None) is not None:
-            model._eval_data_handler = None
+        # Keras' fit keeps its validation data's handler (Keras 3: its iterator) until it
+        # returns: one interrupted by the reset would serve the next fit the old validation
+        # dataset (a DataCache's: split for the old ranks)
+        for name in ("_eval_data_handler", "_eval_epoch_iterator"):
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
 
 
 class _KerasStateMixin:
@@ -80,14 +87,26 @@ class _KerasStateMixin:
     builds the optimizer's state, so that a worker added by a reset (which never trained)
     broadcasts as many optimizer variables as the workers that did: Horovod's sync broadcasts
     `optimizer.variables()`, which a Keras optimizer creates at its first update, and the
-    ranks' broadcasts would not match (the job hangs where a node is added back)."""
+    ranks' broadcasts would not match (the job hangs where a node is added back).
+
+    Given a Keras 3 model, a state is made of its Keras 3 subclass (`hvdx.keras3_elastic`)."""
+
+    def __new__(cls, model: Any = None, *args: Any, **kwargs: Any):
+        if model is not None and is_keras3_object(model):
+            from hvdx.keras3_elastic import keras3_state
+
+            cls = keras3_state(cls)
+        return super().__new__(cls)
 
     def reset(self) -> None:
         reset_hvdx(self.model)
         super().reset()
 
-    def sync(self) -> None:
+    def _build_optimizer(self) -> None:
         build_optimizer(self.optimizer, self.model.trainable_variables)
+
+    def sync(self) -> None:
+        self._build_optimizer()
         super().sync()
 
 

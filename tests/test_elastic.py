@@ -201,10 +201,11 @@ def _discovery_script(tmp_path):
     return hosts, discover
 
 
-def _elastic_digits(tmp_path, communication: str, schedule: str, datacache: bool = False):
+def _elastic_digits(tmp_path, communication: str, schedule: str, datacache: bool = False, keras3: bool = False):
     """Runs tests/multirank/elastic_digits.py on 2x2 under a discovery script (with
-    `datacache`: its batches from a DataCache over the digits as JPEGs); returns (the job,
-    rank 0's record) after checking that it ended in time and rc 0."""
+    `datacache`: its batches from a DataCache over the digits as JPEGs; with `keras3`: without
+    $TF_USE_LEGACY_KERAS, tf.keras as TensorFlow makes it, Keras 3 from 2.16 on); returns (the
+    job, rank 0's record) after checking that it ended in time and rc 0."""
     import json
     import sys
 
@@ -217,6 +218,8 @@ def _elastic_digits(tmp_path, communication: str, schedule: str, datacache: bool
                "--host-discovery-script", str(discover), sys.executable,
                str(harness.MULTIRANK / "elastic_digits.py"), "hvdx", communication, str(hosts), "5", schedule]
     env = harness.test_env(str(tmp_path))
+    if keras3:
+        env.pop("TF_USE_LEGACY_KERAS", None)
     if datacache:
         env["HVDX_ELASTIC_DATACACHE"] = _write_digit_jpegs(tmp_path / "digits")
     job = harness.run(command, timeout=ELASTIC_TIMEOUT, env=env, cwd=harness.ROOT)
@@ -284,6 +287,39 @@ def test_horovods_elastic_example_runs_on_when_a_node_comes_back(tmp_path, commu
     assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
     assert record["size"] == 4 and record["accuracy"] > 0.8, record  # it learns (chance: 0.1)
     assert "watchdog" not in job.output, job.output[-4000:]
+    if communication == "hitopk":
+        _assert_residuals_per_rank(record, job)
+
+
+def _assert_residuals_per_rank(record, job):
+    """HiTopK's residuals after 2x2 -> 1x2 -> 2x2: never broadcast nor restored by the state,
+    each rank ends with its own (owned by it under the last membership, different norms), the
+    step counters agreed by the ranks; the survivors' residuals written under 4 ranks were
+    read as zeros, with a warning, under 2."""
+    residuals = sorted(record["residuals"], key=lambda r: r["rank"])
+    assert [r["rank"] for r in residuals] == [0, 1, 2, 3], residuals
+    assert all(r["owners"] == [[r["rank"], 4]] for r in residuals), residuals
+    assert all(r["norm"] > 0 for r in residuals) and len({r["norm"] for r in residuals}) == 4, residuals
+    assert all(r["steps"] == residuals[0]["steps"] for r in residuals) and residuals[0]["steps"], residuals
+    assert "was written by rank" in job.output, job.output[-4000:]
+
+
+@pytest.mark.multirank
+def test_a_keras3_model_trains_on_when_a_node_leaves_and_comes_back(tmp_path):
+    """Horovod's elastic Keras example's pattern written for Keras 3 (`import keras`, hvdx's
+    Keras 3 wrapper with HiTopK, hvd.callbacks' MetricAverageCallback and Horovod's elastic
+    callbacks in Keras 3's `fit`, hvdx.elastic's Keras 3 state), launched with tf.keras as
+    Keras 3, 2x2 -> 1x2 -> 2x2: the ranks, seeded apart, are one model after every sync (the
+    returning node's new processes too: their optimizer built before it), the job ends with
+    every rank bitwise identical and learns; the residuals stay per rank as on the Keras 2
+    path (`test_horovods_elastic_example_runs_on_when_a_node_comes_back[hitopk]`)."""
+    job, record = _elastic_digits(tmp_path, "hitopk", "remove,add,horovod,keras3", keras3=True)
+    assert record["tf_keras_is_keras3"] and record["state"] == ["KerasState", "Keras3State"], record
+    assert record["sizes"] == [4, 2, 4], record
+    assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
+    assert record["size"] == 4 and record["accuracy"] > 0.8, record  # it learns (chance: 0.1)
+    assert job.output.count("ELASTIC_DONE") == 4 and "watchdog" not in job.output, job.output[-4000:]
+    _assert_residuals_per_rank(record, job)
 
 
 def test_an_elastic_job_waits_longer_at_a_rendezvous_than_in_a_collective(monkeypatch):

@@ -35,7 +35,7 @@ LAYERS: List[List[str]] = [
     ["hvdx.daso", "hvdx.adpsgd", "hvdx.asynchronous", "hvdx.localsgd"],
     # Keras glue: the callbacks; the methods' package faces and old callback modules, which
     # re-export their callbacks (lazily: importing a method never imports the callbacks)
-    ["hvdx.callbacks", "hvdx.elastic", "hvdx.daso.__init__", "hvdx.daso.keras", "hvdx.adpsgd.__init__", "hvdx.adpsgd.keras",
+    ["hvdx.callbacks", "hvdx.elastic", "hvdx.keras3_elastic", "hvdx.daso.__init__", "hvdx.daso.keras", "hvdx.adpsgd.__init__", "hvdx.adpsgd.keras",
      "hvdx.asynchronous.__init__", "hvdx.asynchronous.keras"],
     # Horovod's namespaces and the package's face
     ["hvdx.keras", "hvdx.tensorflow", "hvdx.__init__"],

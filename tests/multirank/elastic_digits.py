@@ -13,7 +13,13 @@ of epoch 1 (nodes of 2 and 1 ranks: hvdx runs flat, `hvdx.init(uneven_nodes=)`);
 SIGKILLs itself at the end of epoch 1 (a preempted process; the host list stays); "horovod": Horovod's
 own elastic example's pattern (examples/elastic/tensorflow2/tensorflow2_keras_mnist_elastic.py):
 Adam at 0.001 x size, a one-step `fit` at module level before `hvd.elastic.run` (a new worker's
-first collectives) and another in the state's reset callback (the survivors'). Every rank prints
+first collectives) and another in the state's reset callback (the survivors'); "keras3" (with
+API "hvdx", launched without $TF_USE_LEGACY_KERAS: tf.keras is Keras 3 too): the Keras 3 form,
+a model of `import keras` seeded apart on every rank (the state's first sync makes them one),
+`hvd.DistributedOptimizer` of a Keras 3 optimizer (hvdx's Keras 3 wrapper), hvd.callbacks'
+MetricAverageCallback and the elastic callbacks in its `fit`, the Keras 3 elastic state. With
+the synchronous wrapper every rank sends rank 0 its residuals' owners, norm and step counters at
+the end (rank 0 records them: `residuals`). Every rank prints
 `ELASTIC size=S checksum_spread=X` at every `fit` start (after Horovod's sync: the weights'
 largest difference between ranks) and rank 0 writes its record (sizes seen, spreads, final
 accuracy, when it was told of each host change) to $HVDX_RESULT_DIR/elastic.json and every
@@ -33,7 +39,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-import hvdx  # noqa: E402,F401 - first: tf.keras is Keras 2 on every stack (Horovod's Keras needs it)
+import hvdx  # noqa: E402 - imports no TensorFlow: tf.keras is what $TF_USE_LEGACY_KERAS makes it
+import hvdx.legacy_keras  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -44,12 +51,16 @@ BATCH = 32
 STEPS = 12  # per epoch, whatever the size: enough commits for a host change to be seen
 HOST_NOTICE_WAIT = 120.0  # at most, seconds rank 0 waits for the driver's notice of a host change
 RESULTS = Path(os.environ.get("HVDX_RESULT_DIR", "/tmp"))
+KERAS3 = "keras3" in SCHEDULE  # the Keras 3 form (API "hvdx")
 
 if API == "hvdx":
     import hvdx.keras as hvd
 else:
     import horovod.tensorflow.keras as hvd
 import tensorflow as tf  # noqa: E402
+
+if KERAS3:
+    import keras  # noqa: E402
 
 from tests.multirank import digits  # noqa: E402
 from tests.multirank.rank import spread  # noqa: E402
@@ -65,13 +76,19 @@ if DATACACHE:  # made once per process, before the training function: a reset sp
     host = os.environ.get("HOROVOD_HOSTNAME", "node")  # level 1 is node-local, as on a cluster
     cache = DataCache(DATACACHE, resolution=8, channels=1, cache_dir=str(RESULTS / f"disk-{host}"),
                       store_dir=str(RESULTS / "shm"), memory_bytes=2**26, source=source)
-model = digits.mlp(seed=0)
 HOROVOD_PATTERN = "horovod" in SCHEDULE
 LEARNING_RATE = 0.001 if HOROVOD_PATTERN else 0.05
-if HOROVOD_PATTERN:  # an adaptive optimizer: the sparse strategies' density warm-up (their step counters)
-    optimizer = tf.keras.optimizers.Adam(LEARNING_RATE * hvd.size())
+if KERAS3:
+    keras.utils.set_random_seed(hvd.rank())  # apart: the state's sync at the run's start makes them one
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    optimizers, losses, Callback = keras.optimizers, keras.losses, keras.callbacks.Callback
 else:
-    optimizer = tf.keras.optimizers.SGD(LEARNING_RATE * hvd.size(), momentum=0.9)
+    model = digits.mlp(seed=0)
+    optimizers, losses, Callback = tf.keras.optimizers, tf.keras.losses, tf.keras.callbacks.Callback
+if HOROVOD_PATTERN:  # an adaptive optimizer: the sparse strategies' density warm-up (their step counters)
+    optimizer = optimizers.Adam(LEARNING_RATE * hvd.size())
+else:
+    optimizer = optimizers.SGD(LEARNING_RATE * hvd.size(), momentum=0.9)
 method_callbacks = []
 if API == "hvdx" and COMMUNICATION in ("daso", "adpsgd", "assm"):
     from hvdx.adpsgd import ADPSGD
@@ -88,10 +105,10 @@ elif API == "hvdx":
     optimizer = hvd.DistributedOptimizer(optimizer, communication=COMMUNICATION)
 else:
     optimizer = hvd.DistributedOptimizer(optimizer)
-model.compile(optimizer=optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+model.compile(optimizer=optimizer, loss=losses.SparseCategoricalCrossentropy(from_logits=True),
               metrics=["accuracy"])
 model.build((None, 64))
-record = {"sizes": [], "spreads": []}
+record = {"sizes": [], "spreads": [], "tf_keras_is_keras3": hvdx.legacy_keras.tf_keras_is_keras3()}
 no_autotune = tf.data.Options()
 no_autotune.autotune.enabled = False  # deleting the one-step fit's iterator can wait out its sleep (docs/elastic.md)
 one_step = tf.data.Dataset.from_tensor_slices((x_train, y_train)).repeat().batch(BATCH).with_options(no_autotune)
@@ -99,7 +116,7 @@ if HOROVOD_PATTERN:  # Horovod's example: "initialize optimizer state so we can 
     model.fit(one_step, steps_per_epoch=1, epochs=1, verbose=0)
 
 
-class Check(tf.keras.callbacks.Callback):
+class Check(Callback):
     """At each fit start (after the state's sync): every rank's weights are the same; rank 0
     changes the discovery script's host list at the end of epochs 1 and 3."""
 
@@ -140,18 +157,23 @@ class Check(tf.keras.callbacks.Callback):
 
 
 state = hvd.elastic.KerasState(model, batch=0, epoch=0)
+record["state"] = [c.__name__ for c in type(state).__mro__[:2]]  # the Keras 3 state: ["KerasState", "Keras3State"]
 
 
 def on_state_reset():
-    tf.keras.backend.set_value(state.model.optimizer.learning_rate, LEARNING_RATE * hvd.size())
+    if KERAS3:
+        state.model.optimizer.learning_rate = LEARNING_RATE * hvd.size()
+    else:
+        tf.keras.backend.set_value(state.model.optimizer.learning_rate, LEARNING_RATE * hvd.size())
     if HOROVOD_PATTERN:  # Horovod's example: "re-initialize, to join with possible new ranks"
         state.model.fit(one_step, steps_per_epoch=1, epochs=1, verbose=0)
 
 
 state.register_reset_callbacks([on_state_reset])
 # the method's callback first: its start (one model on every rank) before Check's look at the weights
-callbacks = method_callbacks + [Check(), hvd.elastic.CommitStateCallback(state),
-                                hvd.elastic.UpdateBatchStateCallback(state), hvd.elastic.UpdateEpochStateCallback(state)]
+callbacks = method_callbacks + ([hvd.callbacks.MetricAverageCallback()] if KERAS3 else []) + [
+    Check(), hvd.elastic.CommitStateCallback(state), hvd.elastic.UpdateBatchStateCallback(state),
+    hvd.elastic.UpdateEpochStateCallback(state)]
 rng = np.random.default_rng(0)
 
 
@@ -171,6 +193,16 @@ def train(state):
 train(state)
 _, accuracy = model.evaluate(x_test, y_test, verbose=0)
 final = spread(model.get_weights(), "elastic.final")
+if API == "hvdx" and not method_callbacks:  # the synchronous wrapper: each rank's residuals, as the last steps left them
+    from hvdx.wrapper_core import residual_state
+
+    residuals = residual_state(model.optimizer.aggregator)
+    mine = {"rank": hvd.rank(), "owners": sorted({tuple(int(i) for i in v) for k, v in residuals.items()
+                                                  if k.endswith(".owner")}),
+            "norm": float(np.sqrt(sum(float(np.sum(np.square(v, dtype=np.float64)))
+                                      for k, v in residuals.items() if k.endswith(".residual")))),
+            "steps": {k: int(v) for k, v in residuals.items() if k.endswith(".step")}}
+    record["residuals"] = hvd.allgather_object(mine, name="elastic.residuals")
 print(f"ELASTIC_DONE rank={hvd.rank()} size={hvd.size()} accuracy={accuracy:.4f} checksum_spread={final}",
       flush=True)
 if DATACACHE:
