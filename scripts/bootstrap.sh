@@ -34,11 +34,9 @@ NAMED_VENV=$(sed -n 's/^# venv: *\([^ ]*\).*/\1/p' "$ROOT/requirements/$STACK.tx
 VENV=${HVDX_VENV:-$ROOT/${NAMED_VENV:-.venv-$STACK}}
 if [ "${1:-}" = "--venv" ]; then echo "$VENV"; exit 0; fi
 [ "${1:-}" = "--with-slurm" ] && HVDX_WITH_SLURM=1
-HOROVOD_VERSION=0.28.1
+HOROVOD_VERSION=0.28.1   # scripts/install_horovod.sh builds it
 REQS=${HVDX_REQUIREMENTS:-$ROOT/requirements/$STACK.txt}
 NO_DEPS=${REQS%.txt}.no-deps.txt
-PATCHES=$ROOT/scripts/patches/horovod-$HOROVOD_VERSION
-JOBS=$(nproc 2>/dev/null || echo 2)
 
 log() { printf '[bootstrap] %s\n' "$*"; }
 die() { printf '[bootstrap] error: %s\n' "$*" >&2; exit 1; }
@@ -97,56 +95,12 @@ if [ "$(cat "$stamp_reqs" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp_reqs"
 fi
 
-# --- 3. Horovod from source against this TensorFlow --------------------------------
+# --- 3. Horovod from source against this TensorFlow (scripts/install_horovod.sh) ----
+HVDX_PYTHON_FOR_HOROVOD=$PY HVDX_HOROVOD_STAMP=$VENV/.hvdx-horovod bash "$ROOT/scripts/install_horovod.sh"
 TF_VERSION=$("$PY" -c 'import importlib.metadata as m
 for d in ("tensorflow-cpu", "tensorflow"):
     try: print(m.version(d)); break
     except m.PackageNotFoundError: pass')
-[ -n "$TF_VERSION" ] || die "TensorFlow is not installed in $VENV"
-# The patches for this TensorFlow: those whose "# tensorflow: <specifier>" header holds it.
-patches=()
-for patch in "$PATCHES"/*.patch; do
-  [ -f "$patch" ] || continue
-  spec=$(sed -n 's/^# tensorflow: *//p' "$patch" | head -n 1)
-  [ -n "$spec" ] || die "$patch has no '# tensorflow: <specifier>' line"
-  if "$PY" -c 'import sys; from packaging.specifiers import SpecifierSet
-sys.exit(sys.argv[2] not in SpecifierSet(sys.argv[1]))' "$spec" "$TF_VERSION"; then patches+=("$patch"); fi
-done
-hvd_key="horovod-$HOROVOD_VERSION-tf-$TF_VERSION-$($PY -c 'import sys; print("py%d%d" % sys.version_info[:2])')"
-if [ ${#patches[@]} -gt 0 ]; then
-  hvd_key+="-patches-$(cat "${patches[@]}" | sha256sum | cut -c1-12)"
-fi
-stamp_hvd=$VENV/.hvdx-horovod
-if [ "$(cat "$stamp_hvd" 2>/dev/null)" != "$hvd_key" ]; then
-  wheels=${HVDX_WHEEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/hvdx/wheels}/$hvd_key
-  if ! ls "$wheels"/horovod-*.whl >/dev/null 2>&1; then
-    log "building Horovod $HOROVOD_VERSION from source against TensorFlow $TF_VERSION with ${#patches[@]} patch(es) (3-6 minutes on 2 idle cores)"
-    cmake_major=$(cmake --version | sed -n 's/^cmake version \([0-9]*\).*/\1/p')
-    [ "${cmake_major:-3}" -lt 4 ] || export CMAKE_POLICY_VERSION_MINIMUM=3.5  # Horovod's bundled Gloo
-    src=$(mktemp -d "${TMPDIR:-/tmp}/hvdx-horovod.XXXXXX")
-    trap 'rm -rf "$src"' EXIT
-    "$PY" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: -d "$src" "horovod==$HOROVOD_VERSION"
-    tar -xzf "$src/horovod-$HOROVOD_VERSION.tar.gz" -C "$src"
-    for patch in "${patches[@]}"; do
-      log "applying $(basename "$patch")"
-      patch -s -p1 -d "$src/horovod-$HOROVOD_VERSION" < "$patch" || die "$patch does not apply to Horovod $HOROVOD_VERSION's sdist"
-    done
-    mkdir -p "$wheels.tmp"
-    HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 \
-    HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITHOUT_MXNET=1 MAKEFLAGS="-j$JOBS" \
-      "$PY" -m pip wheel -q --disable-pip-version-check --no-cache-dir --no-build-isolation \
-        --no-deps -w "$wheels.tmp" "$src/horovod-$HOROVOD_VERSION"
-    rm -rf "$wheels" && mv "$wheels.tmp" "$wheels"
-  fi
-  log "installing Horovod from $wheels"
-  "$PY" -m pip install -q --disable-pip-version-check --no-deps --force-reinstall "$wheels"/horovod-*.whl
-  "$PY" - <<'EOF' || die "Horovod was built without TensorFlow, Gloo or MPI support (see the log above)"
-import horovod.tensorflow as hvd
-missing = [n for n, ok in (("gloo", hvd.gloo_built()), ("mpi", hvd.mpi_built())) if not ok]
-raise SystemExit("missing: " + ", ".join(missing) if missing else 0)
-EOF
-  echo "$hvd_key" > "$stamp_hvd"
-fi
 
 # --- 4. hvdx itself: editable install, op library built by CMake (incremental) ------
 mkdir -p "$ROOT/build"
