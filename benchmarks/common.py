@@ -8,6 +8,9 @@
   machine was);
 - a rank's start: `freeze_start_up` (its imports out of the garbage collector's passes);
 - data: `digits_shards` (scikit-learn's digits, split and sharded the same way everywhere);
+- Keras 2 beside Keras 3 (issue 64): `add_keras_argument` (--keras 2,3), `keras_keys` (each
+  method's key under each Keras: "hitopk", "hitopk@keras3"), `split_keras`, `keras_module`,
+  `keras_label`;
 - reporting: `add_output_arguments` + `readme_path` (where results and the README go),
   `markdown_table`, `update_readme` (a script's section of benchmarks/README.md).
 
@@ -70,6 +73,70 @@ def digits_shards(rank: int, size: int):
                                                         stratify=digits.target)
     shard = slice(rank, len(x_train) - len(x_train) % size, size)
     return x_train[shard], y_train[shard], x_train, y_train, x_test, y_test
+
+
+# -- Keras 2 beside Keras 3 (issue 64) -------------------------------------------------------
+#: A Keras 3 run's key: its method's key and this suffix ("hitopk@keras3"); a Keras 2 run's
+#: key is the method's, as before --keras existed.
+KERAS3 = "@keras3"
+#: Methods that run under Keras 2 alone: Horovod's Keras integration fails under Keras 3
+#: ("'Variable' object has no attribute 'ref'", horovod#4290).
+KERAS2_ONLY = ("horovod",)
+
+
+def _keras_versions(text: str) -> List[int]:
+    try:
+        versions = sorted({int(v) for v in text.split(",")})
+    except ValueError:
+        versions = []
+    if not versions or not set(versions) <= {2, 3}:
+        raise argparse.ArgumentTypeError(f"--keras {text!r}: pass 2, 3 or 2,3")
+    return versions
+
+
+def add_keras_argument(parser: argparse.ArgumentParser) -> None:
+    """--keras: the Keras the models and optimizers are built with (a list, default [2])."""
+    parser.add_argument("--keras", default=[2], type=_keras_versions,
+                        help="2, 3 or 2,3: build each model and optimizer with Keras 2 (tf.keras in these scripts) "
+                             "and/or Keras 3 (`import keras`, compiled with jit_compile=False); with both, every "
+                             "method runs under each, the two taking turns (Horovod's optimizer: Keras 2 only)")
+
+
+def keras_keys(keys: Sequence[str], versions: Sequence[int] = (2,)) -> List[str]:
+    """Each of `keys` under each Keras of `versions`, a key's runs side by side (Keras 2's as
+    the key, Keras 3's with `KERAS3`); `KERAS2_ONLY` under Keras 2 alone."""
+    return [key + (KERAS3 if version == 3 else "") for key in keys for version in sorted(versions)
+            if version == 2 or key not in KERAS2_ONLY]
+
+
+def split_keras(key: str) -> Tuple[str, int]:
+    """("hitopk", 3) for "hitopk@keras3", ("hitopk", 2) for "hitopk"."""
+    return (key[:-len(KERAS3)], 3) if key.endswith(KERAS3) else (key, 2)
+
+
+def keras_label(key: str, labels: Mapping[str, str]) -> str:
+    """A key's label in tables: its method's (`labels`, else the key), with " (Keras 3)"."""
+    base, version = split_keras(key)
+    return labels.get(base, base) + (" (Keras 3)" if version == 3 else "")
+
+
+def keras_module(version: int):
+    """The Keras module of `version`: Keras 2 (hvdx.legacy_keras.keras2(): tf.keras in these
+    scripts, which set TF_USE_LEGACY_KERAS=1) or Keras 3 (`import keras`).
+
+    Raises:
+        RuntimeError: Keras 3 asked for where `import keras` is not Keras 3 (TensorFlow < 2.16).
+    """
+    if version == 2:
+        from hvdx import legacy_keras
+
+        return legacy_keras.keras2()
+    import keras
+
+    if not str(keras.__version__).startswith("3."):
+        raise RuntimeError(f"--keras 3: `import keras` is Keras {keras.__version__} here; Keras 3 comes with "
+                           "TensorFlow >= 2.16 (the default stack)")
+    return keras
 
 
 # -- launching -----------------------------------------------------------------------------

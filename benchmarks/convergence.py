@@ -37,13 +37,18 @@ optimizer applying the gradients, and the variables broadcast after the first st
 The methods take turns: every --eval-every steps each method trains that many steps, then
 its test accuracy is taken (outside the timed part), so a slow spell of the machine hits
 all of them alike. Wall times are only results when the machine runs nothing else.
+`--keras 2,3` (issue 64) runs every method but `horovod` (Keras 2 only) also on the task's
+model built with Keras 3 (`import keras`: its layers and optimizer, `hvdx.DistributedOptimizer`'s
+Keras 3 path, `jit_compile=False`), as "METHOD@keras3", taking turns with the others; the
+report adds each HiTopK method's final accuracy against `allreduce` of the same Keras.
 
     python benchmarks/convergence.py                       # the emulated cluster, 2x2, 1 Gbit/s (root)
     python benchmarks/convergence.py --local --tasks mnist # loopback horovodrun
     python benchmarks/convergence.py --smoke               # seconds: tiny models, few steps
+    python benchmarks/convergence.py --keras 2,3 --methods allreduce,hitopk --seeds 5 --name convergence_keras3
 
-Writes benchmarks/results/convergence.json and convergence.png (accuracy vs steps and vs
-wall time) and its section of benchmarks/README.md.
+Writes benchmarks/results/<name>.json and <name>.png (--name, default convergence: accuracy
+vs steps and vs wall time) and its section of benchmarks/README.md (<name> with - for _).
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ from hvdx.legacy_keras import use_keras2  # noqa: E402
 use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
 
 import argparse
+import importlib
 import json
 import sys
 import time
@@ -77,6 +83,10 @@ METHODS = {
 }
 #: Target test accuracy for the time-to-accuracy column.
 TARGETS = {"mnist": 0.90, "resnet": 0.90, "mlp": 0.90}
+DEFAULT_NAME = "convergence"
+#: Issue 64's goal: a HiTopK method's mean final accuracy at most this many points under
+#: `allreduce`'s (the dense step) of the same Keras.
+POINTS_TO_ALLREDUCE = 1.0
 
 
 # -- data and models -------------------------------------------------------------------------
@@ -98,16 +108,19 @@ def digits(task: str):
     return x[:cut], y[:cut], x[cut:], y[cut:]
 
 
-def build_model(task: str, args: argparse.Namespace):
+def build_model(task: str, args: argparse.Namespace, keras=None):
+    """The task's model, built with `keras` (None: tf.keras, Keras 2 here; `keras`: Keras 3)."""
     import tensorflow as tf
 
     from hvdx import zoo
 
-    layers = tf.keras.layers
+    keras = keras or tf.keras
+    layers = keras.layers
     if task == "mnist":  # Horovod's examples/tensorflow2/tensorflow2_keras_mnist.py
         width = 0.25 if args.smoke else 1.0
         return zoo.cnn((28, 28, 1), (int(32 * width), int(64 * width)), pool_after=(1,), dropout=0.25,
-                       head="flatten", dense=(int(128 * width),), dense_dropout=0.5, output_activation="softmax")
+                       head="flatten", dense=(int(128 * width),), dense_dropout=0.5, output_activation="softmax",
+                       keras=keras)
     if task == "resnet":
         # Not zoo.resnet: a biased stem and biased 1x1 projections (built before the block), neither
         # batch-normalized; the model of the published rows.
@@ -118,14 +131,14 @@ def build_model(task: str, args: argparse.Namespace):
             y = layers.BatchNormalization()(layers.Conv2D(filters, 3, padding="same", use_bias=False)(y))
             return layers.Activation("relu")(layers.Add()([shortcut, y]))
 
-        inputs = tf.keras.Input((8, 8, 1))
+        inputs = keras.Input((8, 8, 1))
         x = layers.Conv2D(16, 3, padding="same")(inputs)
         x = block(block(x, 16, 1), 16, 1)
         x = block(x, 32, 2)
         x = layers.GlobalAveragePooling2D()(x)
-        return tf.keras.Model(inputs, layers.Dense(10, activation="softmax")(x), name="resnet")
+        return keras.Model(inputs, layers.Dense(10, activation="softmax")(x), name="resnet")
     width = max(4, int(4096 * (0.01 if args.smoke else args.mlp_scale)))  # train_step.py's MLP: 4096 at scale 1
-    return zoo.mlp(1024, (width, width), output_activation="softmax", name="mlp")
+    return zoo.mlp(1024, (width, width), output_activation="softmax", name="mlp", keras=keras)
 
 
 #: LARS / LAMB with --optimizer, at a constant rate, every layer adapted, biases and
@@ -142,11 +155,15 @@ LAMB_OPTIONS = dict(learning_rate=0.01, weight_decay=1e-4, exclude_from_weight_d
 OPTIMIZERS = ("task", "lars", "lamb")
 
 
-def inner_optimizer(task: str, size: int, optimizer: str = "task"):
+def inner_optimizer(task: str, size: int, optimizer: str = "task", keras=None):
     """The optimizer a task trains with: its own ("task": Adam for mnist, momentum SGD for
-    the others, rates scaled by the ranks as Horovod's examples), or hvdx's LARS or LAMB."""
+    the others, rates scaled by the ranks as Horovod's examples; `keras`'s, None: tf.keras),
+    or hvdx's LARS or LAMB (Keras 2)."""
     import tensorflow as tf
 
+    keras = keras or tf.keras
+    if optimizer in ("lars", "lamb") and keras.Model.__module__.split(".")[0] == "keras":  # Keras 3's
+        raise ValueError(f"--optimizer {optimizer}: hvdx's LARS and LAMB are Keras 2 optimizers (docs/keras3.md)")
     if optimizer == "lars":
         from hvdx.optimizers import LARS
 
@@ -158,8 +175,8 @@ def inner_optimizer(task: str, size: int, optimizer: str = "task"):
     if optimizer != "task":
         raise ValueError(f"unknown optimizer {optimizer!r} (one of {OPTIMIZERS})")
     if task == "mnist":
-        return tf.keras.optimizers.Adam(0.001 * size)  # Horovod's example: lr scaled by the ranks
-    return tf.keras.optimizers.SGD(0.025 * size, momentum=0.9)
+        return keras.optimizers.Adam(0.001 * size)  # Horovod's example: lr scaled by the ranks
+    return keras.optimizers.SGD(0.025 * size, momentum=0.9)
 
 
 def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str, Any]:
@@ -220,15 +237,16 @@ def scheduled_rate(rate: float, step: int, args: argparse.Namespace, size: int) 
 
 
 # -- the ranks -------------------------------------------------------------------------------
-def tape_step(model, optimizer, options: Optional[Dict[str, Any]]):
+def tape_step(model, optimizer, options: Optional[Dict[str, Any]], keras=None):
     """Horovod's custom-loop training step (tensorflow2_mnist.py): `step(images, labels,
-    first_batch)` -> loss; `options` None: Horovod's tape, else hvdx's with these keywords."""
+    first_batch)` -> loss; `options` None: Horovod's tape, else hvdx's with these keywords;
+    `keras`: the model's Keras module (None: tf.keras)."""
     import horovod.tensorflow as hvd
     import tensorflow as tf
 
     import hvdx
 
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy()
+    loss_fn = (keras or tf.keras).losses.SparseCategoricalCrossentropy()
 
     @tf.function
     def step(images, labels, first_batch):
@@ -258,10 +276,12 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
     x_train, y_train, x_test, y_test = digits(task)
     mine = np.arange(hvd.rank(), len(x_train), hvd.size())
     runs: Dict[str, Dict[str, Any]] = {}
-    for method in args.methods or METHODS[task]:
-        tf.keras.utils.set_random_seed(args.seed)  # the same initial weights and batches for every method
-        model = build_model(task, args)
-        inner = inner_optimizer(task, hvd.size(), args.optimizer)
+    for key in common.keras_keys(args.methods or METHODS[task], getattr(args, "keras", (2,))):
+        method, version = common.split_keras(key)
+        keras = common.keras_module(version)  # Keras 2 (tf.keras here) or Keras 3
+        keras.utils.set_random_seed(args.seed)  # the same initial weights (of one Keras) and batches for every method
+        model = build_model(task, args, keras)
+        inner = inner_optimizer(task, hvd.size(), args.optimizer, keras)
         if method == "horovod":
             optimizer = hvd_keras.DistributedOptimizer(inner)
         else:
@@ -274,23 +294,26 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
         data = tf.data.Dataset.from_tensor_slices((x_train[mine], y_train[mine])).repeat().shuffle(
             2048, seed=args.seed).batch(args.batch)
         tape = args.loop == "tape"  # the tape's loop: the model compiled only for evaluate
-        model.compile(optimizer=inner if tape else optimizer, loss=tf.keras.losses.SparseCategoricalCrossentropy(),
-                      metrics=["accuracy"])
+        model.compile(optimizer=inner if tape else optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
+                      metrics=["accuracy"], **({"jit_compile": False} if version == 3 else {}))
         if tape:
             iterator = iter(data)
             hvdx.barrier()
-            train = tape_step(model, inner, None if method == "horovod" else options)
+            train = tape_step(model, inner, None if method == "horovod" else options, keras)
             train(*next(iterator), True)  # the first step, then the broadcast
         else:
+            # Horovod's callback (Keras 2); hvdx.keras's hands a Keras 3 model to its Keras 3 counterpart
+            callbacks = hvd_keras.callbacks if version == 2 else importlib.import_module("hvdx.keras").callbacks
             hvdx.barrier()
             model.fit(data, steps_per_epoch=1, epochs=1, verbose=0,  # builds and broadcasts the initial state
-                      callbacks=[hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)])
-            iterator, train = iter(data), model.make_train_function()
+                      callbacks=[callbacks.BroadcastGlobalVariablesCallback(0)])
+            model.make_train_function()  # Keras 3's returns None: both set model.train_function
+            iterator, train = iter(data), model.train_function
         # the optimizer whose rate --lr-warmup-steps ramps: the one that applies the gradients
-        runs[method] = {"model": model, "iterator": iterator, "train": train,
-                        "optimizer": inner if tape else model.optimizer,
-                        "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
-                        "rate": float(tf.keras.backend.get_value(inner.learning_rate))}
+        runs[key] = {"model": model, "iterator": iterator, "train": train,
+                     "optimizer": inner if tape else model.optimizer,
+                     "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
+                     "rate": float(np.asarray(inner.learning_rate))}
     for chunk in range(-(-(args.steps - 1) // args.eval_every)):
         for method, run in runs.items():
             n = min(args.eval_every, args.steps - run["done"])
@@ -442,6 +465,37 @@ def table(summary: Dict[str, Dict[str, dict]], steps: int, spread: Optional[Dict
                                   "best", "steps to target", "s to target", "ms/step"], rows, text_columns=2)
 
 
+def against_allreduce(spread: Dict[str, Dict[str, dict]]) -> List[dict]:
+    """Issue 64's goal: per task, Keras and HiTopK method ("hitopk", "hitopk+...", with or
+    without "@keras3"), its final accuracy over the seeds (mean, min, max) against `allreduce`'s
+    of the same Keras: the gap of the means (points) and whether it is at most
+    POINTS_TO_ALLREDUCE under allreduce's ("met")."""
+    rows = []
+    for task, methods in spread.items():
+        for key, r in methods.items():
+            method, version = common.split_keras(key)
+            dense = methods.get(common.keras_keys(["allreduce"], [version])[0])
+            if not method.startswith("hitopk") or dense is None:
+                continue
+            gap = 100 * (r["mean"] - dense["mean"])
+            rows.append({"task": task, "keras": version, "method": method, "seeds": len(r["final"]),
+                         "mean": r["mean"], "min": r["min"], "max": r["max"], "allreduce_mean": dense["mean"],
+                         "allreduce_min": dense["min"], "allreduce_max": dense["max"], "gap_points": round(gap, 2),
+                         "met": gap >= -POINTS_TO_ALLREDUCE})
+    return sorted(rows, key=lambda row: (row["task"], row["keras"]))
+
+
+def allreduce_table(rows: List[dict]) -> str:
+    """`against_allreduce`'s rows as a Markdown table."""
+    return common.markdown_table(
+        ["task", "Keras", "method", "seeds", "final test acc., mean (min-max)", "allreduce's (same Keras)",
+         "vs allreduce (points)", f"within {POINTS_TO_ALLREDUCE:g} point"],
+        [[r["task"], str(r["keras"]), r["method"], r["seeds"], f"{r['mean']:.3f} ({r['min']:.3f}-{r['max']:.3f})",
+          f"{r['allreduce_mean']:.3f} ({r['allreduce_min']:.3f}-{r['allreduce_max']:.3f})", f"{r['gap_points']:+.1f}",
+          "yes" if r["met"] else f"no: {-r['gap_points'] - POINTS_TO_ALLREDUCE:.1f} points short"] for r in rows],
+        text_columns=3)
+
+
 def _seeds_to_target(spread: dict) -> str:
     """'mean s (reached/seeds, speed-up vs Horovod)' of a method's seconds to target."""
     if spread["mean_seconds_to_target"] is None:
@@ -474,9 +528,10 @@ def plot(result: dict, path: Path) -> None:
 
 def report(args: argparse.Namespace, result: dict) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "convergence.json").write_text(json.dumps(result, indent=1))
-    plot(result, args.out / "convergence.png")
+    (args.out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+    plot(result, args.out / f"{args.name}.png")
     readme = common.readme_path(args)
+    versus = result.get("vs_allreduce") or []
     if readme is not None:
         network = result.get("network") or {}
         body = (f"`python benchmarks/convergence.py {' '.join(sys.argv[1:])}`: "
@@ -486,7 +541,13 @@ def report(args: argparse.Namespace, result: dict) -> None:
                 f"{args.seeds} seed(s), load average "
                 f"{result['load_average'][0]:.1f} -> {result['load_average'][1]:.1f}.\n\n"
                 + table(result["summary"], args.steps, result.get("seeds")))
-        common.update_readme("convergence", body, readme)
+        if versus and args.keras != [2]:
+            verdicts = "; ".join(f"{r['task']} Keras {r['keras']} {r['method']} {r['gap_points']:+.1f} ("
+                                 + ("met" if r["met"] else "missed") + ")" for r in versus)
+            body += ("\n\n**HiTopK against the dense step (hvdx `allreduce`) of the same Keras, mean final accuracy "
+                     f"over {args.seeds} seed(s) (goal: at most {POINTS_TO_ALLREDUCE:g} point under): {verdicts}.**"
+                     "\n\n" + allreduce_table(versus))
+        common.update_readme(args.name.replace("_", "-"), body, readme)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -514,11 +575,18 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--optimizer", default="task", choices=OPTIMIZERS,
                         help="task: each task's own (Adam, momentum SGD); lars, lamb: hvdx's")
     parser.add_argument("--smoke", action="store_true", help="tiny models, few steps (tests)")
+    common.add_keras_argument(parser)
+    parser.add_argument("--name", default=DEFAULT_NAME,
+                        help="results' stem (<out>/<name>.json, .png) and README section (with - for _)")
     common.add_output_arguments(parser, readme=None)
     args = parser.parse_args(argv)
+    if 3 in args.keras and args.optimizer != "task":
+        parser.error(f"--optimizer {args.optimizer} with --keras 3: hvdx's LARS and LAMB are Keras 2 optimizers")
     if args.smoke and not args.worker_json:
         args.steps, args.eval_every = min(args.steps, 6), min(args.eval_every, 3)
     if args.worker_json:
+        if 3 in args.keras:
+            common.keras_module(3)  # imported before freeze_start_up's gc.freeze, as tf.keras is
         common.freeze_start_up()
         run_ranks(args)
         return
@@ -528,9 +596,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     result = next(iter(common.run_topologies(__file__, args, worker_argv)))
     result["summary"] = summarize(result["tasks"], TARGETS)
     result["seeds"] = seed_spread(result["by_seed"], TARGETS)
+    result["vs_allreduce"] = against_allreduce(result["seeds"])
     result["arguments"] = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     report(args, result)
     print(table(result["summary"], args.steps, result["seeds"]))
+    if result["vs_allreduce"]:
+        print(allreduce_table(result["vs_allreduce"]))
 
 
 if __name__ == "__main__":

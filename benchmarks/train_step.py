@@ -12,14 +12,21 @@ machine hits all of them alike); a time is the slowest rank's time of `--steps` 
     python benchmarks/train_step.py --profile           # also: where the time of one step goes
     python benchmarks/train_step.py --engines gloo,mpi  # each topology under Gloo, then under mpirun (root)
     python benchmarks/train_step.py --engines gloo,shm  # Gloo, then Gloo with node_engine="shm" for 2DTAR/HiTopK
+    python benchmarks/train_step.py --keras 2,3 --name train_step_keras3  # each optimizer under Keras 2 and Keras 3
+
+With `--keras 2,3` (issue 64) every optimizer but Horovod's (Keras 2 only) also runs on the
+same model built with Keras 3 (`import keras`; the Keras 3 SGD, `hvdx.DistributedOptimizer`'s
+Keras 3 path, `jit_compile=False`), in the same rounds, each Keras 3 run next to its Keras 2
+one; the report adds Keras 3's step time over Keras 2's per optimizer (median and range of
+the per-round ratios) and whether Keras 3's median step lies within Keras 2's rounds.
 
 With `--profile`, rank 0 records one step of each optimizer with TensorFlow's profiler and
 Horovod's timeline and sums the time of the step's operations by what they do (forward and
 backward, fusion copies and casts, residual update, MSTopK, sparse accumulation, each
 collective, split, apply). Every run also counts what one step runs on its traced graph
 (`graph_census`: ops, collectives and their bytes, casts, concats, conds, finiteness
-checks), which no load changes. Writes <out>/train_step.json, .png and the tables of
-benchmarks/README.md.
+checks), which no load changes. Writes <out>/<name>.json, .png (--name, default train_step) and
+the tables of benchmarks/README.md (section <name> with "-" for "_": train-step).
 """
 from __future__ import annotations
 
@@ -43,9 +50,11 @@ from typing import Callable, Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
+    import common
     from common import (README, add_output_arguments, add_topology_arguments, cluster_description, freeze_start_up,
                         markdown_table, run_topologies, timed_rounds, update_readme)
 except ImportError:
+    from benchmarks import common
     from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
                                    freeze_start_up, markdown_table, run_topologies, timed_rounds, update_readme)
 
@@ -63,8 +72,16 @@ LABELS = {"none": "no communication (floor)", "horovod": "Horovod DistributedOpt
           "hierarchical_fused": "hvdx hierarchical, one fused buffer", "hitopk_fused": "hvdx hitopk, one fused buffer",
           "hierarchical_sized": "hvdx hierarchical, buckets < 4 MiB flat",
           "hierarchical_all": "hvdx hierarchical, 2DTAR on every bucket"}
+#: Every key a run may have, in table order: each optimizer under Keras 2, then Keras 3 (--keras).
+ROW_KEYS = common.keras_keys(ALL_KEYS, (2, 3))
 #: The issue's goals, per-round ratio medians of Horovod's step time over hvdx's (MLP, 2x2).
 GOALS = {"hitopk": 3.0, "hierarchical": 1.25, "allreduce": 1.0}
+DEFAULT_NAME = "train_step"
+
+
+def label(key: str) -> str:
+    """A row's label: the optimizer's, with " (Keras 3)" for a Keras 3 run."""
+    return common.keras_label(key, LABELS)
 
 
 # -- models --------------------------------------------------------------------------------
@@ -72,23 +89,24 @@ MODELS = ("mlp", "cnn", "resnet")
 DEFAULT_MODELS = ["mlp", "cnn", "resnet"]
 
 
-def build_model(kind: str, scale: float = 1.0):
+def build_model(kind: str, scale: float = 1.0, keras=None):
     """The issue's MLP (1024-4096-4096-10, 21M parameters), a convolutional model (VGG-like
     on 32x32x3, 5.2M parameters) or a small ResNet (conv + batch norm: a 3x3 stem and three
     stages of two basic blocks, 32-64-128 filters, on 32x32x3, 0.7M parameters; He et al.,
     "Deep Residual Learning for Image Recognition", 2016, arXiv:1512.03385, sec. 4.2's CIFAR
-    networks); `scale` shrinks widths (the tests' tiny runs)."""
+    networks); `scale` shrinks widths (the tests' tiny runs); `keras`: the Keras module to
+    build with (None: Keras 2; `keras`: Keras 3, the same layers)."""
     from hvdx import zoo
 
     w = lambda n: max(4, int(n * scale))  # noqa: E731
     if kind == "mlp":
-        return zoo.mlp(w(1024), (w(4096), w(4096)), name="mlp")
+        return zoo.mlp(w(1024), (w(4096), w(4096)), name="mlp", keras=keras)
     if kind == "cnn":
         return zoo.cnn((32, 32, 3), (w(64), w(128), w(256), w(256)), padding="same", pool_after=(1, 2, 3),
-                       head="flatten", dense=(w(1024),), name="cnn")
+                       head="flatten", dense=(w(1024),), name="cnn", keras=keras)
     if kind == "resnet":  # He et al.'s CIFAR ResNet, two basic blocks per stage
         return zoo.resnet((w(32), w(64), w(128)), input_shape=(32, 32, 3), blocks_per_stage=2, layer_names=False,
-                          shortcut_first=False, name="resnet")
+                          shortcut_first=False, name="resnet", keras=keras)
     raise ValueError(f"unknown model {kind!r}: one of {', '.join(MODELS)}")
 
 
@@ -96,13 +114,14 @@ def input_shape(model) -> tuple:
     return tuple(model.input_shape[1:])
 
 
-def make_optimizer(key: str, args: argparse.Namespace):
+def make_optimizer(key: str, args: argparse.Namespace, keras=None):
     """SGD with momentum: alone ("none"), under Horovod's DistributedOptimizer ("horovod"), or
     under hvdx's with the strategy `key` ("<strategy>_fused": one fused buffer); with
-    `args.sparse_as_dense` (if it has one) embeddings' sparse gradients are aggregated dense."""
+    `args.sparse_as_dense` (if it has one) embeddings' sparse gradients are aggregated dense.
+    `keras`: the Keras module of the SGD (None: tf.keras); hvdx's wrapper takes either."""
     import tensorflow as tf
 
-    inner = tf.keras.optimizers.SGD(0.01, momentum=0.9)
+    inner = (keras or tf.keras).optimizers.SGD(0.01, momentum=0.9)
     dense = {"sparse_as_dense": True} if getattr(args, "sparse_as_dense", False) else {}
     if key == "none":
         return inner
@@ -135,23 +154,28 @@ NODE_ENGINE_ENV = "HVDX_BENCH_NODE_ENGINE"
 
 # -- the ranks -----------------------------------------------------------------------------
 def trainers(kind: str, args: argparse.Namespace) -> Dict[str, Callable[[int], float]]:
-    """For each optimizer, a function that runs n steps of Keras' own train function (as
-    model.fit does) and returns this rank's last loss (which waits for the step to end)."""
+    """For each optimizer (under each Keras of --keras: `common.keras_keys`), a function that
+    runs n steps of Keras' own train function (as model.fit does) and returns this rank's last
+    loss (which waits for the step to end)."""
     import horovod.tensorflow as hvd
     import numpy as np
     import tensorflow as tf
 
     out = {}
-    for key in args.optimizers:
-        tf.keras.utils.set_random_seed(1234)  # the same initial weights for every optimizer
-        model = build_model(kind, args.scale)
-        model.compile(optimizer=make_optimizer(key, args),
-                      loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for key in common.keras_keys(args.optimizers, getattr(args, "keras", (2,))):
+        base, version = common.split_keras(key)
+        keras = common.keras_module(version)
+        keras.utils.set_random_seed(1234)  # the same initial weights for every optimizer (of one Keras)
+        model = build_model(kind, args.scale, keras=keras)
+        model.compile(optimizer=make_optimizer(base, args, keras=keras),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      **({"jit_compile": False} if version == 3 else {}))  # Horovod's ops are not XLA's
         rng = np.random.default_rng(hvd.rank())
         x = rng.standard_normal((args.batch * 4, *input_shape(model))).astype("float32")
         y = rng.integers(0, 10, args.batch * 4)
         iterator = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch).repeat().prefetch(2))
-        train = model.make_train_function()
+        model.make_train_function()  # Keras 3's returns None: both set model.train_function
+        train = model.train_function
 
         def run(n: int, train=train, iterator=iterator) -> float:
             logs = None
@@ -241,12 +265,21 @@ def _step_ops(graph, depth: int = 0):
                 yield from _step_ops(sub, depth + 1)
 
 
+def _traced(train):
+    """The tf.function of Keras' train function: Keras 2's is one; Keras 3's (TensorFlow
+    backend) is a Python function calling its `multi_step_on_iterator`, a tf.function."""
+    if hasattr(train, "get_concrete_function"):
+        return train
+    cells = dict(zip(train.__code__.co_freevars, (c.cell_contents for c in train.__closure__ or ())))
+    return cells["multi_step_on_iterator"]
+
+
 def graph_census(train, iterator) -> Dict[str, object]:
     """What one call of Keras' train function runs, counted on its traced graph (before
     TensorFlow's graph optimizer): ops in all, ops by costly kind (`CENSUS_KINDS`), and the
     Horovod collectives as [op type, float tensors it takes, their bytes] (static sizes). Counts do
     not depend on the machine's load, so they compare optimizers where wall times cannot."""
-    graph = train.get_concrete_function(iterator).graph
+    graph = _traced(train).get_concrete_function(iterator).graph
     counts: Dict[str, int] = collections.Counter()
     collectives: List[List] = []
     total = 0
@@ -412,20 +445,38 @@ def run_ranks(args: argparse.Namespace) -> None:
 
 # -- the summary -----------------------------------------------------------------------------
 def summarize(models: dict) -> Dict[str, dict]:
-    """Per model and optimizer: the median step time, and the median (min, max) over rounds
-    of the per-round ratio of Horovod's step time to this one's (> 1: faster than Horovod)."""
+    """Per model and optimizer: its Keras (2 or 3), the median step time, and the median (min,
+    max) over rounds of the per-round ratio of Horovod's step time to this one's (> 1: faster
+    than Horovod); a Keras 3 run whose optimizer also ran under Keras 2 adds "vs_keras2"
+    (`keras3_against_keras2`)."""
     out = {}
     for kind, result in models.items():
         rounds = result["rounds"]
         rows = {}
         for key, times in rounds.items():
-            row = {"median_seconds": statistics.median(times)}
+            base, version = common.split_keras(key)
+            row = {"keras": version, "median_seconds": statistics.median(times)}
             if "horovod" in rounds and key != "horovod":
                 ratios = [h / t for h, t in zip(rounds["horovod"], times)]
                 row.update(speedup_vs_horovod=statistics.median(ratios), speedup_range=[min(ratios), max(ratios)])
+            if version == 3 and base in rounds:
+                row["vs_keras2"] = keras3_against_keras2(times, rounds[base])
             rows[key] = row
         out[kind] = rows
     return out
+
+
+def keras3_against_keras2(keras3: List[float], keras2: List[float]) -> Dict[str, object]:
+    """One optimizer's step times per round under Keras 3 and Keras 2 (the same rounds):
+    Keras 3's over Keras 2's, the median (min, max) of the per-round ratios (> 1: Keras 3
+    slower); Keras 2's rounds' spread [fastest, slowest]; and the goal (issue 64): Keras 3's
+    median step within that spread or below it ("within_spread"), else "over_by", the fraction
+    by which it exceeds Keras 2's slowest round."""
+    ratios = [k3 / k2 for k3, k2 in zip(keras3, keras2)]
+    median3, slowest2 = statistics.median(keras3), max(keras2)
+    return {"ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+            "keras2_spread": [min(keras2), slowest2], "keras3_median": median3,
+            "within_spread": median3 <= slowest2, "over_by": max(0.0, median3 / slowest2 - 1.0)}
 
 
 def goal_verdicts(summary: Dict[str, dict]) -> Dict[str, dict]:
@@ -441,6 +492,43 @@ def goal_verdicts(summary: Dict[str, dict]) -> Dict[str, dict]:
     return out
 
 
+def keras_verdict(result: dict) -> Optional[str]:
+    """The Keras 3 goal of one launch in a sentence (None without Keras 3 beside Keras 2)."""
+    pairs = [(kind, key, row["vs_keras2"]) for kind, summary in result["summary"].items()
+             for key, row in summary.items() if "vs_keras2" in row]
+    if not pairs:
+        return None
+    missed = [f"{kind} {label(common.split_keras(key)[0])} by {v['over_by']:.0%} (Keras 3 / Keras 2 {v['ratio']:.2f}x)"
+              for kind, key, v in pairs if not v["within_spread"]]
+    return (f"**Keras 3 beside Keras 2 ({run_label(result)}): Keras 3's median step within Keras 2's rounds' spread "
+            f"(or faster) for {len(pairs) - len(missed)} of {len(pairs)} optimizers"
+            + (": met for every one.**" if not missed else
+               "; over Keras 2's slowest round: " + "; ".join(missed) + ".**"))
+
+
+def keras_table(result: dict) -> str:
+    """Per model and optimizer run under both Keras: each one's median step (and its rounds'
+    range), Keras 3's over Keras 2's (median and range of the per-round ratios), the goal."""
+    rows = []
+    for kind, summary in result["summary"].items():
+        for key, row in summary.items():
+            v = row.get("vs_keras2")
+            if v is None:
+                continue
+            base = common.split_keras(key)[0]
+            k2, k3 = result["models"][kind]["rounds"][base], result["models"][kind]["rounds"][key]
+            rows.append([run_label(result), kind, label(base),
+                         f"{statistics.median(k2) * 1e3:.0f} ({min(k2) * 1e3:.0f}-{max(k2) * 1e3:.0f})",
+                         f"{statistics.median(k3) * 1e3:.0f} ({min(k3) * 1e3:.0f}-{max(k3) * 1e3:.0f})",
+                         f"{v['ratio']:.2f}x ({v['ratio_range'][0]:.2f}-{v['ratio_range'][1]:.2f})",
+                         "yes" if v["within_spread"] else f"no: {v['over_by']:.0%} over its slowest round"])
+    if not rows:
+        return ""
+    return markdown_table(["run", "model", "optimizer", "Keras 2 step (ms), median (min-max) of rounds",
+                           "Keras 3 step (ms)", "Keras 3 / Keras 2, median (min-max) of per-round ratios",
+                           "Keras 3's median within Keras 2's rounds"], rows, text_columns=3)
+
+
 def run_label(result: dict) -> str:
     """"2x2 gloo": the topology (nodes x ranks per node) and the engine of one launch."""
     topo = result["topology"]
@@ -451,14 +539,15 @@ def step_table(result: dict) -> str:
     topo = result["topology"]
     rows = []
     for kind, summary in result["summary"].items():
-        floor = summary.get("none", {}).get("median_seconds")
         for key, row in summary.items():
+            floor = summary.get(common.keras_keys(["none"], [row.get("keras", 2)])[0], {}).get("median_seconds")
             speedup = row.get("speedup_vs_horovod")
             low, high = row.get("speedup_range", (None, None))
             rows.append([f"{topo['nodes']}x{topo['ranks_per_node']}", result.get("engine", "gloo"), kind,
-                         LABELS.get(key, key),
+                         label(key),
                          f"{row['median_seconds'] * 1e3:.0f}",
-                         "" if floor is None or key == "none" else f"{(row['median_seconds'] - floor) * 1e3:.0f}",
+                         "" if floor is None or common.split_keras(key)[0] == "none" else
+                         f"{(row['median_seconds'] - floor) * 1e3:.0f}",
                          "1 (baseline)" if key == "horovod" else "" if speedup is None
                          else f"{speedup:.2f}x ({low:.2f}-{high:.2f})"])
     return markdown_table(["topology", "engine", "model", "optimizer", "step (ms)", "over the floor (ms)",
@@ -470,10 +559,10 @@ def census_table(result: dict) -> str:
     machine and under any load."""
     rows = []
     for kind, model in result["models"].items():
-        for key in [k for k in ALL_KEYS if k in model.get("census", {})]:
+        for key in [k for k in ROW_KEYS if k in model.get("census", {})]:
             c = model["census"][key]
             colls = collections.Counter(t for t, _, _ in c["collectives"])
-            rows.append([kind, LABELS.get(key, key), str(c["ops"]),
+            rows.append([kind, label(key), str(c["ops"]),
                          ", ".join(f"{n} {t.replace('Horovod', '')}" for t, n in sorted(colls.items())) or "none",
                          str(sum(n for _, n, _ in c["collectives"])), f"{c['collective_bytes'] / 2 ** 20:.1f}",
                          *[str(c["kinds"].get(name, 0)) for name, _ in CENSUS_KINDS[1:]]])
@@ -500,7 +589,7 @@ def engine_table(results: List[dict]) -> str:
                 if other is None:
                     continue
                 g, m = row["median_seconds"], other["median_seconds"]
-                rows.append([name, engine, kind, LABELS.get(key, key), f"{g * 1e3:.0f}", f"{m * 1e3:.0f}",
+                rows.append([name, engine, kind, label(key), f"{g * 1e3:.0f}", f"{m * 1e3:.0f}",
                              f"{g / m:.2f}x",
                              "" if key == "horovod" or "speedup_vs_horovod" not in row else
                              f"{row['speedup_vs_horovod']:.2f}x / {other.get('speedup_vs_horovod', 0):.2f}x"])
@@ -512,10 +601,10 @@ def engine_table(results: List[dict]) -> str:
 
 def profile_table(result: dict, kind: str) -> str:
     profile = result["models"][kind].get("profile") or {}
-    keys = [k for k in ALL_KEYS if k in profile]
+    keys = [k for k in ROW_KEYS if k in profile]
     categories = [c for c, _ in CATEGORIES] + ["other"]
     kinds = sorted({c for k in keys for c in profile[k]["collectives"] if c != "error"})
-    header = ["where the time goes (ms per step)", *[LABELS[k] for k in keys]]
+    header = ["where the time goes (ms per step)", *[label(k) for k in keys]]
     rows = [["wall time of a profiled step", *[f"{profile[k]['wall'] * 1e3:.0f}" for k in keys]]]
     for category in categories:
         values = [profile[k]["ops"].get(category, 0.0) for k in keys]
@@ -536,21 +625,25 @@ def plot(results: List[dict], path: Path) -> None:
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4.2), squeeze=False)
     for ax, (result, kind) in zip(axes[0], panels):
         summary = result["summary"][kind]
-        keys = [k for k in ALL_KEYS if k in summary]
+        keys = [k for k in ROW_KEYS if k in summary]
         times = [summary[k]["median_seconds"] * 1e3 for k in keys]
-        colors = ["#999999" if k == "none" else "#d62728" if k == "horovod" else "#1f77b4" for k in keys]
+        colors = ["#999999" if k == "none" else "#d62728" if k == "horovod" else
+                  "#ff7f0e" if k.endswith(common.KERAS3) else "#1f77b4" for k in keys]
         ax.bar(range(len(keys)), times, color=colors)
         for i, k in enumerate(keys):
             speedup = summary[k].get("speedup_vs_horovod")
             if speedup is not None and k != "none":
                 ax.text(i, times[i], f"{speedup:.2f}x", ha="center", va="bottom", fontsize=8)
         ax.set_xticks(range(len(keys)))
-        ax.set_xticklabels([k.replace("sparse_allgather", "naiveag") for k in keys], rotation=35, fontsize=8)
+        ax.set_xticklabels([k.replace("sparse_allgather", "naiveag").replace(common.KERAS3, " k3") for k in keys],
+                           rotation=35, fontsize=8, ha="right")
         topo = result["topology"]
         ax.set_title(f"{kind}, {topo['nodes']} nodes x {topo['ranks_per_node']} ranks, {result.get('engine', 'gloo')}",
                      fontsize=9)
         ax.set_ylabel("median step time (ms)")
-    fig.suptitle("model.fit step time; labels: speed-up vs Horovod (median of per-round ratios)", fontsize=9)
+    fig.suptitle("model.fit step time; labels: speed-up vs Horovod (median of per-round ratios)"
+                 + ("; orange, k3: Keras 3" if any(k.endswith(common.KERAS3) for r in results for s in
+                                                   r["summary"].values() for k in s) else ""), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -559,23 +652,32 @@ def plot(results: List[dict], path: Path) -> None:
 def report(args: argparse.Namespace, results: List[dict]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     verdicts = {run_label(r): goal_verdicts(r["summary"]) for r in results}
-    (args.out / "train_step.json").write_text(json.dumps({
+    keras3 = {run_label(r): {kind: {key: row["vs_keras2"] for key, row in summary.items() if "vs_keras2" in row}
+                             for kind, summary in r["summary"].items()} for r in results}
+    (args.out / f"{args.name}.json").write_text(json.dumps({
         "args": {k: str(v) for k, v in vars(args).items() if k != "worker_json"},
-        "goals_mlp_2x2": GOALS, "verdicts": verdicts, "runs": results}, indent=1))
-    plot(results, args.out / "train_step.png")
+        "goals_mlp_2x2": GOALS, "verdicts": verdicts,
+        **({"keras3_vs_keras2": keras3} if 3 in args.keras and 2 in args.keras else {}), "runs": results}, indent=1))
+    plot(results, args.out / f"{args.name}.png")
     network = next((r["network"] for r in results if r.get("network")), None)
     where = (f"on the emulated cluster of `hvdx/runner/cluster.py`, {args.rate} links between nodes (tbf-shaped, "
              "no added delay)" if network else "over loopback (horovodrun, unshaped)")
     engines = ",".join(args.engines)
     command = " ".join(["python benchmarks/train_step.py", *(["--local"] if args.local else []),
                         *([f"--engines {engines}"] if engines != "gloo" else []),
-                        *([f"--models {','.join(args.models)}"] if args.models != DEFAULT_MODELS else [])])
+                        *([f"--models {','.join(args.models)}"] if args.models != DEFAULT_MODELS else []),
+                        *([f"--optimizers {','.join(args.optimizers)}"] if args.optimizers != OPTIMIZERS else []),
+                        *([f"--keras {','.join(map(str, args.keras))}"] if args.keras != [2] else []),
+                        *([f"--name {args.name}"] if args.name != DEFAULT_NAME else [])])
     lines = [f"Measured by `{command}` {where} (engines: {engines}), "
              f"2 CPU cores for all ranks; `model.fit`'s train function, per-rank batch {args.batch}, SGD with "
              f"momentum; hvdx's sparse strategies at density {args.density}, buckets of "
              f"{'one fused buffer' if args.bucket_bytes == 0 else (args.bucket_bytes or 'the default')} bytes. "
-             f"{args.rounds} rounds of {args.steps} steps per optimizer after a warm-up, optimizers taking turns; "
-             "a step's time is the slowest rank's. Plot: `results/train_step.png`, raw: `results/train_step.json`. "
+             f"{args.rounds} rounds of {args.steps} steps per optimizer after a warm-up, optimizers taking turns"
+             + (" (each under Keras 2 and then Keras 3, Horovod's under Keras 2 only; Keras 3: `import keras`'s "
+                "layers and SGD, `jit_compile=False`)" if args.keras == [2, 3] else
+                " (under Keras 3 only)" if args.keras == [3] else "") + "; "
+             f"a step's time is the slowest rank's. Plot: `results/{args.name}.png`, raw: `results/{args.name}.json`. "
              "The machine's 1-minute load average when each topology's run started (other work sharing the 2 "
              "cores; the run adds its own ranks): " + ", ".join(
                  f"{run_label(r)} {r['load_average'][0]:.1f}" for r in results) + ".",
@@ -588,6 +690,10 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
             lines.append("")
     for result in results:
         lines += [step_table(result), ""]
+    for result in results:
+        verdict, compared = keras_verdict(result), keras_table(result)
+        if compared:
+            lines += [verdict, "", "Keras 3 beside Keras 2, the same optimizer in the same rounds:", "", compared, ""]
     compared = engine_table(results)
     if compared:
         lines += ["The same step under both engines (medians of each run):", "", compared, ""]
@@ -604,7 +710,7 @@ def report(args: argparse.Namespace, results: List[dict]) -> None:
                   "time). Horovod: time each kind of collective ran in Horovod's background thread after its "
                   "negotiation, and the negotiation itself (mostly waiting until every rank has submitted).", "",
                   profile_table(result, kind), ""]
-    update_readme("train-step", "\n".join(lines).rstrip(), args.readme)
+    update_readme(args.name.replace("_", "-"), "\n".join(lines).rstrip(), args.readme)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -616,6 +722,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="gloo, mpi (mpirun, Open MPI; root) and/or shm (Gloo, 2DTAR's and HiTopK's node "
                              "collectives through hvdx's shared memory), each topology under each in turn")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), type=lambda s: s.split(","))
+    common.add_keras_argument(parser)
+    parser.add_argument("--name", default=DEFAULT_NAME,
+                        help="results' stem (<out>/<name>.json, .png) and README section (with - for _)")
     parser.add_argument("--density", type=float, default=0.01)
     parser.add_argument("--bucket-bytes", type=int, default=None, help="hvdx's bucket size (0: one fused buffer)")
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
@@ -630,6 +739,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if unknown:
         parser.error(f"unknown engine(s) or model(s): {', '.join(unknown)}")
     if args.worker_json:
+        if 3 in args.keras:
+            common.keras_module(3)  # imported before freeze_start_up's gc.freeze, as tf.keras is
         freeze_start_up()
         run_ranks(args)
         return

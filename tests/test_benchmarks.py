@@ -192,6 +192,62 @@ def test_train_step_models_and_profile_categories():
         "global allreduce"
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_train_step_benchmark_runs_keras3_beside_keras2(tmp_path):
+    """--keras 2,3 (issue 64): each optimizer but Horovod's also on the Keras 3 model, in the
+    same rounds; the summary carries each row's Keras and Keras 3's time over Keras 2's."""
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "train_step.py"), "--local",
+                           "--topologies", "2x1", "--models", "mlp,resnet", "--scale", "0.02", "--batch", "4",
+                           "--optimizers", "horovod,allreduce,hitopk", "--keras", "2,3", "--rounds", "2", "--steps",
+                           "1", "--name", "ts_k3", "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=400, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "ts_k3.json").read_text())
+    (run,) = result["runs"]
+    for kind in ("mlp", "resnet"):
+        assert sorted(run["models"][kind]["rounds"]) == ["allreduce", "allreduce@keras3", "hitopk", "hitopk@keras3",
+                                                         "horovod"]
+        summary = run["summary"][kind]
+        assert summary["hitopk"]["keras"] == 2 and summary["hitopk@keras3"]["keras"] == 3
+        census = run["models"][kind]["census"]  # the same collectives under either Keras
+        assert census["allreduce@keras3"]["collectives"] == census["allreduce"]["collectives"] != []
+        assert census["hitopk@keras3"]["collectives"] == census["hitopk"]["collectives"]
+        rounds = run["models"][kind]["rounds"]
+        ratios = sorted(k3 / k2 for k3, k2 in zip(rounds["hitopk@keras3"], rounds["hitopk"]))
+        assert summary["hitopk@keras3"]["vs_keras2"]["ratio"] == pytest.approx(sum(ratios) / 2)
+        assert set(result["keras3_vs_keras2"]["2x1 gloo"][kind]) == {"allreduce@keras3", "hitopk@keras3"}
+    assert (tmp_path / "ts_k3.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- ts-k3:begin -->" in text and "| 2x1 | gloo | mlp | hvdx hitopk (HiTopKComm) (Keras 3) |" in text
+    assert "Keras 3 beside Keras 2 (2x1 gloo)" in text and "| 2x1 gloo | resnet | hvdx allreduce |" in text
+
+
+def test_keras3_rows_against_keras2_and_their_keys():
+    """The keys of --keras 2,3 (Horovod's optimizer under Keras 2 only), and the goal: Keras
+    3's median step within Keras 2's rounds, or by how much it exceeds the slowest."""
+    from benchmarks import common, train_step
+
+    assert common.keras_keys(["none", "horovod", "hitopk"], [2, 3]) == ["none", "none@keras3", "horovod", "hitopk",
+                                                                        "hitopk@keras3"]
+    assert common.keras_keys(["horovod", "hitopk"]) == ["horovod", "hitopk"]
+    assert common.split_keras("hitopk@keras3") == ("hitopk", 3) and common.split_keras("hitopk") == ("hitopk", 2)
+    assert train_step.label("hitopk@keras3") == "hvdx hitopk (HiTopKComm) (Keras 3)"
+    within = train_step.keras3_against_keras2([1.1, 1.0, 1.2], [1.0, 1.2, 1.1])
+    assert within["within_spread"] and within["over_by"] == 0.0 and within["keras2_spread"] == [1.0, 1.2]
+    assert within["ratio"] == pytest.approx(1.2 / 1.1)
+    assert within["ratio_range"] == [pytest.approx(1 / 1.2), pytest.approx(1.1)]
+    over = train_step.keras3_against_keras2([1.5, 1.5, 1.5], [1.0, 1.2, 1.1])
+    assert not over["within_spread"] and over["over_by"] == pytest.approx(0.25)
+    summary = train_step.summarize({"mlp": {"rounds": {"horovod": [2.0, 2.0], "hitopk": [1.0, 1.0],
+                                                       "hitopk@keras3": [1.0, 2.0]}}})["mlp"]
+    assert summary["hitopk@keras3"]["keras"] == 3 and summary["hitopk@keras3"]["speedup_vs_horovod"] == 1.5
+    assert summary["hitopk@keras3"]["vs_keras2"]["ratio"] == 1.5 and "vs_keras2" not in summary["hitopk"]
+    with pytest.raises(SystemExit):
+        train_step.main(["--keras", "4"])
+
+
 def test_train_step_census_counts_what_a_step_runs():
     """The census counts ops into called functions, and of a tf.cond on a constant
     (Horovod's `_allreduce_cond`) only the branch taken."""

@@ -32,6 +32,45 @@ def test_convergence_benchmark_writes_json_plot_and_table(tmp_path):
     assert "<!-- convergence:begin -->" in text and "| mnist | hitopk+mc+clip+warmup |" in text
 
 
+@pytest.mark.slow
+@pytest.mark.multirank
+def test_convergence_benchmark_runs_keras3_beside_keras2(tmp_path):
+    """--keras 2,3 (issue 64): each method also on the task's Keras 3 model, taking turns;
+    HiTopK against allreduce of the same Keras in the JSON and the README section."""
+    readme = tmp_path / "README.md"
+    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "convergence.py"), "--smoke", "--local",
+                           "--tasks", "resnet", "--methods", "horovod,allreduce,hitopk", "--keras", "2,3",
+                           "--name", "conv_k3", "--out", str(tmp_path), "--readme", str(readme)],
+                          capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads((tmp_path / "conv_k3.json").read_text())
+    runs = result["tasks"]["resnet"]
+    assert sorted(runs) == ["allreduce", "allreduce@keras3", "hitopk", "hitopk@keras3", "horovod"]
+    assert all(run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"]) for run in runs.values())
+    assert [(r["keras"], r["method"]) for r in result["vs_allreduce"]] == [(2, "hitopk"), (3, "hitopk")]
+    assert (tmp_path / "conv_k3.png").stat().st_size > 10_000
+    text = readme.read_text()
+    assert "<!-- conv-k3:begin -->" in text and "| resnet | hitopk@keras3 |" in text
+    assert "| resnet | 3 | hitopk |" in text
+
+
+def test_hitopk_is_judged_against_allreduce_of_the_same_keras():
+    from benchmarks import convergence
+
+    def run(final):
+        return {"steps": [10], "accuracy": [final], "seconds": [1.0]}
+
+    by_seed = {}
+    finals = {"1": (0.90, 0.89, 0.90, 0.87), "2": (0.92, 0.92, 0.92, 0.89)}
+    for seed, (dense2, sparse2, dense3, sparse3) in finals.items():
+        by_seed[seed] = {"t": {"allreduce": run(dense2), "hitopk": run(sparse2), "allreduce@keras3": run(dense3),
+                               "hitopk@keras3": run(sparse3)}}
+    rows = convergence.against_allreduce(convergence.seed_spread(by_seed))
+    assert [(r["keras"], r["gap_points"], r["met"]) for r in rows] == [(2, -0.5, True), (3, -3.0, False)]
+    assert "| t | 3 | hitopk | 2 |" in convergence.allreduce_table(rows) and "2.0 points short" in \
+        convergence.allreduce_table(rows)
+
+
 def test_summary_gap_and_time_to_target_follow_the_curves():
     from benchmarks import convergence
 
