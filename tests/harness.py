@@ -13,6 +13,7 @@ node, shaped links between them).
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import sys
@@ -71,6 +72,13 @@ class Launch:
             head = f"{len(problems)} problem(s) in {' '.join(self.command)}"
             raise AssertionError(head + "\n\n" + "\n\n".join(problems))
         return {rank: result["data"] for rank, result in self.results.items()}
+
+
+#: The keras package's version, and whether it is Keras 3 (`import keras` from TensorFlow 2.16
+#: on, the tf2.21 stack; TensorFlow 2.15's is Keras 2): what the Keras 3 tests need.
+KERAS_VERSION = importlib.metadata.version("keras")
+HAS_KERAS3 = int(KERAS_VERSION.split(".")[0]) >= 3
+NO_KERAS3 = f"no Keras 3: the keras package is {KERAS_VERSION} (Keras 3 is `import keras` from TensorFlow 2.16 on)"
 
 
 def leftover_processes(job: "Launch") -> List[psutil.Process]:

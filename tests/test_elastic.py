@@ -6,7 +6,6 @@ The elastic launches (2x2 -> 2 or 3 ranks under horovodrun's host discovery: a r
 a node that loses a rank, a SIGKILLed rank; HiTopK and the training methods) run
 tests/multirank/elastic_digits.py (docs/elastic.md).
 """
-import importlib.metadata
 import os
 
 import numpy as np
@@ -20,6 +19,7 @@ from hvdx import elastic
 from hvdx.topology import reinit, topology
 from hvdx.comm.memory import ResidualMemory
 from hvdx.zoo import mlp
+from tests import harness
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -305,8 +305,7 @@ def _assert_residuals_per_rank(record, job):
     assert "was written by rank" in job.output, job.output[-4000:]
 
 
-@pytest.mark.skipif(int(importlib.metadata.version("keras").split(".")[0]) < 3,
-                    reason="no Keras 3 on this stack (`import keras` is Keras 3 from TensorFlow 2.16 on)")
+@pytest.mark.skipif(not harness.HAS_KERAS3, reason=harness.NO_KERAS3)
 @pytest.mark.multirank
 def test_a_keras3_model_trains_on_when_a_node_leaves_and_comes_back(tmp_path):
     """Horovod's elastic Keras example's pattern written for Keras 3 (`import keras`, hvdx's

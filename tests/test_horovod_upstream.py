@@ -18,7 +18,6 @@ exact numbers, at density 1.0 where it does (gradient sums checked to the last d
 examples run on 2 nodes x 1 rank with each. All of them are checks of
 tests/multirank/check_upstream.py in the suite's launch of their topology.
 """
-import importlib.metadata
 import re
 import shutil
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Callable, Dict
 import pytest
 
 from tests import suite
+from tests.harness import HAS_KERAS3
 
 UPSTREAM = Path(__file__).resolve().parent / "upstream"
 HVDX_KERAS = ("import horovod.tensorflow.keras as hvd", "import hvdx.keras as hvd")
@@ -176,8 +176,6 @@ KERAS3_RUNS.update({f"hitopk-{name}": (name, HITOPK, args) for name, args in EXA
 KERAS3_RUNS["hitopk-hvdx-first-tensorflow2_keras_mnist.py"] = ("tensorflow2_keras_mnist.py", HITOPK, ())
 
 
-#: Keras 3 is `import keras` from TensorFlow 2.16 on (the tf2.21 stack): no launch on tf2.15.
-HAS_KERAS3 = int(importlib.metadata.version("keras").split(".")[0]) >= 3
 
 
 @suite.runs(*[suite.check("upstream.script", "keras3:2x2", env=env, args=args, timeout=600,

@@ -4,7 +4,6 @@ hvdx.broadcast_variables of its model and optimizer train it in a custom loop, a
 Keras entry points take Keras 3's objects. This test process has tf.keras as Keras 2
 (tests/conftest.py), so the Keras 3 runs are fresh processes (tests/multirank/keras3_loop.py).
 The unwrapping of Keras 3 variables (hvdx.variables) is checked on every stack."""
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -19,14 +18,9 @@ from hvdx import legacy_keras
 from hvdx.aggregator import GradientAggregator
 from hvdx.variables import tf_variable
 from tests import harness, suite
+from tests.harness import HAS_KERAS3, NO_KERAS3
 
-TF = tuple(int(p) for p in tf.__version__.split(".")[:2])
-KERAS = importlib.metadata.version("keras")
-HAS_KERAS3 = TF >= legacy_keras.KERAS3_SINCE and int(KERAS.split(".")[0]) >= 3
-keras3 = pytest.mark.skipif(
-    not HAS_KERAS3,
-    reason=f"no Keras 3 to run: TensorFlow {tf.__version__} with the keras package {KERAS} (Keras 3 is tf.keras "
-           f"from TensorFlow 2.16 on, the tf2.21 stack)")
+keras3 = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
 KERAS3_ENV = {legacy_keras.ENV: None}  # removed: tf.keras is TensorFlow's default, Keras 3
 
 

@@ -9,7 +9,6 @@ at a change, making Horovod's update; the checkpoint keeps the best epoch by Ker
 rules; every callback together trains the digits. On 2 nodes x 2 ranks
 (tests/multirank/check_keras3_callbacks.py) the ranks end identical with equal averaged
 metrics. Skipped where Keras 3 is absent (the tf2.15 stack)."""
-import importlib.metadata
 import types
 
 import numpy as np
@@ -17,14 +16,10 @@ import pytest
 import tensorflow as tf
 
 import hvdx
-from hvdx import legacy_keras
 from tests import suite
+from tests.harness import HAS_KERAS3, NO_KERAS3
 
-TF = tuple(int(p) for p in tf.__version__.split(".")[:2])
-KERAS = importlib.metadata.version("keras")
-HAS_KERAS3 = TF >= legacy_keras.KERAS3_SINCE and int(KERAS.split(".")[0]) >= 3
-pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=f"no Keras 3: TensorFlow {tf.__version__} with the keras "
-                                                       f"package {KERAS}")
+pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
 
 if HAS_KERAS3:
     import horovod._keras.callbacks as horovod_impl

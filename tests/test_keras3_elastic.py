@@ -11,21 +11,17 @@ Horovod's Keras elastic callbacks commit and count in a Keras 3 `fit`. On 2 node
 with tf.keras as Keras 3, through a node that leaves and comes back:
 tests/test_elastic.py's `test_a_keras3_model_trains_on_when_a_node_leaves_and_comes_back`.
 Skipped where Keras 3 is absent (the tf2.15 stack)."""
-import importlib.metadata
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import hvdx
-from hvdx import elastic, legacy_keras
+from hvdx import elastic
 from hvdx.variables import tf_variable
+from tests.harness import HAS_KERAS3, NO_KERAS3
 
-TF = tuple(int(p) for p in tf.__version__.split(".")[:2])
-KERAS = importlib.metadata.version("keras")
-HAS_KERAS3 = TF >= legacy_keras.KERAS3_SINCE and int(KERAS.split(".")[0]) >= 3
-pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=f"no Keras 3: TensorFlow {tf.__version__} with the keras "
-                                                       f"package {KERAS}")
+pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
 
 if HAS_KERAS3:
     import keras

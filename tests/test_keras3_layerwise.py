@@ -10,7 +10,6 @@ HiTopK; the config, a `.keras` archive and the wrapper's config round trip; bad 
 as the Keras 2 classes'; `hvdx.optimizers.LARS` follows tf.keras. On 2 nodes x 2 ranks
 (tests/multirank/check_keras3_layerwise.py's `modes`) every mode gives the weights of
 parallel=None and the ranks end bitwise identical. Skipped where Keras 3 is absent (tf2.15)."""
-import importlib.metadata
 import inspect
 import json
 import os
@@ -25,12 +24,9 @@ import hvdx
 from hvdx import legacy_keras
 from hvdx.optimizers import keras2
 from tests import harness, suite
+from tests.harness import HAS_KERAS3, NO_KERAS3
 
-TF = tuple(int(p) for p in tf.__version__.split(".")[:2])
-KERAS = importlib.metadata.version("keras")
-HAS_KERAS3 = TF >= legacy_keras.KERAS3_SINCE and int(KERAS.split(".")[0]) >= 3
-pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=f"no Keras 3: TensorFlow {tf.__version__} with the keras "
-                                                       f"package {KERAS} (Keras 3 is `import keras` from 2.16 on)")
+pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
 
 if HAS_KERAS3:
     import keras

@@ -15,7 +15,6 @@ and residuals as they were, saves its scale with the residuals; one around the w
 refused naming the fix. On 2 nodes x 2 ranks (tests/multirank/check_optimizer.py's
 `keras3_fit`, `keras3_mixed_precision`) every rank ends with the same weights and learns the
 digits, and a step on which only rank 1's gradients are not finite is skipped by every rank. Skipped where Keras 3 is absent (the tf2.15 stack)."""
-import importlib.metadata
 import os
 import subprocess
 import sys
@@ -28,12 +27,9 @@ import tensorflow as tf
 import hvdx
 from hvdx import legacy_keras
 from tests import harness, suite
+from tests.harness import HAS_KERAS3, NO_KERAS3
 
-TF = tuple(int(p) for p in tf.__version__.split(".")[:2])
-KERAS = importlib.metadata.version("keras")
-HAS_KERAS3 = TF >= legacy_keras.KERAS3_SINCE and int(KERAS.split(".")[0]) >= 3
-keras3 = pytest.mark.skipif(not HAS_KERAS3, reason=f"no Keras 3: TensorFlow {tf.__version__} with the keras package "
-                                                   f"{KERAS} (Keras 3 is `import keras` from TensorFlow 2.16 on)")
+keras3 = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
 pytestmark = keras3
 
 if HAS_KERAS3:
