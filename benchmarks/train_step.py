@@ -401,27 +401,27 @@ def profile_steps(kind: str, runs: Dict[str, Callable[[int], float]], args) -> D
     out = {}
     for key, run in runs.items():
         hvdx.barrier()
-        logdir = tempfile.mkdtemp(prefix=f"hvdx-prof-{key}-")
-        timeline = os.path.join(logdir, "horovod_timeline.json")
-        if hvd.rank() == 0:
-            hvd.start_timeline(timeline, mark_cycles=False)
-            tf.profiler.experimental.start(logdir)
-        start = time.perf_counter()
-        run(args.profile_steps)
-        wall = (time.perf_counter() - start) / args.profile_steps
-        if hvd.rank() == 0:
-            tf.profiler.experimental.stop()
-            hvd.stop_timeline()
-            ops = {k: v / args.profile_steps for k, v in op_times(logdir).items()}
-            try:
-                colls = {k: v / args.profile_steps for k, v in horovod_times(timeline).items()}
-            except (OSError, ValueError) as error:
-                colls = {"error": str(error)}
-            out[key] = {"wall": wall, "ops": ops, "collectives": colls}
-            print(f"[{kind}] profile {key}: wall {wall * 1e3:.0f} ms, ops "
-                  + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
-                  + " | horovod " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in colls.items() if k != "error"),
-                  flush=True)
+        with tempfile.TemporaryDirectory(prefix=f"hvdx-prof-{key}-") as logdir:  # the trace read, then removed
+            timeline = os.path.join(logdir, "horovod_timeline.json")
+            if hvd.rank() == 0:
+                hvd.start_timeline(timeline, mark_cycles=False)
+                tf.profiler.experimental.start(logdir)
+            start = time.perf_counter()
+            run(args.profile_steps)
+            wall = (time.perf_counter() - start) / args.profile_steps
+            if hvd.rank() == 0:
+                tf.profiler.experimental.stop()
+                hvd.stop_timeline()
+                ops = {k: v / args.profile_steps for k, v in op_times(logdir).items()}
+                try:
+                    colls = {k: v / args.profile_steps for k, v in horovod_times(timeline).items()}
+                except (OSError, ValueError) as error:
+                    colls = {"error": str(error)}
+                out[key] = {"wall": wall, "ops": ops, "collectives": colls}
+                print(f"[{kind}] profile {key}: wall {wall * 1e3:.0f} ms, ops "
+                      + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
+                      + " | horovod " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in colls.items() if k != "error"),
+                      flush=True)
     hvdx.barrier()
     return out
 

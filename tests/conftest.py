@@ -4,7 +4,10 @@
   anything imports TensorFlow; the rank scripts they launch inherit it): the tests written
   with tf.keras are Keras 2 tests. Keras 3 tests use `import keras` (Keras 3 beside it), or
   launch with tf.keras left to TensorFlow (the suite's "keras3:2x2" topology).
-- No test may write into the checkout.
+- No test may write into the checkout, nor leave files in the machine's temporary directory:
+  the session's processes (the ranks it launches, TensorFlow's autograph files) get their own
+  ($TMPDIR, set here before anything creates a temporary file), removed when the session passes
+  and named in the summary when it fails.
 - Tests made with `tests.suite.runs` get their check's result as the `ranks` fixture: each
   topology is launched once, for the union of the checks that the selected tests need. The
   launches start with the session, in the background, and those tests run after the others
@@ -14,12 +17,18 @@
 """
 import os
 import resource
+import shutil
 import subprocess
+import tempfile
 import time
 
 from hvdx.legacy_keras import use_keras2  # noqa: E402  (imports no TensorFlow)
 
 use_keras2("the test suite")  # TF_USE_LEGACY_KERAS=1 before TensorFlow's import, where TensorFlow reads it
+
+SESSION_TMP = tempfile.mkdtemp(prefix="hvdx-tests-")
+os.environ["TMPDIR"] = SESSION_TMP  # inherited by every process the session starts
+tempfile.tempdir = None  # this process reads $TMPDIR again
 
 import pytest  # noqa: E402
 
@@ -52,7 +61,17 @@ def pytest_sessionstart(session):
     session.config._hvdx_status = _status()
 
 
+def pytest_unconfigure(config):
+    """The session's temporary directory goes, unless a test failed (then its files are kept)."""
+    failed = getattr(config, "_hvdx_failed", True)
+    if failed:
+        print(f"\nthe session's temporary files are kept in {SESSION_TMP}")
+    else:
+        shutil.rmtree(SESSION_TMP, ignore_errors=True)
+
+
 def pytest_sessionfinish(session, exitstatus):
+    session.config._hvdx_failed = exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
     before, after = getattr(session.config, "_hvdx_status", None), _status()
     if before is None or after is None:
         return
