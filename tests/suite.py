@@ -127,14 +127,29 @@ def check(name: str, topology: str, *, timeout: float = 300, env: Optional[Dict[
 #: the stacks' collectives (Horovod built against each TensorFlow) are checked on 2x2 on both.
 SAME_ON_BOTH_STACKS = ("3x2",)
 
+#: Check modules whose checks are `slow` on every topology (CI's second stack skips them): the
+#: training methods and transports whose multi-rank part is hvdx's own (its Python schedules,
+#: its sockets and shared memory, hvdx's op library): their TensorFlow and Keras calls run
+#: in-process on both stacks, and the checks kept there (the optimizer and its strategies, the
+#: training path, checkpoints, Horovod's own tests and examples, the recipe) run Horovod's
+#: collectives built against each TensorFlow.
+METHODS_SAME_ON_BOTH_STACKS = ("adpsgd", "asynchronous", "daso", "daso_transport", "datacache", "lars",
+                               "lars_sparse", "localsgd", "node_shm")
+
+
+def same_on_both_stacks(check: Check) -> bool:
+    """Whether `check` is `slow`: its topology is in SAME_ON_BOTH_STACKS or its module in
+    METHODS_SAME_ON_BOTH_STACKS."""
+    return check.topology in SAME_ON_BOTH_STACKS or check.name.split(".")[0] in METHODS_SAME_ON_BOTH_STACKS
+
 
 def runs(*checks: Check, ids: Optional[Sequence[str]] = None):
     """Parametrizes a test by `checks`: its `ranks` fixture is the check's `RankResults`;
-    marks it `multirank`, and a check on a topology of SAME_ON_BOTH_STACKS `slow`. `ids` default
-    to the topologies."""
+    marks it `multirank`, and a check `same_on_both_stacks` `slow`. `ids` default to the
+    topologies."""
     if ids is None:
         ids = [c.topology for c in checks]
-    params = [pytest.param(c, marks=pytest.mark.slow) if c.topology in SAME_ON_BOTH_STACKS else c for c in checks]
+    params = [pytest.param(c, marks=pytest.mark.slow) if same_on_both_stacks(c) else c for c in checks]
 
     def mark(test):
         test = pytest.mark.parametrize("ranks", params, indirect=True, ids=list(ids))(test)

@@ -22,6 +22,7 @@ def test_reports_which_rank_failed_and_why():
     assert job.results[0]["ok"] and job.results[0]["data"] == {"size_seen": 2}
 
 
+@pytest.mark.slow  # the harness's own timeout (Python, the same on both stacks)
 @pytest.mark.multirank
 def test_times_out_instead_of_hanging():
     start = time.monotonic()
@@ -63,6 +64,7 @@ def test_command_lines_of_both_launchers():
         "--nodes", "3", "--ranks-per-node", "2", "--rate", "1gbit", "--"]
 
 
+@pytest.mark.slow  # the harness's own timeout (Python, the same on both stacks)
 def test_run_kills_the_whole_process_tree_when_the_timeout_expires():
     """A grandchild in a session of its own is killed too (Horovod's launcher starts ranks so)."""
     script = ("import subprocess, time; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "

@@ -259,6 +259,7 @@ def test_an_extra_step_with_the_hitopk_tape_ends_the_job_on_2x2():
     assert "topology.py" in out and "in barrier" in out  # where the others wait
 
 
+@pytest.mark.slow  # the watchdog's part is Python; the HiTopK tape's case above runs on both stacks
 @pytest.mark.multirank
 def test_an_extra_step_with_the_hierarchical_tape_ends_the_job():
     _stalled("extra-step", "hierarchical", np=2, hosts=harness.hosts(2, 1), expect_rank=1,
@@ -278,6 +279,7 @@ def test_a_rank_that_stops_issuing_collectives_is_named():
     assert "rank 1: in no hvdx collective, at stall_worker.py" in out
 
 
+@pytest.mark.slow  # DASO's transport and the watchdog are Python, the same on both stacks
 @pytest.mark.multirank
 def test_a_daso_peer_that_stalls_without_dying_is_named():
     out = _stalled("daso-sleep", np=2, hosts=harness.hosts(2, 1), expect_rank=1,
@@ -309,6 +311,7 @@ def test_horovods_mismatched_data_types_is_explained_in_steps():
         out[-4000:]
 
 
+@pytest.mark.slow  # the watchdog's bound is Python, the same on both stacks
 @pytest.mark.multirank
 def test_a_15x_straggler_runs_to_the_end():
     # the fast rank waits about 1.4 s per step for the straggler: 6 waits, each under the
