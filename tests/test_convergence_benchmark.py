@@ -11,47 +11,31 @@ from tests import harness
 
 @pytest.mark.slow
 @pytest.mark.multirank
-def test_convergence_benchmark_writes_json_plot_and_table(tmp_path):
+def test_convergence_benchmark_writes_json_plot_and_table_with_keras3_beside_keras2(tmp_path):
+    """Horovod's step, hvdx's allreduce and HiTopK with its aids, each of hvdx's also on the
+    task's Keras 3 model (--keras 2,3, issue 64), taking turns: the curves, the summary
+    against Horovod's, HiTopK against allreduce of the same Keras, the plot and the README
+    section."""
     readme = tmp_path / "README.md"
+    aided = "hitopk+mc+clip+warmup"
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "convergence.py"), "--smoke", "--local",
-                           "--tasks", "mnist,resnet", "--methods", "horovod,hitopk+mc+clip+warmup",
+                           "--tasks", "resnet", "--methods", f"horovod,allreduce,{aided}", "--keras", "2,3",
                            "--out", str(tmp_path), "--readme", str(readme)],
                           capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "convergence.json").read_text())
     assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
-    for task in ("mnist", "resnet"):
-        runs = result["tasks"][task]
-        assert sorted(runs) == ["hitopk+mc+clip+warmup", "horovod"]
-        for run in runs.values():
-            assert run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"])
-            assert run["seconds"][1] > run["seconds"][0] > 0
-        assert result["summary"][task]["horovod"]["gap_points"] == 0
+    runs = result["tasks"]["resnet"]
+    assert sorted(runs) == ["allreduce", "allreduce@keras3", aided, f"{aided}@keras3", "horovod"]
+    for run in runs.values():
+        assert run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"])
+        assert run["seconds"][1] > run["seconds"][0] > 0
+    assert result["summary"]["resnet"]["horovod"]["gap_points"] == 0
+    assert [(r["keras"], r["method"]) for r in result["vs_allreduce"]] == [(2, aided), (3, aided)]
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
     text = readme.read_text()
-    assert "<!-- convergence:begin -->" in text and "| mnist | hitopk+mc+clip+warmup |" in text
-
-
-@pytest.mark.slow
-@pytest.mark.multirank
-def test_convergence_benchmark_runs_keras3_beside_keras2(tmp_path):
-    """--keras 2,3 (issue 64): each method also on the task's Keras 3 model, taking turns;
-    HiTopK against allreduce of the same Keras in the JSON and the README section."""
-    readme = tmp_path / "README.md"
-    proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "convergence.py"), "--smoke", "--local",
-                           "--tasks", "resnet", "--methods", "horovod,allreduce,hitopk", "--keras", "2,3",
-                           "--name", "conv_k3", "--out", str(tmp_path), "--readme", str(readme)],
-                          capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads((tmp_path / "conv_k3.json").read_text())
-    runs = result["tasks"]["resnet"]
-    assert sorted(runs) == ["allreduce", "allreduce@keras3", "hitopk", "hitopk@keras3", "horovod"]
-    assert all(run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"]) for run in runs.values())
-    assert [(r["keras"], r["method"]) for r in result["vs_allreduce"]] == [(2, "hitopk"), (3, "hitopk")]
-    assert (tmp_path / "conv_k3.png").stat().st_size > 10_000
-    text = readme.read_text()
-    assert "<!-- conv-k3:begin -->" in text and "| resnet | hitopk@keras3 |" in text
-    assert "| resnet | 3 | hitopk |" in text
+    assert "<!-- convergence:begin -->" in text and f"| resnet | {aided}@keras3 |" in text
+    assert f"| resnet | 3 | {aided} |" in text
 
 
 def test_hitopk_is_judged_against_allreduce_of_the_same_keras():

@@ -5,6 +5,7 @@ import pytest
 import tensorflow as tf
 
 from hvdx import zoo
+from tests import harness
 
 # Parameter counts by hand: a Dense is in * out + out; a Conv2D k * k * in * out (+ out with
 # a bias); a BatchNormalization 4 * channels (2 of them trainable); a LayerNormalization 2 * width.
@@ -174,3 +175,21 @@ def test_transformer_maps_token_sentences_to_logits_per_position():
     attention = next(layer for layer in model.layers if isinstance(layer, tf.keras.layers.MultiHeadAttention))
     assert attention.get_config()["num_heads"] == 4 and attention.get_config()["key_dim"] == 8
     assert [layer.units for layer in model.layers if isinstance(layer, tf.keras.layers.Dense)][:2] == [128, 32]
+
+
+@pytest.mark.skipif(not harness.HAS_KERAS3, reason=harness.NO_KERAS3)
+def test_keras3_builds_the_same_architectures():
+    """`keras=keras` (Keras 3, the benchmarks' --keras 3): the same layers in the same order
+    with the same parameter counts as Keras 2's models."""
+    import keras
+
+    builders = {
+        "mlp": lambda k: zoo.mlp(64, (32,), seed=0, keras=k),
+        "cnn": lambda k: zoo.cnn((12, 12, 1), (4, 8), pool_after=(1,), head="average", seed=0, keras=k),
+        "resnet": lambda k: zoo.resnet((4, 8), input_shape=(8, 8, 3), seed=0, keras=k),
+    }
+    for name, build in builders.items():
+        model2, model3 = build(None), build(keras)
+        assert isinstance(model3, keras.Model), name
+        assert model3.count_params() == model2.count_params() > 0, name
+        assert [type(layer).__name__ for layer in model3.layers] == [type(layer).__name__ for layer in model2.layers]
