@@ -326,6 +326,7 @@ def test_srun_two_nodes_of_two_trains_the_demo_to_the_end(local_slurm):
     assert_trained(train_digits(command, np=4, env=local_slurm.environment(harness.test_env())), nodes=2, per_node=2)
 
 
+@pytest.mark.slow  # sbatch's script around the srun above (SLURM's and hvdx's launcher code, the same on both stacks)
 @pytest.mark.multirank
 @needs_slurm
 def test_sbatch_script_as_a_user_writes_it_trains_the_demo(local_slurm, tmp_path):
