@@ -62,23 +62,21 @@ def pytest_sessionstart(session):
 
 
 def pytest_unconfigure(config):
-    """The session's temporary directory goes, unless a test failed (then its files are kept)."""
-    failed = getattr(config, "_hvdx_failed", True)
-    if failed:
+    """The session's temporary directory goes, unless the session failed and left files there
+    (then they are kept); a run that never reached a session (`--help`) ran nothing to keep."""
+    if getattr(config, "_hvdx_failed", False) and os.listdir(SESSION_TMP):
         print(f"\nthe session's temporary files are kept in {SESSION_TMP}")
     else:
         shutil.rmtree(SESSION_TMP, ignore_errors=True)
 
 
 def pytest_sessionfinish(session, exitstatus):
-    session.config._hvdx_failed = exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
     before, after = getattr(session.config, "_hvdx_status", None), _status()
-    if before is None or after is None:
-        return
-    new = sorted(after - before)
+    new = sorted(after - before) if before is not None and after is not None else []
     if new:
         print("\nthe tests wrote into the checkout (use a tmp dir):\n  " + "\n  ".join(new))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    session.config._hvdx_failed = session.exitstatus not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
 
 
 def _launch_ahead() -> bool:

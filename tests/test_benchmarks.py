@@ -206,18 +206,16 @@ def test_train_step_benchmark_runs_keras3_beside_keras2(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "ts_k3.json").read_text())
     (run,) = result["runs"]
-    for kind in ("mlp",):  # the zoo's other models under Keras 3: tests/test_zoo.py
-        assert sorted(run["models"][kind]["rounds"]) == ["allreduce", "allreduce@keras3", "hitopk", "hitopk@keras3",
-                                                         "horovod"]
-        summary = run["summary"][kind]
-        assert summary["hitopk"]["keras"] == 2 and summary["hitopk@keras3"]["keras"] == 3
-        census = run["models"][kind]["census"]  # the same collectives under either Keras
-        assert census["allreduce@keras3"]["collectives"] == census["allreduce"]["collectives"] != []
-        assert census["hitopk@keras3"]["collectives"] == census["hitopk"]["collectives"]
-        rounds = run["models"][kind]["rounds"]
-        ratios = sorted(k3 / k2 for k3, k2 in zip(rounds["hitopk@keras3"], rounds["hitopk"]))
-        assert summary["hitopk@keras3"]["vs_keras2"]["ratio"] == pytest.approx(sum(ratios) / 2)
-        assert set(result["keras3_vs_keras2"]["2x1 gloo"][kind]) == {"allreduce@keras3", "hitopk@keras3"}
+    model, summary = run["models"]["mlp"], run["summary"]["mlp"]  # the zoo's other models under Keras 3: test_zoo.py
+    assert sorted(model["rounds"]) == ["allreduce", "allreduce@keras3", "hitopk", "hitopk@keras3", "horovod"]
+    assert summary["hitopk"]["keras"] == 2 and summary["hitopk@keras3"]["keras"] == 3
+    census = model["census"]  # the same collectives under either Keras
+    assert census["allreduce@keras3"]["collectives"] == census["allreduce"]["collectives"] != []
+    assert census["hitopk@keras3"]["collectives"] == census["hitopk"]["collectives"]
+    rounds = model["rounds"]
+    ratios = sorted(k3 / k2 for k3, k2 in zip(rounds["hitopk@keras3"], rounds["hitopk"]))
+    assert summary["hitopk@keras3"]["vs_keras2"]["ratio"] == pytest.approx(sum(ratios) / 2)
+    assert set(result["keras3_vs_keras2"]["2x1 gloo"]["mlp"]) == {"allreduce@keras3", "hitopk@keras3"}
     assert (tmp_path / "ts_k3.png").stat().st_size > 10_000
     text = readme.read_text()
     assert "<!-- ts-k3:begin -->" in text and "| 2x1 | gloo | mlp | hvdx hitopk (HiTopKComm) (Keras 3) |" in text

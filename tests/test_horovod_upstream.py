@@ -176,8 +176,6 @@ KERAS3_RUNS.update({f"hitopk-{name}": (name, HITOPK, args) for name, args in EXA
 KERAS3_RUNS["hitopk-hvdx-first-tensorflow2_keras_mnist.py"] = ("tensorflow2_keras_mnist.py", HITOPK, ())
 
 
-
-
 @suite.runs(*[suite.check("upstream.script", "keras3:2x2", env=env, args=args, timeout=600,
                           setup=adapted(name, "keras3", HVDX_FIRST if "hvdx-first" in key else ()))
               for key, (name, env, args) in KERAS3_RUNS.items() if HAS_KERAS3],
