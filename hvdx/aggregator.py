@@ -39,7 +39,7 @@ import tensorflow as tf
 
 from hvdx import comm
 from hvdx.arguments import integer, is_integer, real
-from hvdx.buckets import MAX_BUCKET_ELEMENTS, AggregationRecord, BucketRecord, plan
+from hvdx.buckets import MAX_BUCKET_ELEMENTS, AggregationRecord, BucketRecord, Piece, plan
 from hvdx.comm.base import DEFAULT_BUCKET_BYTES
 from hvdx.comm.choice import StrategyChoice, environment_default
 from hvdx.comm.allreduce import OP_NAMES
@@ -337,7 +337,8 @@ class GradientAggregator(tf.Module):
         grads = [tf.TensorSpec(shape, v.dtype) for v, shape in zip(variables, shapes)]  # what the plan reads
         set_key = self._set_key(grads, variables, fused)
         for b, bucket in enumerate(self._bucket_plan(grads, variables, fused)):
-            self._strategy.create_state(f"{set_key}_b{b}", sum(p.stop - p.start for p in bucket))
+            self._strategy.create_state(f"{set_key}_b{b}", sum(p.stop - p.start for p in bucket),
+                                        shapes=_piece_shapes(grads, bucket))
 
     # -- the step ----------------------------------------------------------------------
     @tf.autograph.experimental.do_not_convert
@@ -480,7 +481,8 @@ class GradientAggregator(tf.Module):
                                  else flat[p.index][p.start:p.stop], work) for p in bucket]
             with tf.name_scope(strategy.key or "strategy"):
                 pieces, result = strategy.aggregate_pieces(parts, f"{set_key}_b{b}", residual_scale=loss_scale,
-                                                           grouped=self._book.groups is not None)
+                                                           grouped=self._book.groups is not None,
+                                                           shapes=_piece_shapes(grads, bucket))
             records.append(BucketRecord(result, tuple(bucket)))
             updates.extend(result.updates)
             if strategy.lossy:
@@ -496,6 +498,13 @@ class GradientAggregator(tf.Module):
                 whole = outputs[i][0] if len(outputs[i]) == 1 else tf.concat(outputs[i], axis=0)
                 out[i] = tf.reshape(whole, grads[i].shape)
         return updates, checked
+
+
+def _piece_shapes(grads: Sequence[Any], bucket: Sequence[Piece]) -> List[Optional[Tuple[int, ...]]]:
+    """Each piece's gradient shape (`Strategy.aggregate_pieces`' `shapes`): None for a piece
+    that is part of a gradient (a gradient of more than a bucket's limit spans two)."""
+    return [tuple(grads[p.index].shape.as_list()) if (p.start, p.stop) == (0, grads[p.index].shape.num_elements())
+            else None for p in bucket]
 
 
 def _in_function() -> bool:

@@ -42,7 +42,7 @@ class RandomK(comm.Strategy):
     def memory(self):
         return self._memory
 
-    def create_state(self, name, d):
+    def create_state(self, name, d, shapes=None):
         self._memory.variable(name, d, tf.float32)
         self._memory.counter(name)
 

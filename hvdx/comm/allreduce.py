@@ -60,8 +60,8 @@ class Allreduce(Strategy):
             total = self.compression.decompress(total, ctx)
         return Aggregated(tf.cast(total, buffer.dtype))
 
-    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None, grouped: bool = False
-                          ) -> Tuple[List[tf.Tensor], Aggregated]:
+    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None, grouped: bool = False,
+                          shapes=None) -> Tuple[List[tf.Tensor], Aggregated]:
         """The pieces as they are, as `hvd.DistributedOptimizer` hands its gradients to
         Horovod: one allreduce each, which Horovod's background thread fuses with whatever
         else is ready in its cycle, so a gradient's allreduce starts as soon as it exists

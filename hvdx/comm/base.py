@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import horovod.tensorflow as hvd
+import numpy as np
 import tensorflow as tf
 
 from hvdx import progress
@@ -25,8 +26,9 @@ from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scat
                                    node_reduce_scatter_parts, node_slices, padded_length)
 from hvdx.topology import Topology, initialized, set_rank_and_size, topology
 
-__all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Strategy", "check_density",
-           "check_positive_int", "get", "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices", "padded_length"]
+__all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Shapes", "Strategy",
+           "check_density", "check_positive_int", "check_shapes", "get", "node_allgather", "node_reduce_scatter",
+           "node_reduce_scatter_parts", "node_slices", "padded_length"]
 
 #: Horovod's own options. A strategy may take them (`Allreduce` does); the optimizer saves
 #: them in its config itself, so they are not part of a strategy's `get_config()`.
@@ -78,6 +80,26 @@ _ENTRY_POINTS = ("__call__", "aggregate", "aggregate_pieces")
 
 #: A layout: (buffer name, piece lengths, dtype name).
 Layout = Tuple[str, Tuple[int, ...], str]
+#: Each piece's gradient shape (None for a piece that is part of a gradient), or None for all.
+Shapes = Optional[Sequence[Optional[Tuple[int, ...]]]]
+
+
+def check_shapes(shapes: Shapes, sizes: Sequence[int]) -> Optional[List[Optional[Tuple[int, ...]]]]:
+    """`shapes` as a list of tuples of ints (or None), one per piece of `sizes` elements.
+
+    Raises:
+      ValueError: not one shape per piece, or a shape whose element count is not its piece's.
+    """
+    if shapes is None:
+        return None
+    shapes = [None if shape is None else tuple(int(n) for n in shape) for shape in shapes]
+    if len(shapes) != len(sizes):
+        raise ValueError(f"{len(shapes)} shapes for {len(sizes)} pieces: give one shape per piece (None for a "
+                         "piece that is part of a gradient)")
+    for shape, size in zip(shapes, sizes):
+        if shape is not None and int(np.prod(shape, dtype=np.int64)) != size:
+            raise ValueError(f"shape {shape} has {int(np.prod(shape, dtype=np.int64))} elements, its piece {size}")
+    return shapes
 
 
 class Strategy:
@@ -237,12 +259,14 @@ class Strategy:
 
     @tf.autograph.experimental.do_not_convert
     def aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
-                         *, grouped: bool = False) -> Tuple[List[tf.Tensor], Aggregated]:
+                         *, grouped: bool = False, shapes: Shapes = None) -> Tuple[List[tf.Tensor], Aggregated]:
         """Averages a bucket given as 1-D pieces (its gradients, flattened, in order; one
         dtype). Collective, checked like `aggregate`. `grouped`: the pieces must travel in
         one collective (Horovod's `groups` / `num_groups`); a strategy that fuses the pieces
         into one buffer always does, `Allreduce` otherwise hands each piece to Horovod on
-        its own.
+        its own. `shapes`: each piece's gradient shape, None for a piece that is part of a
+        gradient (or None for all): a compressor that works on matrices (PowerSGD) reads
+        them; the others ignore them.
 
         Returns:
           (the averaged pieces, of the pieces' lengths, and the `Aggregated`). Pieces of no
@@ -255,11 +279,12 @@ class Strategy:
         if not pieces or len({piece.dtype for piece in pieces}) != 1:
             raise ValueError(f"aggregate_pieces takes one or more 1-D pieces of one dtype, got {pieces!r}")
         sizes = tuple(int(piece.shape[0]) for piece in pieces)
+        shapes = check_shapes(shapes, sizes)
         self.agree(name, sizes, pieces[0].dtype)
         if sum(sizes) == 0:
             return pieces, Aggregated(tf.zeros([0], pieces[0].dtype))
         pieces = progress.mark(pieces, self.progress_label, name, "enter")
-        outputs, result = self._aggregate_pieces(pieces, name, residual_scale, grouped=grouped)
+        outputs, result = self._aggregate_pieces(pieces, name, residual_scale, grouped=grouped, shapes=shapes)
         return progress.mark(outputs, self.progress_label, name, "leave"), result
 
     @property
@@ -316,11 +341,12 @@ class Strategy:
         raise NotImplementedError
 
     def _aggregate_pieces(self, pieces: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
-                          grouped: bool = False) -> Tuple[List[tf.Tensor], Aggregated]:
+                          grouped: bool = False, shapes: Shapes = None) -> Tuple[List[tf.Tensor], Aggregated]:
         """The strategy's work on pieces the ranks agree on: fuses them into one buffer
         (one copy), calls `_aggregate`, and splits the result (another); a strategy that
         can average the pieces as they are overrides this (`Allreduce`: Horovod fuses them
-        in its own buffer). `grouped`: see `aggregate_pieces` (one buffer is one collective)."""
+        in its own buffer). `grouped`: see `aggregate_pieces` (one buffer is one collective);
+        `shapes` (checked: one per piece, or None) are not used here."""
         with tf.name_scope("fuse"):
             buffer = tf.concat(pieces, axis=0) if len(pieces) > 1 else pieces[0]
         result = self._aggregate(buffer, name, residual_scale)
@@ -336,9 +362,10 @@ class Strategy:
         counter that picks the collectives' shapes) the same. After an elastic reset a
         returning node's new processes meet survivors that trained on. Default: nothing."""
 
-    def create_state(self, name: str, d: int) -> None:
+    def create_state(self, name: str, d: int, shapes: Shapes = None) -> None:
         """Creates the state (residuals) of buffer `name` of length d before the first call,
-        so that a checkpoint or a saved model restores into it at once."""
+        so that a checkpoint or a saved model restores into it at once. `shapes`: as
+        `aggregate_pieces` will be given them (None: a flat buffer)."""
 
     def signature(self) -> Dict[str, str]:
         """The strategy's part of what every rank must agree on (`describe`): its class and

@@ -85,8 +85,8 @@ class Hierarchical(Strategy):
             totals = [hvd.allreduce(s, op=hvd.Average, name=f"hvdx.2dtar.flat.{name}.{j}") for j, s in enumerate(sent)]
         return [tf.cast(t, p.dtype) for t, p in zip(totals, pieces)]
 
-    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None, grouped: bool = False
-                          ) -> Tuple[List[tf.Tensor], Aggregated]:
+    def _aggregate_pieces(self, pieces: Sequence[tf.Tensor], name: str, residual_scale=None, grouped: bool = False,
+                          shapes=None) -> Tuple[List[tf.Tensor], Aggregated]:
         """A small bucket (`flat_below`): one flat allreduce per piece (one for all of them
         when `grouped`); otherwise the pieces fused and averaged by 2DTAR."""
         pieces = list(pieces)

@@ -49,11 +49,19 @@ def commit(updates: Sequence[Update], finite: tf.Tensor) -> tf.Operation:
 
 
 class ResidualMemory(tf.Module):
-    """One residual per buffer name, created on first use with its owner and scale."""
+    """One residual per buffer name, created on first use with its owner and scale.
 
-    def __init__(self, owner: str) -> None:
+    Args:
+      owner: the name of the strategy (or part) that keeps it: the variables' prefix.
+      shared: the state is the same on every rank (PowerSGD's warm-started Q, the result of an
+        all-reduce), not one rank's own: `read` returns it whoever wrote it (a checkpoint saved
+        on rank 0 restores it everywhere), and it is not rescaled with the loss scale.
+    """
+
+    def __init__(self, owner: str, shared: bool = False) -> None:
         super().__init__(name=f"{owner}_memory")
         self._owner_name = owner
+        self.shared = shared
         self._residuals: Dict[str, tf.Variable] = {}
         self._owners: Dict[str, tf.Variable] = {}
         self._scales: Dict[str, tf.Variable] = {}
@@ -106,8 +114,10 @@ class ResidualMemory(tf.Module):
 
     def read(self, name: str, length: int, dtype: tf.DType, loss_scale: Optional[tf.Tensor] = None) -> tf.Tensor:
         """The residual to add to this step's buffer: zeros if another rank wrote it, and
-        rescaled to `loss_scale` if it was written under another one."""
+        rescaled to `loss_scale` if it was written under another one (neither when `shared`)."""
         residual = self.variable(name, length, dtype)
+        if self.shared:
+            return residual.read_value()
         owner = self._owners[name]
         me = tf.constant(self._me())
 

@@ -199,7 +199,7 @@ class TopKStrategy(Strategy):
             return None
         return dgc.DensityWarmup(self.warmup_density, self.density, self.warmup_steps)
 
-    def create_state(self, name: str, d: int) -> None:
+    def create_state(self, name: str, d: int, shapes=None) -> None:
         self._memory.variable(name, self.residual_length(d), tf.float32)
         if self.momentum:
             self._velocities.variable(name, self.residual_length(d), tf.float32)
@@ -242,7 +242,7 @@ class TopKStrategy(Strategy):
         return self.k(length) + len(self.whole_indices(offset, length))
 
     def _aggregate_pieces(self, pieces: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
-                          grouped: bool = False) -> Tuple[List[tf.Tensor], Aggregated]:
+                          grouped: bool = False, shapes=None) -> Tuple[List[tf.Tensor], Aggregated]:
         """As `Strategy._aggregate_pieces`, the pieces of fewer than `dense_below` elements
         marked to be sent whole (unless every piece is: the bucket then goes sparse as one)."""
         whole, start = [], 0
