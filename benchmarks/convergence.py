@@ -25,6 +25,8 @@ norm: trust_norms="rank"),
 `layer` (one bucket per gradient, bucket_bytes=1: the density applies to each layer),
 `small` (gradients of fewer than --dense-below elements sent whole: dense_below), `nomask`
 (momentum correction without DGC's momentum factor masking: momentum_masking=False).
+The compressors beside top-k (issue 66), at their defaults: `powersgd` (rank 4), `lowbit`
+(8 bits), `lowbit4` (4 bits).
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
 rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
@@ -182,8 +184,10 @@ def inner_optimizer(task: str, size: int, optimizer: str = "task", keras=None):
 def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str, Any]:
     """hvdx.DistributedOptimizer's keywords for a method name (see the module docstring)."""
     base, *aids = method.split("+")
-    if base in ("allreduce", "hierarchical"):
+    if base in ("allreduce", "hierarchical", "powersgd", "lowbit") and not aids:
         return {"communication": base}
+    if base == "lowbit4" and not aids:
+        return {"communication": "lowbit", "bits": 4}
     if base not in ("hitopk", "sparse_allgather"):
         raise ValueError(f"unknown method {method!r}")
     options: Dict[str, Any] = {"communication": base, "density": args.density}

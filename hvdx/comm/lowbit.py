@@ -16,7 +16,7 @@ bytes), and a node-local all-gather of the averaged float slices rebuilds the bu
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import horovod.tensorflow as hvd
 import tensorflow as tf

@@ -28,6 +28,7 @@ from __future__ import annotations
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
@@ -111,6 +112,18 @@ class ResidualMemory(tf.Module):
                                       name=f"hvdx_{self._owner_name}_{name}_step")
             self._counters[name] = counter
         return counter
+
+    def agree_counters(self, names: Sequence[str], process_set, collective: str) -> None:
+        """Sets the step counter of each buffer of `names` to its largest value over the ranks
+        of `process_set`: one eager all-reduce named `collective` (also while a step is traced)."""
+        counters = [self.counter(name) for name in names]
+        if not counters:
+            return
+        with tf.init_scope():
+            steps = tf.stack([counter.read_value() for counter in counters])
+            agreed = hvd.allreduce(steps, op=hvd.Max, process_set=process_set, name=collective).numpy()
+            for counter, step in zip(counters, agreed):
+                counter.assign(int(step))
 
     def read(self, name: str, length: int, dtype: tf.DType, loss_scale: Optional[tf.Tensor] = None) -> tf.Tensor:
         """The residual to add to this step's buffer: zeros if another rank wrote it, and

@@ -207,15 +207,9 @@ class PowerSGD(Strategy):
         """Makes the step counters the largest over the ranks (they pick `start_step`'s
         exact steps) and every Q the one of the set's first rank (one eager broadcast): a
         returning node's new processes meet survivors that trained on (elastic reset)."""
-        if not names:
-            return
-        counters = [self._memory.counter(name) for name in names]
+        self._memory.agree_counters(names, process_set, STEPS_AGREEMENT)
+        qs = [self.q_vectors[name] for name in names if name in self.q_vectors]
         with tf.init_scope():
-            steps = tf.stack([counter.read_value() for counter in counters])
-            agreed = hvd.allreduce(steps, op=hvd.Max, process_set=process_set, name=STEPS_AGREEMENT).numpy()
-            for counter, step in zip(counters, agreed):
-                counter.assign(int(step))
-            qs = [self.q_vectors[name] for name in names if name in self.q_vectors]
             if qs:
                 root = process_set.ranks[0] if process_set is not hvd.global_process_set else 0
                 flat = tf.concat([q.read_value() for q in qs], axis=0)
@@ -286,8 +280,8 @@ class PowerSGD(Strategy):
         `exact`: every item averaged exactly (the steps before `start_step`)."""
         r = self.rank
         items = [plan.items[i] for i in plan.shares[me]]
-        if not items:  # a share of nothing (fewer gradients than local ranks): the cross set's ranks all skip
-            return tf.zeros([0]), tf.zeros([0])
+        if not items:  # a share of nothing (fewer gradients than local ranks): the cross set's ranks all skip;
+            return acc, acc  # acc (no elements) keeps the node all-to-all in a tf.function's graph (not pruned)
         parts, at = [], 0
         for it in items:
             parts.append((it, acc[at:at + it.size]))

@@ -212,14 +212,7 @@ class TopKStrategy(Strategy):
         elastic reset that adds processes (a returning node's are at step 0, or 1 after
         Horovod's one-step fit, the survivors further on) until the state's sync, which comes
         after the first step in Horovod's own pattern."""
-        if not names:
-            return
-        counters = [self._memory.counter(name) for name in names]
-        with tf.init_scope():
-            steps = tf.stack([counter.read_value() for counter in counters])
-            agreed = hvd.allreduce(steps, op=hvd.Max, process_set=process_set, name=STEPS_AGREEMENT).numpy()
-            for counter, step in zip(counters, agreed):
-                counter.assign(int(step))
+        self._memory.agree_counters(names, process_set, STEPS_AGREEMENT)
 
     def k(self, length: int) -> int:
         """How many entries of a `length`-element buffer are sent: max(1, round(density * length)),

@@ -2,7 +2,8 @@
 tests/test_lowbit.py):
 
 - PowerSGD: an average of rank <= r comes back exact, hierarchical (node sum, factors
-  across nodes, node gather; also a bucket of fewer matrices than local ranks) and flat;
+  across nodes, node gather; also a bucket of fewer matrices than local ranks), flat, and
+  flat over a process set (each node's ranks);
   flat, the ranks' outputs plus all their residuals are all their gradients (Alg. 2); Q is
   the same on every rank.
 - LowBit: the hierarchical 8-bit average is within half a quantization step per node of
@@ -45,13 +46,23 @@ def check_powersgd_exact_and_feedback(topo) -> dict:
             np.testing.assert_allclose(got[j].ravel(), everyone[j].mean(axis=0), rtol=1e-3, atol=1e-3)
         assert same_on_every_rank(got, f"psgd.same.{mode}")
         out[f"exact_{mode}"] = True
+    # a process set (each node's ranks): flat over it, the set's mean
+    in_node = comm.PowerSGD(rank=3, process_set=topo.local_set)
+    grads = [rng.standard_normal((96, 3)) @ right]
+    everyone = gather_rows(tf.constant(grads[0].ravel(), tf.float32), "psgd.set")
+    (got,) = _aggregate(in_node, grads, "in_node")
+    np.testing.assert_allclose(got.ravel(), everyone[list(topo.local_ranks)].mean(axis=0), rtol=1e-3, atol=1e-3)
+    out["process_set"] = True
     # one matrix in the bucket: a share of nothing on one local rank
     single = comm.PowerSGD(rank=2)
     g = rng.standard_normal((64, 2)) @ right[:2, :32]
     (got,) = _aggregate(single, [g], "single")
     np.testing.assert_allclose(got.ravel(), gather_rows(tf.constant(g.ravel(), tf.float32), "psgd.single").mean(0),
                                rtol=1e-3, atol=1e-3)
-    out["single_matrix"] = True
+    traced = comm.PowerSGD(rank=2)
+    step = tf.function(lambda x: traced.aggregate_pieces([x], "single_traced", shapes=[g.shape])[0][0])
+    np.testing.assert_allclose(step(tf.constant(g.ravel(), tf.float32)).numpy(), got.ravel(), rtol=1e-4, atol=1e-4)
+    out["single_matrix"] = True  # eager and in a tf.function (where nothing of the empty share is pruned)
     flat = comm.PowerSGD(rank=2, hierarchical=False)
     sent, total = 0.0, 0.0
     for step in range(3):
