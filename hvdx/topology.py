@@ -59,6 +59,12 @@ class Topology:
         """Global ranks with this rank's local rank, ordered by node."""
         return tuple(ranks[self.local_rank] for ranks in self.node_ranks)
 
+    @property
+    def two_tier(self) -> bool:
+        """Whether the job has several nodes of several ranks: the case where a hierarchical
+        strategy (a node-local exchange, then one across nodes) has two tiers to use."""
+        return self.num_nodes > 1 and self.local_size > 1
+
     def __str__(self) -> str:
         return (f"rank {self.rank}/{self.size}: node {self.node}/{self.num_nodes}, "
                 f"local rank {self.local_rank}/{self.local_size}, "

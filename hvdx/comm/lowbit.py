@@ -115,7 +115,7 @@ class LowBit(Strategy):
     def _node_ranks(self) -> int:
         """The ranks of the node tier: the node's when hierarchical, else 1 (flat)."""
         topo = self.topology
-        on = self.hierarchical if self.hierarchical is not None else topo.num_nodes > 1 and topo.local_size > 1
+        on = self.hierarchical if self.hierarchical is not None else topo.two_tier
         return topo.local_size if on else 1
 
     def residual_length(self, d: int) -> int:
@@ -157,10 +157,11 @@ class LowBit(Strategy):
                 new_residual = tf.pad(new_residual, [[0, stored - length]])
             updates = self._memory.updates(name, new_residual, residual_scale)
         gathered = hvd.allgather(packed, process_set=cross, name=f"hvdx.lowbit.ag.{name}")
-        senders = topo.num_nodes if n > 1 else hvd.size()
-        with tf.name_scope("dequantize"):
+        senders, own = (topo.num_nodes, topo.cross_set.rank()) if n > 1 else (topo.size, topo.rank)
+        with tf.name_scope("dequantize"):  # this rank's own row is `sent` (bitwise what decoding it gives)
             rows = tf.reshape(gathered, [senders, int(packed.shape[0])])
-            total = tf.add_n([dequantize(rows[j], padded, self.bits, chunk) for j in range(senders)])
+            total = tf.add_n([sent if j == own else dequantize(rows[j], padded, self.bits, chunk)
+                              for j in range(senders)])
             averaged = total[:length] / float(topo.size)
         if n == 1:
             return Aggregated(averaged, updates)

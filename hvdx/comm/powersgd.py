@@ -23,6 +23,7 @@ links, each local rank's on its own stream), and a node-local all-gather of the 
 """
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
@@ -54,24 +55,15 @@ def matrix_view(shape: Optional[Tuple[int, ...]]) -> Optional[Tuple[int, int]]:
     gradient, or an unknown shape (the piece of a split gradient)."""
     if shape is None or len(shape) < 2:
         return None
-    columns = int(shape[-1])
-    return _product(shape[:-1]), columns
-
-
-def _product(dims: Sequence[int]) -> int:
-    out = 1
-    for n in dims:
-        out *= int(n)
-    return out
+    return math.prod(int(n) for n in shape[:-1]), int(shape[-1])
 
 
 @dataclass(frozen=True)
 class _Item:
-    """One piece of a bucket: where it is, its matrix view (rows 0: averaged exactly), where
-    its Q lies in the bucket's Q vector, and which local rank handles it (hierarchical)."""
+    """One piece of a bucket: its index and length, its matrix view (rows 0: averaged
+    exactly), where its Q lies in the bucket's Q vector, and which local rank handles it."""
 
     index: int
-    offset: int
     size: int
     rows: int
     cols: int
@@ -158,7 +150,7 @@ class PowerSGD(Strategy):
         """(local ranks n, this rank's local rank, the cross set, ranks in all): the node tier
         when hierarchical, else one tier over the process set."""
         topo = self.topology
-        auto = self.process_set is hvd.global_process_set and topo.num_nodes > 1 and topo.local_size > 1
+        auto = self.process_set is hvd.global_process_set and topo.two_tier
         if self.hierarchical or (self.hierarchical is None and auto):
             return topo.local_size, topo.local_set.rank(), topo.cross_set, topo.size
         ranks = self.process_set.size() if self.process_set is not hvd.global_process_set else topo.size
@@ -171,19 +163,18 @@ class PowerSGD(Strategy):
         plan = self._plans.get(key)
         if plan is not None:
             return plan
-        items, offset, q_offset = [], 0, 0
+        items, q_offset = [], 0
         for j, size in enumerate(sizes):
             view = matrix_view(None if shapes is None else shapes[j])
             rows = cols = 0
             if view is not None and view[0] * view[1] >= self.min_compression * (view[0] + view[1]) * self.rank:
                 rows, cols = view
-            items.append([j, offset, size, rows, cols, q_offset if rows else -1])
-            offset += size
+            items.append([j, size, rows, cols, q_offset if rows else -1])
             q_offset += cols * self.rank if rows else 0
         sent = [0] * owners
         owner_of = {}
-        for j in sorted(range(len(items)), key=lambda j: (-items[j][2], j)):
-            rows, cols, size = items[j][3], items[j][4], items[j][2]
+        for j in sorted(range(len(items)), key=lambda j: (-items[j][1], j)):
+            size, rows, cols = items[j][1:4]
             cost = (rows + cols) * self.rank if rows else size
             o = min(range(owners), key=lambda o: (sent[o], o))
             owner_of[j] = o
@@ -196,7 +187,7 @@ class PowerSGD(Strategy):
 
     def create_state(self, name: str, d: int, shapes: Shapes = None) -> None:
         n, _, _, _ = self._tiers()
-        sizes = [_product(s) for s in shapes] if shapes is not None and None not in shapes else None
+        sizes = [math.prod(s) for s in shapes] if shapes is not None and None not in shapes else None
         plan = self._plan(sizes if sizes is not None else [d], shapes if sizes is not None else None, n)
         self._memory.variable(name, max(plan.share_length(o) for o in range(n)), tf.float32)
         self._memory.counter(name)
@@ -220,8 +211,8 @@ class PowerSGD(Strategy):
     # -- the algorithm -------------------------------------------------------------------
     def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         """A buffer without shapes: averaged exactly (one piece that is no matrix)."""
-        outputs, result = self._aggregate_pieces([buffer], name, residual_scale)
-        return result if result.output is not None else Aggregated(outputs[0], result.updates, finite=result.finite)
+        (output,), result = self._aggregate_pieces([buffer], name, residual_scale)
+        return Aggregated(output, result.updates, finite=result.finite)
 
     def _aggregate_pieces(self, pieces: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor] = None,
                           grouped: bool = False, shapes: Shapes = None) -> Tuple[List[tf.Tensor], Aggregated]:
