@@ -43,7 +43,7 @@ _NAMES: Dict[str, tuple] = {
 }
 #: Subpackages and modules reachable as attributes (`hvdx.comm.HiTopK`) without an import of their own.
 _SUBMODULES = ("adpsgd", "asynchronous", "buckets", "callbacks", "comm", "daso", "data", "localsgd", "ops",
-               "optimizers", "pto", "transport")
+               "optimizers", "pto", "streaming_diloco", "transport")
 
 __all__ = sorted(["Topology", "TopologyError", "barrier", "init", "shutdown", "topology", *_NAMES, *_SUBMODULES])
 

@@ -1,5 +1,5 @@
 """One lifecycle for every training method that is more than one synchronous step: DASO,
-AD-PSGD, the shared-memory family (AsyncMiniBatch, ASSM, PASSM, PASSM+), LocalSGD.
+AD-PSGD, the shared-memory family (AsyncMiniBatch, ASSM, PASSM, PASSM+), LocalSGD, Streaming DiLoCo.
 
 A method is a `TrainingMethod`. A driver (Keras: `hvdx.callbacks.TrainingMethodCallback`; a
 custom loop: the loop itself) calls its hooks in this order, on every rank:

@@ -134,7 +134,7 @@ SAME_ON_BOTH_STACKS = ("3x2",)
 #: training path, checkpoints, Horovod's own tests and examples, the recipe) run Horovod's
 #: collectives built against each TensorFlow.
 METHODS_SAME_ON_BOTH_STACKS = ("adpsgd", "asynchronous", "daso", "daso_transport", "datacache", "lars",
-                               "lars_sparse", "localsgd", "node_shm")
+                               "lars_sparse", "localsgd", "node_shm", "streaming_diloco")
 
 
 def same_on_both_stacks(check: Check) -> bool:

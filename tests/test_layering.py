@@ -32,7 +32,7 @@ LAYERS: List[List[str]] = [
     # the protocol of the methods beside the synchronous step
     ["hvdx.lifecycle"],
     # the methods
-    ["hvdx.daso", "hvdx.adpsgd", "hvdx.asynchronous", "hvdx.localsgd"],
+    ["hvdx.daso", "hvdx.adpsgd", "hvdx.asynchronous", "hvdx.localsgd", "hvdx.streaming_diloco"],
     # Keras glue: the callbacks; the methods' package faces and old callback modules, which
     # re-export their callbacks (lazily: importing a method never imports the callbacks)
     ["hvdx.callbacks", "hvdx.elastic", "hvdx.keras3_elastic", "hvdx.daso.__init__", "hvdx.daso.keras", "hvdx.adpsgd.__init__", "hvdx.adpsgd.keras",

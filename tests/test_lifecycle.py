@@ -40,12 +40,13 @@ def test_every_method_is_a_training_method():
     from hvdx.lifecycle import TrainingMethod
 
     methods = [hvdx.DASO, hvdx.adpsgd.ADPSGD, hvdx.asynchronous.AsyncMiniBatch, hvdx.asynchronous.ASSM,
-               hvdx.asynchronous.PASSM, hvdx.asynchronous.PASSMPlus, hvdx.localsgd.LocalSGD]
+               hvdx.asynchronous.PASSM, hvdx.asynchronous.PASSMPlus, hvdx.localsgd.LocalSGD,
+               hvdx.streaming_diloco.StreamingDiLoCo]
     assert all(issubclass(m, TrainingMethod) for m in methods)
     # what a driver reads: which methods count steps together, which act after every single step
     assert {m.__name__: m.same_steps_on_every_rank for m in methods} == {
         "DASO": True, "ADPSGD": False, "AsyncMiniBatch": True, "ASSM": True, "PASSM": True, "PASSMPlus": True,
-        "LocalSGD": True}
+        "LocalSGD": True, "StreamingDiLoCo": True}
     assert [m.__name__ for m in methods if m.replaces_train_step] == ["AsyncMiniBatch", "ASSM", "PASSM",
                                                                         "PASSMPlus"]
     assert not hvdx.adpsgd.ADPSGD.needs_every_step and hvdx.DASO.needs_every_step
