@@ -27,6 +27,13 @@ norm: trust_norms="rank"),
 (momentum correction without DGC's momentum factor masking: momentum_masking=False).
 The compressors beside top-k (issue 66), at their defaults: `powersgd` (rank 4), `lowbit`
 (8 bits), `lowbit4` (4 bits).
+The local methods (issue 68), each rank stepping its task's optimizer alone between
+synchronisations of --sync-every steps: `localsgd` (hvdx.localsgd.LocalSGD: DiLoCo, blocking,
+float32), `streaming` (hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step
+of overlap, float32 across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients).
+Their accuracy is the anchor's (the global model every rank holds the same, DiLoCo's outer
+model), taken outside the timed part; a chunk's time includes the wait for the exchanges still
+in flight at its end, so no exchange hides in an evaluation.
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
 rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
@@ -59,6 +66,7 @@ from hvdx.legacy_keras import use_keras2  # noqa: E402
 use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
 
 import argparse
+import contextlib
 import importlib
 import json
 import sys
@@ -181,6 +189,40 @@ def inner_optimizer(task: str, size: int, optimizer: str = "task", keras=None):
     return keras.optimizers.SGD(0.025 * size, momentum=0.9)
 
 
+#: The local methods: their class's keywords beside --sync-every (and --fragments).
+LOCAL_METHODS = {"localsgd": {}, "streaming": {"overlap": 1}, "streaming8": {"overlap": 1, "bits": 8},
+                 "streaming4": {"overlap": 1, "bits": 4}}
+
+
+def local_method(method: str, args: argparse.Namespace):
+    """The TrainingMethod of a local method's name (LOCAL_METHODS), not started."""
+    if method == "localsgd":
+        from hvdx.localsgd import LocalSGD
+
+        return LocalSGD(sync_every=args.sync_every, sync_every_epoch=False)
+    from hvdx.streaming_diloco import StreamingDiLoCo
+
+    return StreamingDiLoCo(sync_every=args.sync_every, fragments=args.fragments, sync_every_epoch=False,
+                           **LOCAL_METHODS[method])
+
+
+class AnchorView:
+    """Within `with AnchorView(method):` the method's variables hold its anchor (the global
+    model); its local values come back at the exit."""
+
+    def __init__(self, method) -> None:
+        self.method = method
+
+    def __enter__(self) -> None:
+        self.saved = [v.numpy() for v in self.method.variables]
+        for v, a in zip(self.method.variables, self.method.anchor):
+            v.assign(a)
+
+    def __exit__(self, *exc) -> None:
+        for v, value in zip(self.method.variables, self.saved):
+            v.assign(value)
+
+
 def method_options(method: str, task: str, args: argparse.Namespace) -> Dict[str, Any]:
     """hvdx.DistributedOptimizer's keywords for a method name (see the module docstring)."""
     base, *aids = method.split("+")
@@ -286,8 +328,11 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
         keras.utils.set_random_seed(args.seed)  # the same initial weights (of one Keras) and batches for every method
         model = build_model(task, args, keras)
         inner = inner_optimizer(task, hvd.size(), args.optimizer, keras)
+        local = local_method(method, args) if method in LOCAL_METHODS else None
         if method == "horovod":
             optimizer = hvd_keras.DistributedOptimizer(inner)
+        elif local is not None:
+            optimizer, options = inner, {}
         else:
             options = method_options(method, task, args)
             if not hasattr(inner, "momentum"):
@@ -298,6 +343,8 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
         data = tf.data.Dataset.from_tensor_slices((x_train[mine], y_train[mine])).repeat().shuffle(
             2048, seed=args.seed).batch(args.batch)
         tape = args.loop == "tape"  # the tape's loop: the model compiled only for evaluate
+        if tape and local is not None:
+            raise ValueError(f"--loop tape runs the synchronous methods; {method} trains through Model.fit's step")
         model.compile(optimizer=inner if tape else optimizer, loss=keras.losses.SparseCategoricalCrossentropy(),
                       metrics=["accuracy"], **({"jit_compile": False} if version == 3 else {}))
         if tape:
@@ -313,10 +360,12 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
                       callbacks=[callbacks.BroadcastGlobalVariablesCallback(0)])
             model.make_train_function()  # Keras 3's returns None: both set model.train_function
             iterator, train = iter(data), model.train_function
+            if local is not None:
+                local.start(model, inner)  # collective: rank 0's model, the anchor, the transport
         # the optimizer whose rate --lr-warmup-steps ramps: the one that applies the gradients
         runs[key] = {"model": model, "iterator": iterator, "train": train,
                      "optimizer": inner if tape else model.optimizer,
-                     "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
+                     "local": local, "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
                      "rate": float(np.asarray(inner.learning_rate))}
     for chunk in range(-(-(args.steps - 1) // args.eval_every)):
         for method, run in runs.items():
@@ -331,17 +380,30 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
                     logs = {"loss": run["train"](*next(run["iterator"]), False)}
                 else:
                     logs = run["train"](run["iterator"])
+                if run["local"] is not None:
+                    run["local"].after_step()
             float(logs["loss"])  # waits for the last step
+            if run["local"] is not None:  # and for the exchanges in flight (applied at their step)
+                for item in getattr(run["local"], "inflight", ()):
+                    item.future.result()
             run["clock"] += common.slowest(time.perf_counter() - start, f"conv.{task}.{method}.{args.seed}.{chunk}")
             run["done"] += n
-            _, accuracy = run["model"].evaluate(x_test, y_test, batch_size=256, verbose=0)
+            with (AnchorView(run["local"]) if run["local"] is not None else contextlib.nullcontext()):
+                _, accuracy = run["model"].evaluate(x_test, y_test, batch_size=256, verbose=0)
             run["steps"].append(run["done"])
             run["accuracy"].append(float(accuracy))
             run["seconds"].append(run["clock"])
             if hvd.rank() == 0:
                 print(f"{task} {method} seed {args.seed}: step {run['done']} test accuracy {accuracy:.3f} "
                       f"({run['clock']:.1f} s training)", flush=True)
-    return {method: {k: run[k] for k in ("steps", "accuracy", "seconds")} for method, run in runs.items()}
+    out = {}
+    for method, run in runs.items():
+        out[method] = {k: run[k] for k in ("steps", "accuracy", "seconds")}
+        if run["local"] is not None:
+            out[method]["stats"] = run["local"].stats()  # rank 0's: bytes sent, the wait the overlap left
+            run["local"].finish()  # collective: one model on every rank
+            run["local"].close()
+    return out
 
 
 def run_ranks(args: argparse.Namespace) -> None:
@@ -572,6 +634,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="Horovod's LearningRateWarmupCallback over this many steps (0: none)")
     parser.add_argument("--lr-decay-power", type=float, default=0.0,
                         help="after the warm-up, polynomial decay of this power to 0 at --steps (0: constant)")
+    parser.add_argument("--sync-every", type=int, default=10,
+                        help="the local methods' steps between two synchronisations (of one fragment)")
+    parser.add_argument("--fragments", type=int, default=2, help="streaming DiLoCo's fragments")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--seeds", type=int, default=1, help="how many seeds (--seed, --seed + 1, ...)")
     parser.add_argument("--loop", default="fit", choices=("fit", "tape"),
