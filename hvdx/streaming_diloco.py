@@ -256,7 +256,12 @@ class StreamingDiLoCo(LocalSGD):
     def start(self, model_or_variables: Any, optimizer: Any = None, *, steps_per_epoch: Optional[int] = None,
               epochs: Optional[int] = None) -> "StreamingDiLoCo":
         """LocalSGD's start (rank 0's model everywhere, the anchor), the fragments planned, the
-        outer optimizer built on the anchor, and the transport (collective). Returns self."""
+        outer optimizer built on the anchor, and the transport (collective). Exchanges still in
+        flight from before (a loop that starts again without `close()`) are waited for and
+        dropped, on every rank alike. Returns self."""
+        for item in self.inflight:
+            item.future.result()
+        self.inflight.clear()
         super().start(model_or_variables, optimizer)
         if not self.groups:
             self.groups = plan_fragments([int(np.prod(v.shape)) for v in self.variables], self.fragments)

@@ -80,6 +80,23 @@ def test_method_names_map_to_the_aids():
         convergence.method_options("hitopk+nope", "mnist", args)
 
 
+def test_local_method_names_build_their_methods_and_evaluation_sees_the_anchor():
+    import numpy as np
+    import tensorflow as tf
+
+    from benchmarks import convergence
+
+    args = convergence.main.__globals__["argparse"].Namespace(sync_every=10, fragments=2)
+    assert type(convergence.local_method("localsgd", args)).__name__ == "LocalSGD"
+    streaming4 = convergence.local_method("streaming4", args)
+    assert (streaming4.sync_every, streaming4.fragments, streaming4.overlap, streaming4.bits) == (10, 2, 1, 4)
+    assert convergence.local_method("streaming", args).bits is None
+    local = type("Local", (), {"variables": [tf.Variable([1.0, 2.0])], "anchor": [tf.Variable([5.0, 6.0])]})()
+    with convergence.AnchorView(local):
+        assert local.variables[0].numpy().tolist() == [5.0, 6.0]          # evaluated: the global model
+    np.testing.assert_array_equal(local.variables[0].numpy(), [1.0, 2.0])  # training goes on from its own
+
+
 def test_the_rate_warms_up_as_horovod_then_decays_as_lars_recipe():
     """--lr-warmup-steps W: Horovod's ramp from rate / ranks; --lr-decay-power p: then
     rate ((S - step) / (S - W))^p, 0 at step S; p = 0 keeps the rate after the warm-up."""

@@ -170,11 +170,17 @@ def test_epochs_end_with_every_fragment_synchronised_and_finish_is_idempotent(on
     lazy.close()
     with pytest.raises(RuntimeError, match="needs start"):
         lazy.after_step()
+    lazy.start(lazy.variables)
+    lazy.after_step()                                          # step 3 of the count
+    lazy.after_step()                                          # step 4: fragment 1 goes
+    assert [i.fragments for i in lazy.inflight] == [[1]]
+    lazy.start(lazy.variables)                                 # started again: that exchange is dropped
+    assert not lazy.inflight and np.array_equal(lazy.variables[1].numpy(), lazy.anchor[1].numpy())
     lazy.reset()                                               # an elastic reset: no collective
     lazy.start(lazy.variables)                                 # the transport built again
-    lazy.after_step()
-    lazy.after_step()                                          # step 4 of the count: fragment 1 goes
-    assert len(lazy.inflight) == 1 and lazy.exchange is not None
+    lazy.after_step()                                          # step 5
+    lazy.after_step()                                          # step 6: fragment 0 goes
+    assert [i.fragments for i in lazy.inflight] == [[0]] and lazy.exchange is not None
     lazy.close()
     method.close()
 
