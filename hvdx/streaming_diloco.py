@@ -31,7 +31,6 @@ anchors (and the outer optimizer's state) stay identical on every rank.
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from collections import deque
 from typing import Any, Deque, Dict, List, Mapping, NamedTuple, Optional, Sequence
@@ -40,7 +39,8 @@ import numpy as np
 import tensorflow as tf
 
 from hvdx.arguments import integer, real
-from hvdx.comm.lowbit import BITS, DEFAULT_CHUNK, dequantize, quantize
+from hvdx.comm.base import check_hierarchical
+from hvdx.comm.lowbit import DEFAULT_CHUNK, check_bits, check_chunk, dequantize, quantize
 from hvdx.localsgd import LocalSGD, keras2
 from hvdx.topology import Topology, topology as current_topology
 from hvdx.transport.base import TransportError
@@ -88,10 +88,9 @@ class OuterExchange:
         self.local_rank, self.local_size, self.size = local_rank, local_size, size
         self.bits, self.chunk, self.timeout = bits, chunk, timeout
         self.error_feedback = error_feedback
-        self.residuals: Dict[Any, np.ndarray] = {}  # by key: touched by the worker thread only
+        self.residuals: Dict[Any, np.ndarray] = {}  # these three: written by the worker thread only
         self.bytes_sent = {"node": 0, "cross": 0}
         self.seconds = 0.0
-        self._lock = threading.Lock()
         self._worker = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hvdx-outer-exchange")
 
     @classmethod
@@ -165,8 +164,7 @@ class OuterExchange:
         return total
 
     def _count(self, tier: str, nbytes: int) -> None:
-        with self._lock:
-            self.bytes_sent[tier] += int(nbytes)
+        self.bytes_sent[tier] += int(nbytes)
 
     def close(self) -> None:
         """Closes the rings (a pending exchange fails) and the thread; no collective."""
@@ -232,15 +230,9 @@ class StreamingDiLoCo(LocalSGD):
                                expected=f"an int in [0, sync_every - 1 = {self.sync_every - 1}] (inner steps)")
         default_mixing = 0.5 if self.overlap else 0.0
         self.mixing = default_mixing if mixing is None else real(mixing, "mixing", 0.0, 1.0)
-        if bits is not None and bits not in BITS:
-            raise ValueError(f"bits must be None (float32), {' or '.join(map(str, BITS))}, got {bits!r}")
-        self.bits = bits
-        self.chunk = integer(chunk, "chunk", 2, expected="an even int >= 2 (elements per scale)")
-        if self.chunk % 2:
-            raise ValueError(f"chunk must be an even int >= 2 (elements per scale), got {chunk!r}")
-        if hierarchical not in (None, True, False):
-            raise ValueError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
-        self.hierarchical = hierarchical
+        self.bits = check_bits(bits, optional=True)
+        self.chunk = check_chunk(chunk)
+        self.hierarchical = check_hierarchical(hierarchical)
         if not isinstance(error_feedback, bool):
             raise ValueError(f"error_feedback must be True or False, got {error_feedback!r}")
         self.error_feedback = error_feedback
@@ -255,8 +247,8 @@ class StreamingDiLoCo(LocalSGD):
     # -- the lifecycle ----------------------------------------------------------------------
     def start(self, model_or_variables: Any, optimizer: Any = None, *, steps_per_epoch: Optional[int] = None,
               epochs: Optional[int] = None) -> "StreamingDiLoCo":
-        """LocalSGD's start (rank 0's model everywhere, the anchor), the fragments planned, the
-        outer optimizer built on the anchor, and the transport (collective). Exchanges still in
+        """LocalSGD's start (rank 0's model everywhere, the anchor), the fragments planned and
+        the transport (collective). Exchanges still in
         flight from before (a loop that starts again without `close()`) are waited for and
         dropped, on every rank alike. Returns self."""
         for item in self.inflight:
@@ -265,13 +257,6 @@ class StreamingDiLoCo(LocalSGD):
         super().start(model_or_variables, optimizer)
         if not self.groups:
             self.groups = plan_fragments([int(np.prod(v.shape)) for v in self.variables], self.fragments)
-        if self._outer_built is not self.outer_optimizer:  # a new one after restore() too
-            build = getattr(self.outer_optimizer, "build", None)
-            if isinstance(self.outer_optimizer, keras2.optimizers.Optimizer) and callable(build):
-                with tf.init_scope():  # Keras' optimizers must see every variable at their first build
-                    build(self.anchor)
-            self._outer_built = self.outer_optimizer
-            self._apply_fns.clear()
         if self.exchange is None:
             topo = current_topology()
             hierarchical = topo.two_tier if self.hierarchical is None else self.hierarchical
@@ -325,6 +310,13 @@ class StreamingDiLoCo(LocalSGD):
             raise TransportError("the outer exchange was cancelled (the transport was closed)") from exc
         finally:
             self.waited_seconds += time.perf_counter() - began
+        if self._outer_built is not self.outer_optimizer:  # the first apply, or restore() gave a new one
+            build = getattr(self.outer_optimizer, "build", None)
+            if isinstance(self.outer_optimizer, keras2.optimizers.Optimizer) and callable(build):
+                with tf.init_scope():  # Keras' optimizers must see every variable at their first build
+                    build(self.anchor)
+            self._outer_built = self.outer_optimizer
+            self._apply_fns.clear()
         offset = 0
         for p in item.fragments:
             sizes = [int(np.prod(self.variables[i].shape)) for i in self.groups[p]]
@@ -391,7 +383,6 @@ class StreamingDiLoCo(LocalSGD):
         self.overlap = int(state.get("overlap", self.overlap))
         self.mixing = float(state.get("mixing", self.mixing))
         self.error_feedback = bool(state.get("error_feedback", self.error_feedback))
-        self._apply_fns.clear()
 
     def stats(self) -> Dict[str, Any]:
         """LocalSGD's stats, the fragments, the exchanges in flight, the bytes this rank sent

@@ -27,7 +27,7 @@ from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scat
 from hvdx.topology import Topology, initialized, set_rank_and_size, topology
 
 __all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Shapes", "Strategy",
-           "check_density", "check_positive_int", "check_shapes", "get", "node_allgather", "node_reduce_scatter",
+           "check_density", "check_hierarchical", "check_positive_int", "check_shapes", "get", "node_allgather", "node_reduce_scatter",
            "node_reduce_scatter_parts", "node_slices", "padded_length"]
 
 #: Horovod's own options. A strategy may take them (`Allreduce` does); the optimizer saves
@@ -38,6 +38,14 @@ HOROVOD_OPTIONS = ("op", "process_set", "prescale_factor", "postscale_factor", "
 def check_density(density: float) -> float:
     """A density in (0, 1], as a float (NumPy numbers too); ValueError otherwise."""
     return real(density, "density", 0, 1, low_open=True, expected="a number in (0, 1]")
+
+
+def check_hierarchical(hierarchical: Optional[bool]) -> Optional[bool]:
+    """A strategy's `hierarchical` option: True, False or None (automatic: on a 2-tier job);
+    ValueError otherwise (1 and 0 too: a flag, not a count)."""
+    if not (hierarchical is None or isinstance(hierarchical, bool)):
+        raise ValueError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
+    return hierarchical
 
 
 def check_positive_int(value: Any, argument: str) -> int:

@@ -22,17 +22,37 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.arguments import integer
-from hvdx.comm.base import Aggregated, Strategy
+from hvdx.comm.base import Aggregated, Strategy, check_hierarchical
 from hvdx.comm.memory import ResidualMemory
 from hvdx.comm.registry import register
 from hvdx.node.collectives import node_allgather, node_reduce_scatter, node_slices
 
-__all__ = ["BITS", "DEFAULT_CHUNK", "LowBit", "dequantize", "quantize"]
+__all__ = ["BITS", "DEFAULT_CHUNK", "LowBit", "check_bits", "check_chunk", "dequantize", "quantize"]
 
 #: The widths a value may take on the wire.
 BITS = (8, 4)
 #: Elements per scale when none is given: the scale's 4 bytes add 0.4 % to 8-bit chunks.
 DEFAULT_CHUNK = 1024
+
+
+def check_bits(bits: Any, *, optional: bool = False) -> Optional[int]:
+    """`bits` as an int of BITS (or None where `optional`: float32 on the wire); ValueError
+    otherwise."""
+    if optional and bits is None:
+        return None
+    allowed = f"{'None (float32), ' if optional else ''}one of {BITS}"
+    value = integer(bits, "bits", 1, expected=allowed)
+    if value not in BITS:
+        raise ValueError(f"bits must be {allowed}, got {bits!r}")
+    return value
+
+
+def check_chunk(chunk: Any) -> int:
+    """`chunk` (elements per float32 scale) as an even int >= 2; ValueError otherwise."""
+    value = integer(chunk, "chunk", 2, expected="an even int >= 2 (elements per scale)")
+    if value % 2:
+        raise ValueError(f"chunk must be an even int >= 2 (elements per scale), got {chunk!r}")
+    return value
 
 
 def _levels(bits: int) -> int:
@@ -97,15 +117,9 @@ class LowBit(Strategy):
     def __init__(self, bits: int = 8, chunk: int = DEFAULT_CHUNK, hierarchical: Optional[bool] = None,
                  topo=None) -> None:
         super().__init__(topo)
-        self.bits = integer(bits, "bits", 1, expected=f"one of {BITS}")
-        if self.bits not in BITS:
-            raise ValueError(f"bits must be one of {BITS}, got {bits!r}")
-        self.chunk = integer(chunk, "chunk", 2, expected="an even int >= 2 (elements per scale)")
-        if self.chunk % 2:
-            raise ValueError(f"chunk must be an even int >= 2 (elements per scale), got {chunk!r}")
-        if not (hierarchical is None or isinstance(hierarchical, bool)):
-            raise ValueError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
-        self.hierarchical = hierarchical
+        self.bits = check_bits(bits)
+        self.chunk = check_chunk(chunk)
+        self.hierarchical = check_hierarchical(hierarchical)
         self._memory = ResidualMemory(self.key)
 
     @property

@@ -32,7 +32,7 @@ import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx.arguments import integer, real
-from hvdx.comm.base import Aggregated, Shapes, Strategy
+from hvdx.comm.base import Aggregated, Shapes, Strategy, check_hierarchical
 from hvdx.comm.memory import ResidualMemory
 from hvdx.comm.registry import register
 from hvdx.node.collectives import node_allgather
@@ -120,9 +120,7 @@ class PowerSGD(Strategy):
         self.rank = integer(rank, "rank", 1, expected="an int >= 1 (the approximation's rank)")
         self.min_compression = real(min_compression, "min_compression", 1, expected="a number >= 1")
         self.start_step = integer(start_step, "start_step", 0, expected="an int >= 0 (steps averaged exactly)")
-        if not (hierarchical is None or isinstance(hierarchical, bool)):
-            raise ValueError(f"hierarchical must be True, False or None (automatic), got {hierarchical!r}")
-        if hierarchical and process_set is not hvd.global_process_set:
+        if check_hierarchical(hierarchical) and process_set is not hvd.global_process_set:
             raise ValueError("PowerSGD(hierarchical=True) runs over the topology's node and cross sets, i.e. every "
                              "rank: drop process_set=, or use hierarchical=False to run flat over the set")
         self.hierarchical = hierarchical
