@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from hvdx.arguments import integer, is_integer
 
-__all__ = ["build_info", "gpu_problems", "library_path", "load_library", "mstopk", "shared_read", "shared_update",
-           "sparse_accumulate", "stateless_mstopk"]
+__all__ = ["build_info", "error_feedback", "gpu_problems", "library_path", "load_library", "mstopk", "shared_read",
+           "shared_update", "sparse_accumulate", "stateless_mstopk"]
 
 _MARKER = b"hvdx-build-info:"
 _LIBRARY_ENV = "HVDX_OPS_LIBRARY"  # overrides where the library is looked for
@@ -314,6 +314,56 @@ def sparse_accumulate(values: TensorLike, indices: TensorLike, size: Union[int, 
                 and int(static_size) != out.shape[0]:
             raise ValueError(f"sparse_accumulate: size={int(static_size)} but out has {out.shape[0]} elements")
     return _sparse_accumulate(values, indices, out, name=name)
+
+
+# -- error feedback (hvdx.comm.dgc; csrc/kernels/error_feedback.cc) --------------------------
+tf.no_gradient("HvdxErrorFeedback")  # state kept outside the tape
+
+
+def error_feedback(grads: Union[TensorLike, Sequence[TensorLike]], residual: TensorLike, velocity: Optional[TensorLike] = None,
+                   momentum: float = 0.0, decay: float = 1.0,
+                   name: Optional[str] = None) -> Tuple[tf.Tensor, Optional[tf.Tensor]]:
+    """What top-k selects from, in one pass over the buffer (Lin et al. 2018, DGC sec. 3.2):
+
+        g = grads[0] + grads[1] + ...            (in that order)
+        u' = momentum * velocity + g             (with `velocity`: momentum correction)
+        acc = decay * residual + u'  (or + g without `velocity`)
+
+    each product and sum rounded to float32 as written (CPU and GPU agree bit for bit).
+
+    Args:
+      grads: a 1-D float32 tensor of the residual's length, or a list of them (a node's parts
+        after its reduce-scatter; more than 8 are summed in groups first).
+      residual: 1-D float32, what earlier steps did not send.
+      velocity: 1-D float32 of the same length (DGC's local velocity u), or None.
+      momentum: m, used with `velocity`.
+      decay: the residual's decay (1: plain error feedback).
+
+    Returns:
+      (acc, u'), u' None without `velocity`.
+
+    Raises:
+      ValueError: no grads, a dtype other than float32, or lengths known to differ.
+    """
+    if isinstance(grads, (tf.Tensor, tf.Variable, np.ndarray)):
+        grads = [grads]
+    grads = [tf.convert_to_tensor(g) for g in grads]
+    if not grads:
+        raise ValueError("error_feedback: give at least one gradient")
+    residual = tf.convert_to_tensor(residual)
+    tensors = [*grads, residual] + ([] if velocity is None else [tf.convert_to_tensor(velocity)])
+    for t in tensors:
+        if t.dtype != tf.float32:
+            raise ValueError(f"error_feedback: float32 tensors only, got {t.dtype.name}")
+        if t.shape.rank is not None and (t.shape.rank != 1 or not t.shape[:1].is_compatible_with(residual.shape[:1])):
+            raise ValueError(f"error_feedback: 1-D tensors of one length, got shapes {[t.shape for t in tensors]}")
+    while len(grads) > 8:  # the kernel's GradientList::kMax
+        grads = [tf.add_n(grads[:len(grads) - 7]), *grads[len(grads) - 7:]]
+    empty = tf.zeros([0], tf.float32)
+    acc, out = _ops.hvdx_error_feedback(grads=grads, residual=residual,
+                                        velocity=empty if velocity is None else tensors[-1],
+                                        momentum=float(momentum), decay=float(decay), name=name)
+    return acc, (None if velocity is None else out)
 
 
 # -- the shared model (hvdx.asynchronous; csrc/kernels/shared_model.cc) ---------------------------

@@ -7,7 +7,8 @@
 #   2. summary.json  parity: MSTopK's GPU functor equal to the CPU functor bit for bit and
 #                    both equal to tests/mstopk_reference.py (Algorithm 1 round by round) on
 #                    normal, Laplace, Student-t(3), Cauchy, exact zeros, ties, NaN/Inf, d from
-#                    1 to 2^28; sparse accumulation equal to np.add.at and CPU = GPU bit for
+#                    1 to 2^28; sparse accumulation equal to np.add.at and error feedback to
+#                    its float32 reference, CPU = GPU bit for
 #                    bit; every GPU result equal on a second run; injected launch errors (a
 #                    too-large grid, an invalid pointer) returned as errors;
 #      report.md, bench.json, fig6.png
@@ -27,7 +28,7 @@
 #   scripts/gpu_harness.sh [OUT]        (default: $OUT, else /tmp/hvdx-gpu-harness)
 #   scripts/gpu_harness.sh --quick [OUT]   small sizes only (a smoke run, ~2 minutes)
 #   scripts/gpu_harness.sh --kernels mstopk [OUT]   one kernel's checks and benchmark
-#                                          (mstopk, sparse_accumulate; default both)
+#                                          (mstopk, sparse_accumulate, error_feedback; default all)
 # Environment: PYTHON (default python3), HVDX_HARNESS_CUDA_ARCHITECTURES (default native).
 set -uo pipefail
 

@@ -69,6 +69,22 @@ def test_cpu_kernel_in_the_harness_equals_the_tensorflow_op_bit_for_bit(harness)
     assert harness.sparse_accumulate_cpu(vals, idx, 10_000, dense).tobytes() == from_op.tobytes()
 
 
+def test_error_feedback_in_the_harness_equals_its_reference_and_the_tensorflow_op(harness):
+    import tensorflow as tf
+
+    from hvdx import ops
+    result = checks.check_error_feedback(harness, checks.error_feedback_cases()[:-1], gpu=False, seed=3, threads=2)
+    assert result["failures"] == [] and len(result["cases"]) == 6
+    rng = np.random.default_rng(8)
+    grads = [rng.standard_normal(70_001).astype(np.float32) for _ in range(2)]
+    residual, velocity = (rng.standard_normal(70_001).astype(np.float32) for _ in range(2))
+    acc, u = ops.error_feedback([tf.constant(g) for g in grads], residual, velocity, momentum=0.9)
+    mine = harness.error_feedback_cpu(grads, residual, velocity, 0.9, 1.0, threads=3)
+    assert mine[0].tobytes() == acc.numpy().tobytes() and mine[1].tobytes() == u.numpy().tobytes()
+    with pytest.raises(lib.HarnessError, match="1 to 8 gradients"):
+        harness.error_feedback_cpu([grads[0]] * 9, residual)
+
+
 def test_sparse_accumulation_adds_every_element_s_entries_in_their_order(harness):
     result = checks.check_sparse(harness, checks.sparse_cases(4)[:-1], gpu=False, seed=4, threads=2)
     assert result["failures"] == [] and len(result["cases"]) == 7
@@ -102,6 +118,8 @@ def test_a_cpu_only_harness_answers_gpu_calls_with_unimplemented(harness):
     assert "built without CUDA" in harness.last_message
     with pytest.raises(lib.HarnessError, match="built without CUDA"):
         harness.mstopk_gpu(np.ones(4, np.float32), 2)
+    with pytest.raises(lib.HarnessError, match="built without CUDA"):
+        harness.check("hvdx_error_feedback_gpu", None, 1, None, None, 0.0, 1.0, None, None, 0, None)
 
 
 def _python_without_tensorflow():

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/error_feedback.h"
 #include "kernels/status.h"
 
 namespace hvdx {
@@ -49,6 +50,16 @@ inline Status CheckSparse(int64_t nnz, int64_t size, int index_bits) {
   if (size < 0) return errors::InvalidArgument("sparse_accumulate: size must be >= 0, got ", size);
   if (index_bits != 32 && index_bits != 64)
     return errors::InvalidArgument("sparse_accumulate: index_bits must be 32 or 64, got ", index_bits);
+  return OkStatus();
+}
+
+// ErrorFeedbackOp's checks, and the functor's list of gradients.
+inline Status GradientList(const float* const* grads, int count, int64_t n, functor::GradientList* list) {
+  if (n < 0) return errors::InvalidArgument("error_feedback: n must be >= 0, got ", n);
+  if (count < 1 || count > functor::GradientList::kMax)
+    return errors::InvalidArgument("error_feedback: 1 to ", functor::GradientList::kMax, " gradients, got ", count);
+  list->count = count;
+  for (int j = 0; j < count; ++j) list->data[j] = grads[j];
   return OkStatus();
 }
 

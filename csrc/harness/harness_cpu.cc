@@ -6,6 +6,7 @@
 #include "harness/harness_common.h"
 #include "harness/hvdx_harness.h"
 #include "kernels/device.h"
+#include "kernels/error_feedback.h"
 #include "kernels/mstopk.h"
 #include "kernels/sparse_accumulate.h"
 
@@ -67,6 +68,18 @@ int hvdx_sparse_accumulate_cpu(const float* values, const void* indices, int ind
   return Report(status, msg, msg_size);
 }
 
+int hvdx_error_feedback_cpu(const float* const* grads, int count, const float* residual, const float* velocity,
+                            float momentum, float decay, float* acc, float* velocity_out, int64_t n, int threads,
+                            char* msg, size_t msg_size) {
+  hvdx::functor::GradientList list;
+  Status status = hvdx::harness::GradientList(grads, count, n, &list);
+  if (status.ok()) {
+    status = hvdx::functor::ErrorFeedback<CpuDevice>()(Device(threads), list, residual, velocity, momentum, decay,
+                                                         acc, velocity_out, n);
+  }
+  return Report(status, msg, msg_size);
+}
+
 #if !GOOGLE_CUDA
 int hvdx_harness_has_cuda(void) { return 0; }
 int64_t hvdx_mstopk_gpu_scratch_bytes(int64_t) { return -1; }
@@ -77,6 +90,10 @@ int hvdx_mstopk_gpu(const float*, int64_t, int64_t, int, uint64_t, float*, void*
 int64_t hvdx_sparse_accumulate_gpu_workspace_bytes(int64_t, int64_t, int) { return -1; }
 int hvdx_sparse_accumulate_gpu(const float*, const void*, int, int64_t, const float*, float*, int64_t, void*, void*,
                                char* msg, size_t msg_size) {
+  return hvdx::harness::NoCuda(msg, msg_size);
+}
+int hvdx_error_feedback_gpu(const float* const*, int, const float*, const float*, float, float, float*, float*, int64_t,
+                            void*, char* msg, size_t msg_size) {
   return hvdx::harness::NoCuda(msg, msg_size);
 }
 int hvdx_cuda_malloc(void**, int64_t, char* msg, size_t msg_size) { return hvdx::harness::NoCuda(msg, msg_size); }

@@ -7,6 +7,7 @@
 #include "harness/harness_common.h"
 #include "harness/hvdx_harness.h"
 #include "kernels/device.h"
+#include "kernels/error_feedback.h"
 #include "kernels/gpu_launch.h"
 #include "kernels/mstopk.h"
 #include "kernels/sparse_accumulate.h"
@@ -70,6 +71,18 @@ int hvdx_sparse_accumulate_gpu(const float* values, const void* indices, int ind
   if (status.ok()) {
     status = index_bits == 32 ? SparseGpu<int32_t>(values, indices, nnz, dense, out, size, workspace, stream)
                               : SparseGpu<int64_t>(values, indices, nnz, dense, out, size, workspace, stream);
+  }
+  return Report(status, msg, msg_size);
+}
+
+int hvdx_error_feedback_gpu(const float* const* grads, int count, const float* residual, const float* velocity,
+                            float momentum, float decay, float* acc, float* velocity_out, int64_t n, void* stream,
+                            char* msg, size_t msg_size) {
+  hvdx::functor::GradientList list;
+  Status status = hvdx::harness::GradientList(grads, count, n, &list);
+  if (status.ok()) {
+    status = hvdx::functor::ErrorFeedback<GpuDevice>()(GpuDevice(Stream(stream)), list, residual, velocity, momentum,
+                                                         decay, acc, velocity_out, n);
   }
   return Report(status, msg, msg_size);
 }

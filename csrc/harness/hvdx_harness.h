@@ -1,6 +1,6 @@
 /* The C ABI of hvdx's TensorFlow-free kernel harness (libhvdx_harness.so, built from
  * csrc/harness/CMakeLists.txt). It calls the very functors the TensorFlow ops call
- * (csrc/kernels/: mstopk.{h,cc,cu.cc}, sparse_accumulate.{h,cc,cu.cc}) on raw float32
+ * (csrc/kernels/: mstopk, sparse_accumulate, error_feedback .{h,cc,cu.cc}) on raw float32
  * buffers, so that they can be checked and timed where TensorFlow cannot run.
  *
  * Every function that can fail returns 0 on success, else the status code of the
@@ -45,6 +45,17 @@ int64_t hvdx_sparse_accumulate_gpu_workspace_bytes(int64_t nnz, int64_t size, in
 int hvdx_sparse_accumulate_gpu(const float* values, const void* indices, int index_bits, int64_t nnz,
                                const float* dense, float* out, int64_t size, void* workspace, void* stream, char* msg,
                                size_t msg_size);
+
+/* Error feedback with momentum correction (kernels/error_feedback.h): with g the sum of the
+ * `count` (1..8) gradients grads[0..count) in order, u = momentum * velocity + g and
+ * acc = decay * residual + u, velocity_out = u (velocity NULL: acc = decay * residual + g,
+ * velocity_out unused). grads is a host array of `count` pointers (device pointers on the GPU). */
+int hvdx_error_feedback_cpu(const float* const* grads, int count, const float* residual, const float* velocity,
+                            float momentum, float decay, float* acc, float* velocity_out, int64_t n, int threads,
+                            char* msg, size_t msg_size);
+int hvdx_error_feedback_gpu(const float* const* grads, int count, const float* residual, const float* velocity,
+                            float momentum, float decay, float* acc, float* velocity_out, int64_t n, void* stream,
+                            char* msg, size_t msg_size);
 
 /* Plain CUDA helpers, so that a driver needs no CuPy or PyTorch to move data. kind:
  * 1 host to device, 2 device to host, 3 device to device. */

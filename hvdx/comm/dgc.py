@@ -33,10 +33,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
+from hvdx import ops
 from hvdx.arguments import integer, is_integer, real
 
 __all__ = ["DensityWarmup", "WARMUP_STAGES", "accumulate", "check_aids", "local_clip", "mask_velocity"]
@@ -68,12 +69,14 @@ def local_clip(grad: tf.Tensor, clip_norm: float, num_ranks: int, scale: Optiona
     return grad * tf.minimum(tf.ones([], grad.dtype), threshold / tf.maximum(norm, _EPSILON))
 
 
-def accumulate(grad: tf.Tensor, residual: tf.Tensor, velocity: Optional[tf.Tensor], momentum: float,
+def accumulate(grads: Sequence[tf.Tensor], residual: tf.Tensor, velocity: Optional[tf.Tensor], momentum: float,
                decay: float) -> Tuple[tf.Tensor, Optional[tf.Tensor]]:
-    """DGC's momentum correction (and error feedback's decay): what top-k selects from.
+    """DGC's momentum correction (and error feedback's decay): what top-k selects from, in one
+    pass over the buffer (`hvdx.ops.error_feedback`).
 
     Args:
-      grad: this step's (clipped) gradient g.
+      grads: this step's (clipped) gradient g, as one or more 1-D float32 tensors added in
+        order (a node's parts after its reduce-scatter).
       residual: v, what was accumulated and not sent.
       velocity: u, the local velocity (None without momentum correction).
       momentum: m (0: no momentum correction).
@@ -82,19 +85,25 @@ def accumulate(grad: tf.Tensor, residual: tf.Tensor, velocity: Optional[tf.Tenso
       (v', u') with u' = m u + g and v' = beta v + u' (momentum), or v' = beta v + g and
       u' = None (without).
     """
-    kept = residual if decay == 1.0 else residual * tf.constant(decay, residual.dtype)
     if velocity is None or momentum == 0.0:
-        return kept + grad, None
-    velocity = velocity * tf.constant(momentum, velocity.dtype) + grad
-    return kept + velocity, velocity
+        velocity = None
+    return ops.error_feedback(grads, residual, velocity, momentum=momentum, decay=decay)
 
 
-def mask_velocity(velocity: tf.Tensor, indices: tf.Tensor) -> tf.Tensor:
-    """DGC's momentum factor masking: `velocity` with the entries at `indices` (those sent)
-    set to zero."""
-    mask = tf.scatter_nd(tf.reshape(tf.cast(indices, tf.int64), [-1, 1]),
-                         tf.ones_like(indices, velocity.dtype), tf.shape(velocity, out_type=tf.int64))
-    return velocity * (1 - tf.minimum(mask, 1))
+def mask_velocity(velocity: tf.Tensor, indices: tf.Tensor, keep: Optional[Sequence[int]] = None) -> tf.Tensor:
+    """DGC's momentum factor masking: `velocity` with the entries at `indices` (those sent,
+    distinct, as MSTopK's are) set to zero, except those listed in `keep` (ascending: the
+    entries sent whole every step, whose momentum runs on).
+
+    The entries are zeroed by adding their negation (`hvdx.ops.sparse_accumulate`), in place
+    where nothing else holds `velocity`: O(k), not a pass over the buffer. (A non-finite
+    entry becomes NaN instead of 0; such a step is not committed.)"""
+    values = -tf.gather(velocity, indices)
+    if keep:
+        kept = tf.constant(keep, indices.dtype)
+        at = tf.minimum(tf.searchsorted(kept, indices), len(keep) - 1)
+        values = tf.where(tf.equal(tf.gather(kept, at), indices), tf.zeros_like(values), values)
+    return ops.sparse_accumulate(values, indices, int(velocity.shape[0]), out=velocity)
 
 
 @dataclass(frozen=True)

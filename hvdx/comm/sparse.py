@@ -308,20 +308,17 @@ class TopKStrategy(Strategy):
             residual = self._memory.read(name, stored, tf.float32, residual_scale)
             residual = residual if stored == length else residual[:length]
             velocity = None
-            if self.momentum or self.residual_decay != 1.0:  # DGC: momentum correction, decay
-                grad = grads[0] if len(grads) == 1 else tf.add_n(grads)
-                if self.momentum:
-                    velocity = self._velocities.read(name, stored, tf.float32, residual_scale)
-                    velocity = velocity if stored == length else velocity[:length]
-                acc, velocity = dgc.accumulate(grad, residual, velocity, self.momentum, self.residual_decay)
-            else:
-                acc = tf.add_n([*grads, residual])
+            if self.momentum:  # DGC: momentum correction
+                velocity = self._velocities.read(name, stored, tf.float32, residual_scale)
+                velocity = velocity if stored == length else velocity[:length]
+            acc, velocity = dgc.accumulate(grads, residual, velocity, self.momentum, self.residual_decay)
         k = self.k(length)
         whole = self.whole_indices(offset, length)
         candidates = acc
-        if whole:  # the entries sent whole do not compete in the top-k (nor are sent twice)
-            at = tf.constant(whole, tf.int64)[:, None]
-            candidates = tf.tensor_scatter_nd_update(acc, at, tf.zeros([len(whole)], acc.dtype))
+        if whole:  # the entries sent whole do not compete in the top-k (nor are sent twice): zeroed in
+            at = tf.constant(whole, tf.int64)  # place (acc's buffer, nothing else reads it after the gather)
+            whole_values = tf.gather(acc, at)
+            candidates = ops.sparse_accumulate(-whole_values, at, length, out=acc)
         # The window's offset: a function of (buffer, step), both checkpointed, so that a resumed
         # run selects what the uninterrupted one would have.
         seed = tf.stack([tf.constant(zlib.crc32(name.encode()), tf.int64), self._memory.counter(name)])
@@ -329,21 +326,25 @@ class TopKStrategy(Strategy):
                                                index_dtype=self.index_dtype)
         selected = indices
         if whole:
-            values = tf.concat([values, tf.gather_nd(acc, at)], axis=0)
+            values = tf.concat([values, whole_values], axis=0)
             indices = tf.concat([indices, tf.constant(whole, indices.dtype)], axis=0)
             k += len(whole)
         sent = wire.decode_sent(values, self.wire_dtype)
         # What was not sent stays: unselected entries whole, and the wire's rounding at the
-        # selected ones. sparse_accumulate updates acc in place (nothing else reads it now).
+        # selected ones (at the entries sent whole, which candidates holds as zeros: their
+        # value less what was sent). sparse_accumulate updates candidates in place (nothing
+        # else reads it now).
         with tf.name_scope("error_feedback"):
-            new_residual = ops.sparse_accumulate(-sent, indices, length, out=acc)
+            taken = -sent
+            if whole:
+                taken = tf.concat([taken[:k - len(whole)], whole_values - sent[k - len(whole):]], axis=0)
+            new_residual = ops.sparse_accumulate(taken, indices, length, out=candidates)
             if stored != length:
                 new_residual = tf.pad(new_residual, [[0, stored - length]])
             updates = self._memory.updates(name, new_residual, residual_scale)
             if velocity is not None:
                 if self.momentum_masking:  # not the entries sent whole: their momentum runs on, also
-                    masked = dgc.mask_velocity(velocity, selected)  # where MSTopK filled up with their zeros
-                    velocity = tf.tensor_scatter_nd_update(masked, at, tf.gather_nd(velocity, at)) if whole else masked
+                    velocity = dgc.mask_velocity(velocity, selected, whole)  # where MSTopK filled up with their zeros
                 if stored != length:
                     velocity = tf.pad(velocity, [[0, stored - length]])
                 updates += self._velocities.updates(name, velocity, residual_scale)

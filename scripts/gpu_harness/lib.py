@@ -120,6 +120,7 @@ class Harness:
         lib = ctypes.CDLL(str(self.path))
         self.lib = lib
         p, i64, u64, i32, sz = ctypes.c_void_p, ctypes.c_int64, ctypes.c_uint64, ctypes.c_int, ctypes.c_size_t
+        f32 = ctypes.c_float
         sigs = {
             "hvdx_harness_abi": (i32, []),
             "hvdx_harness_has_cuda": (i32, []),
@@ -129,6 +130,8 @@ class Harness:
             "hvdx_sparse_accumulate_cpu": (i32, [p, p, i32, i64, p, p, i64, i32, p, sz]),
             "hvdx_sparse_accumulate_gpu_workspace_bytes": (i64, [i64, i64, i32]),
             "hvdx_sparse_accumulate_gpu": (i32, [p, p, i32, i64, p, p, i64, p, p, p, sz]),
+            "hvdx_error_feedback_cpu": (i32, [p, i32, p, p, f32, f32, p, p, i64, i32, p, sz]),
+            "hvdx_error_feedback_gpu": (i32, [p, i32, p, p, f32, f32, p, p, i64, p, p, sz]),
             "hvdx_cuda_malloc": (i32, [ctypes.POINTER(ctypes.c_void_p), i64, p, sz]),
             "hvdx_cuda_free": (i32, [p, p, sz]),
             "hvdx_cuda_memcpy": (i32, [p, p, i64, i32, p, sz]),
@@ -184,6 +187,22 @@ class Harness:
         self.check("hvdx_sparse_accumulate_cpu", values.ctypes.data, indices.ctypes.data, bits, values.size,
                    dense_ptr, out.ctypes.data, size, threads)
         return out
+
+    def error_feedback_cpu(self, grads, residual: np.ndarray, velocity: Optional[np.ndarray] = None,
+                           momentum: float = 0.0, decay: float = 1.0,
+                           threads: int = 0) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """(acc, u') of error feedback's CPU functor on float32 arrays of one length."""
+        grads = [np.ascontiguousarray(g, np.float32) for g in grads]
+        residual = np.ascontiguousarray(residual, np.float32)
+        n = residual.size
+        table = (ctypes.c_void_p * len(grads))(*[g.ctypes.data for g in grads])
+        acc = np.empty(n, np.float32)
+        out = None if velocity is None else np.empty(n, np.float32)
+        velocity = None if velocity is None else np.ascontiguousarray(velocity, np.float32)
+        self.check("hvdx_error_feedback_cpu", table, len(grads), residual.ctypes.data,
+                   None if velocity is None else velocity.ctypes.data, momentum, decay, acc.ctypes.data,
+                   None if out is None else out.ctypes.data, n, threads)
+        return acc, out
 
     # -- GPU ------------------------------------------------------------------------------
     def require_cuda(self) -> None:
@@ -256,6 +275,31 @@ class Harness:
             finally:
                 if dd is not None:
                     dd.free()
+
+
+    def error_feedback_gpu(self, grads, residual: np.ndarray, velocity: Optional[np.ndarray] = None,
+                           momentum: float = 0.0, decay: float = 1.0) -> Tuple[np.ndarray, Optional[np.ndarray]]:
+        """Error feedback's CUDA functor on copies on the GPU; synchronises, raises on error."""
+        self.require_cuda()
+        residual = np.ascontiguousarray(residual, np.float32)
+        n = residual.size
+        buffers = [DeviceBuffer.upload(self, np.ascontiguousarray(g, np.float32)) for g in grads]
+        buffers.append(DeviceBuffer.upload(self, residual))
+        if velocity is not None:
+            buffers.append(DeviceBuffer.upload(self, np.ascontiguousarray(velocity, np.float32)))
+        acc, out = DeviceBuffer(self, 4 * n), DeviceBuffer(self, 4 * n if velocity is not None else 0)
+        try:
+            table = (ctypes.c_void_p * len(grads))(*[b.ptr for b in buffers[:len(grads)]])
+            code = self.call("hvdx_error_feedback_gpu", table, len(grads), buffers[len(grads)].ptr,
+                             buffers[-1].ptr if velocity is not None else None, momentum, decay, acc.ptr,
+                             out.ptr or None, n, 0)
+            if code != 0:
+                raise HarnessError(code, self.last_message)
+            self.sync()
+            return acc.download(np.float32, n), (out.download(np.float32, n) if velocity is not None else None)
+        finally:
+            for b in [*buffers, acc, out]:
+                b.free()
 
 
 class DeviceBuffer:
