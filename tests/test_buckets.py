@@ -43,9 +43,12 @@ def test_first_bucket_does_not_wait_for_the_first_layers_gradient(ranks):
     """The traced train step lets the first bucket's collectives start before
     backpropagation reaches the first layer; only the last bucket waits for it."""
     for structure in ranks.every():
+        one_bucket = structure.pop("allreduce_one_bucket")
         assert sorted(structure) == sorted(STRATEGIES)
         for strategy, found in structure.items():
             assert found == {"buckets": 5, "first_waits": False, "last_waits": True}, strategy
+        # inside one bucket, "allreduce" sends each gradient as it exists (as Horovod does)
+        assert one_bucket == {"collectives": 6, "last_waits": False, "any_waits": True}, one_bucket
 
 
 @on_2x2("error_feedback_per_bucket")

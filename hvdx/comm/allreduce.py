@@ -33,6 +33,7 @@ class Allreduce(Strategy):
     """
 
     options = ("op", "prescale_factor", "postscale_factor", "process_set", "compression", "wire_dtype")
+    sends_pieces_apart = True
 
     def __init__(self, op=hvd.Average, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                  process_set: hvd.ProcessSet = hvd.global_process_set, compression=None,

@@ -143,6 +143,11 @@ class Strategy:
     #: The bucket size hvdx's optimizer and tape use with this strategy unless given one
     #: (`bucket_bytes="auto"`, their default).
     bucket_bytes: ClassVar[int] = DEFAULT_BUCKET_BYTES
+    #: Whether `_aggregate_pieces` sends each piece as soon as it exists (no fused buffer):
+    #: the call's "enter" mark (`hvdx.progress`) then waits for the piece backpropagation
+    #: yields first (the bucket's last), not for all of them, so that the pieces' collectives
+    #: overlap the rest of backpropagation.
+    sends_pieces_apart: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -291,7 +296,10 @@ class Strategy:
         self.agree(name, sizes, pieces[0].dtype)
         if sum(sizes) == 0:
             return pieces, Aggregated(tf.zeros([0], pieces[0].dtype))
-        pieces = progress.mark(pieces, self.progress_label, name, "enter")
+        if self.sends_pieces_apart:  # entered with the first piece backpropagation yields (the bucket's last)
+            pieces[-1:] = progress.mark(pieces[-1:], self.progress_label, name, "enter")
+        else:
+            pieces = progress.mark(pieces, self.progress_label, name, "enter")
         outputs, result = self._aggregate_pieces(pieces, name, residual_scale, grouped=grouped, shapes=shapes)
         return progress.mark(outputs, self.progress_label, name, "leave"), result
 

@@ -112,7 +112,33 @@ def check_overlap_structure(topo):
                          "first_waits": any(seen["first_kernel_grad"] in ancestors(op) for op in first),
                          "last_waits": any(seen["first_kernel_grad"] in ancestors(op) for op in last)}
         step(*batch(topo.rank))  # and it runs
+    out["allreduce_one_bucket"] = _last_gradient_waits_in_one_bucket(topo)
     return out
+
+
+def _last_gradient_waits_in_one_bucket(topo) -> dict:
+    """"allreduce" with every gradient in one bucket (the default 32 MiB): the allreduce of
+    the last layer's gradient (the first backpropagation yields) does not wait for the first
+    layer's, the first layer's does: the call's progress mark gates one piece, not all."""
+    net = model()
+    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="allreduce")
+    seen = {}
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(net, x, y)
+        grads = tape.gradient(loss, net.trainable_variables)
+        seen["first"] = grads[0].op.name
+        opt.apply_gradients(zip(grads, net.trainable_variables))
+        return loss
+
+    graph = step.get_concrete_function(tf.TensorSpec([None, 64]), tf.TensorSpec([None], tf.int64)).graph
+    collectives = sorted((op for op in graph.get_operations() if op.type == "HorovodAllreduce"), key=lambda op: op.name)
+    last = max(collectives, key=lambda op: int(re.search(r"[._](\d+)$", op.name).group(1)))  # ..._b0.<j>
+    step(*batch(topo.rank))
+    return {"collectives": len(collectives), "last_waits": seen["first"] in ancestors(last),
+            "any_waits": any(seen["first"] in ancestors(op) for op in collectives)}
 
 
 def ancestors(op) -> set:
