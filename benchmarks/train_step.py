@@ -209,16 +209,37 @@ def measure(kind: str, args: argparse.Namespace) -> Dict[str, List[float]]:
         hvdx.barrier()
     census = {key: run.census() for key, run in runs.items()}  # every rank: no rank traces alone
     per_round: Dict[str, List[float]] = {key: [] for key in runs}
-    calls = {key: (lambda run=run: run(args.steps)) for key, run in runs.items()}
+    cpu: Dict[str, List[float]] = {key: [] for key in runs}
+
+    def call(key: str, run: Callable[[int], float]) -> None:
+        start = time.process_time()  # every thread of the process: TensorFlow's, Horovod's, Gloo's
+        run(args.steps)
+        cpu[key].append((time.process_time() - start) / args.steps)
+
+    calls = {key: (lambda key=key, run=run: call(key, run)) for key, run in runs.items()}
     for r, times in enumerate(timed_rounds(calls, args.rounds, f"ts.{kind}", warmup=0, rotate=True)):
         for key, seconds in times.items():
             per_round[key].append(seconds / args.steps)
         if hvd.rank() == 0:
             print(f"[{kind}] round {r}: " + ", ".join(f"{k} {per_round[k][-1] * 1e3:.0f} ms" for k in runs), flush=True)
+    out = {"rounds": per_round, "census": census, "cpu_seconds": cpu_per_step(cpu, f"ts.{kind}.cpu")}
     if args.profile:
-        profiles = profile_steps(kind, runs, args)
-        return {"rounds": per_round, "census": census, "profile": profiles}
-    return {"rounds": per_round, "census": census}
+        out["profile"] = profile_steps(kind, runs, args)
+    return out
+
+
+def cpu_per_step(cpu: Dict[str, List[float]], name: str) -> Dict[str, float]:
+    """Per optimizer, the CPU seconds one step took on all ranks together (each rank's median
+    over the rounds, summed by one all-reduce named `name`): over the step's wall time, how
+    many cores were busy, which on an oversubscribed machine says whether the step is
+    computation-bound."""
+    import horovod.tensorflow as hvd
+    import tensorflow as tf
+
+    keys = list(cpu)
+    mine = tf.constant([statistics.median(cpu[key]) for key in keys], tf.float64)
+    total = hvd.allreduce(mine, op=hvd.Sum, name=name).numpy()
+    return {key: float(seconds) for key, seconds in zip(keys, total)}
 
 
 # -- graph census ----------------------------------------------------------------------------
@@ -465,6 +486,8 @@ def summarize(models: dict) -> Dict[str, dict]:
         for key, times in rounds.items():
             base, version = common.split_keras(key)
             row = {"keras": version, "median_seconds": statistics.median(times)}
+            if key in result.get("cpu_seconds", {}):
+                row["cpu_seconds_all_ranks"] = result["cpu_seconds"][key]
             if "horovod" in rounds and key != "horovod":
                 ratios = [h / t for h, t in zip(rounds["horovod"], times)]
                 row.update(speedup_vs_horovod=statistics.median(ratios), speedup_range=[min(ratios), max(ratios)])
@@ -552,14 +575,17 @@ def step_table(result: dict) -> str:
             floor = summary.get(common.keras_keys(["none"], [row.get("keras", 2)])[0], {}).get("median_seconds")
             speedup = row.get("speedup_vs_horovod")
             low, high = row.get("speedup_range", (None, None))
+            cpu = row.get("cpu_seconds_all_ranks")
             rows.append([f"{topo['nodes']}x{topo['ranks_per_node']}", result.get("engine", "gloo"), kind,
                          label(key),
                          f"{row['median_seconds'] * 1e3:.0f}",
                          "" if floor is None or common.split_keras(key)[0] == "none" else
                          f"{(row['median_seconds'] - floor) * 1e3:.0f}",
+                         "" if cpu is None else f"{cpu * 1e3:.0f} ({cpu / row['median_seconds']:.1f})",
                          "1 (baseline)" if key == "horovod" else "" if speedup is None
                          else f"{speedup:.2f}x ({low:.2f}-{high:.2f})"])
     return markdown_table(["topology", "engine", "model", "optimizer", "step (ms)", "over the floor (ms)",
+                           "CPU per step, all ranks (ms) (cores busy)",
                            "speed-up vs Horovod, median (min-max) of rounds"], rows, text_columns=4)
 
 

@@ -144,6 +144,8 @@ def test_train_step_benchmark_writes_json_plot_and_table(tmp_path):
         assert sorted(model["rounds"]) == sorted(train_step.OPTIMIZERS)
         assert all(len(times) == 2 and min(times) > 0 for times in model["rounds"].values())
         summary = run["summary"][kind]
+        assert sorted(model["cpu_seconds"]) == sorted(train_step.OPTIMIZERS)  # every rank's CPU, summed
+        assert all(summary[key]["cpu_seconds_all_ranks"] == model["cpu_seconds"][key] > 0 for key in summary)
         horovod = model["rounds"]["horovod"]
         for key, times in model["rounds"].items():  # speed-ups: medians of per-round ratios
             if key != "horovod":
@@ -162,6 +164,7 @@ def test_train_step_benchmark_writes_json_plot_and_table(tmp_path):
     assert (tmp_path / "train_step.png").stat().st_size > 10_000
     text = readme.read_text()
     assert "<!-- train-step:begin -->" in text and "| 2x1 | gloo | mlp | hvdx hitopk (HiTopKComm) |" in text
+    assert "CPU per step, all ranks (ms) (cores busy)" in text
     assert "| TF ops: " in text and "Horovod: cross-node all-gather" in text
 
 
