@@ -1,6 +1,6 @@
 """hvdx.DistributedOptimizer trains like Horovod's, with every aggregation strategy
 (tests/multirank/check_optimizer.py)."""
-from tests import suite
+from tests import harness, suite
 
 
 # 2x2, the accuracy claim: 14 epochs (~300 steps): the MSTopK strategies end 1.4-2.6 points
@@ -15,7 +15,12 @@ EPOCHS = 14
 # the sparse strategies' accuracy bar, which needs the 14 epochs, runs on 2x2 only. 3 epochs: Allreduce
 # ends at 0.918 (2 epochs: 0.893, under 0.9; 14 epochs: 0.958); training is deterministic.
 EPOCHS_3X2 = 3
-CHECKS = [suite.check("optimizer.training", "2x2", epochs=EPOCHS, timeout=480),
+# The second stack (TensorFlow 2.15, Keras 2; CI's second leg): the same wiring on 2x2 in
+# EPOCHS_3X2 epochs, the sparse strategies' accuracy bar on the default stack only (their code is
+# the same on both; the stack reaches it through TensorFlow's kernels alone): 67 -> ~20 s there.
+SECOND_STACK = not harness.HAS_KERAS3
+CHECKS = [suite.check("optimizer.training", "2x2", epochs=EPOCHS_3X2 if SECOND_STACK else EPOCHS,
+                      accuracy_bar=not SECOND_STACK, timeout=480),
           suite.check("optimizer.training", "3x2", epochs=EPOCHS_3X2, accuracy_bar=False, timeout=480)]
 
 
