@@ -6,17 +6,7 @@ import tensorflow as tf
 
 from hvdx import ops
 from hvdx.comm import dgc
-
-
-def reference(grads, residual, velocity, momentum, decay):
-    """float32 arithmetic in the kernel's order: g summed left to right, then u', then acc."""
-    g = grads[0].copy()
-    for x in grads[1:]:
-        g = g + x
-    if velocity is not None:
-        g = np.float32(momentum) * velocity + g
-    r = residual if decay == 1.0 else np.float32(decay) * residual
-    return r + g, (None if velocity is None else g)
+from scripts.gpu_harness.checks import error_feedback_reference as reference
 
 
 def arrays(rng, n, count):

@@ -89,18 +89,7 @@ def check_overlap_structure(topo):
         density = {"density": 0.1} if strategy in SPARSE else {}
         opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication=communication(strategy),
                                         bucket_bytes=SMALL_BUCKETS, **density)
-        seen = {}
-
-        @tf.function
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(net, x, y)
-            grads = tape.gradient(loss, net.trainable_variables)
-            seen["first_kernel_grad"] = grads[0].op.name
-            opt.apply_gradients(zip(grads, net.trainable_variables))
-            return loss
-
-        graph = step.get_concrete_function(tf.TensorSpec([None, 64]), tf.TensorSpec([None], tf.int64)).graph
+        step, graph, first_kernel_grad = traced_step(net, opt)
         collectives = [op for op in graph.get_operations() if op.type.startswith("Horovod")]
         by_bucket = {}
         for op in collectives:  # the collectives of each bucket (named ..._b<bucket>...; "allreduce" hands
@@ -109,8 +98,8 @@ def check_overlap_structure(topo):
                     by_bucket.setdefault(b, []).append(op)
         first, last = by_bucket[min(by_bucket)], by_bucket[max(by_bucket)]
         out[strategy] = {"buckets": len(by_bucket),
-                         "first_waits": any(seen["first_kernel_grad"] in ancestors(op) for op in first),
-                         "last_waits": any(seen["first_kernel_grad"] in ancestors(op) for op in last)}
+                         "first_waits": any(first_kernel_grad in ancestors(op) for op in first),
+                         "last_waits": any(first_kernel_grad in ancestors(op) for op in last)}
         step(*batch(topo.rank))  # and it runs
     out["allreduce_one_bucket"] = _last_gradient_waits_in_one_bucket(topo)
     return out
@@ -120,8 +109,18 @@ def _last_gradient_waits_in_one_bucket(topo) -> dict:
     """"allreduce" with every gradient in one bucket (the default 32 MiB): the allreduce of
     the last layer's gradient (the first backpropagation yields) does not wait for the first
     layer's, the first layer's does: the call's progress mark gates one piece, not all."""
-    net = model()
-    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="allreduce")
+    step, graph, first = traced_step(model(), hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1),
+                                                                       communication="allreduce"))
+    collectives = sorted((op for op in graph.get_operations() if op.type == "HorovodAllreduce"), key=lambda op: op.name)
+    last = max(collectives, key=lambda op: int(re.search(r"[._](\d+)$", op.name).group(1)))  # ..._b0.<j>
+    step(*batch(topo.rank))
+    return {"collectives": len(collectives), "last_waits": first in ancestors(last),
+            "any_waits": any(first in ancestors(op) for op in collectives)}
+
+
+def traced_step(net, opt):
+    """(the train step of `net` under `opt` as a tf.function, its traced graph, the name of the
+    op that yields the first layer's kernel gradient)."""
     seen = {}
 
     @tf.function
@@ -134,11 +133,7 @@ def _last_gradient_waits_in_one_bucket(topo) -> dict:
         return loss
 
     graph = step.get_concrete_function(tf.TensorSpec([None, 64]), tf.TensorSpec([None], tf.int64)).graph
-    collectives = sorted((op for op in graph.get_operations() if op.type == "HorovodAllreduce"), key=lambda op: op.name)
-    last = max(collectives, key=lambda op: int(re.search(r"[._](\d+)$", op.name).group(1)))  # ..._b0.<j>
-    step(*batch(topo.rank))
-    return {"collectives": len(collectives), "last_waits": seen["first"] in ancestors(last),
-            "any_waits": any(seen["first"] in ancestors(op) for op in collectives)}
+    return step, graph, seen["first"]
 
 
 def ancestors(op) -> set:
