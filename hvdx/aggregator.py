@@ -451,8 +451,8 @@ class GradientAggregator(tf.Module):
         check_agreement(description, "the gradients to aggregate", process_set=self.process_set)
         self._strategy.agree_state([name for name, _, _ in buckets], self.process_set)
         verified.add(signature)
-        for name, sizes, dtype in buckets:
-            self._strategy.agreed(name, sizes, dtype)
+        for (name, sizes, dtype), bucket in zip(buckets, self._bucket_plan(grads, variables, fused)):
+            self._strategy.agreed(name, sizes, dtype, _piece_shapes(grads, bucket))
 
     def _aggregate_fused(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int],
                          out: List[Any]) -> Tuple[List[Any], List[tf.Tensor]]:

@@ -23,7 +23,7 @@ def test_ranks_calling_a_strategy_differently_all_get_an_error_naming_what_diffe
     want = {"strategy": "strategy=", "elements": "buffer elements=1200 (rank 0: 1000)", "density": "density=0.05",
             "dtype": "buffer dtype=float32 (rank 0: float64)", "wire_dtype": "wire_dtype=float32",
             "pieces": "buffer pieces=[500, 500] (rank 0: [400, 600])", "name": "buffer name=h (rank 0: g)",
-            "tape_vs_direct": "rank 1:"}
+            "shapes": "buffer piece shapes=[[32, 128]] (rank 0: [[128, 32]])", "tape_vs_direct": "rank 1:"}
     for result in ranks.every():
         assert sorted(result["messages"]) == sorted(want)
         for case, words in want.items():

@@ -87,7 +87,7 @@ DEFAULT_BUCKET_BYTES = 32 << 20
 _ENTRY_POINTS = ("__call__", "aggregate", "aggregate_pieces")
 
 #: A layout: (buffer name, piece lengths, dtype name).
-Layout = Tuple[str, Tuple[int, ...], str]
+Layout = Tuple[str, Tuple[int, ...], str, Optional[Tuple[Optional[Tuple[int, ...]], ...]]]
 #: Each piece's gradient shape (None for a piece that is part of a gradient), or None for all.
 Shapes = Optional[Sequence[Optional[Tuple[int, ...]]]]
 
@@ -108,6 +108,13 @@ def check_shapes(shapes: Shapes, sizes: Sequence[int]) -> Optional[List[Optional
         if shape is not None and int(np.prod(shape, dtype=np.int64)) != size:
             raise ValueError(f"shape {shape} has {int(np.prod(shape, dtype=np.int64))} elements, its piece {size}")
     return shapes
+
+
+def _layout(name: str, sizes: Sequence[int], dtype: tf.DType, shapes: Shapes) -> Layout:
+    """The key under which a call's layout is agreed once (`Strategy.agree`, `agreed`)."""
+    checked = check_shapes(shapes, sizes)
+    return (name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name,
+            None if checked is None else tuple(checked))
 
 
 class Strategy:
@@ -293,7 +300,7 @@ class Strategy:
             raise ValueError(f"aggregate_pieces takes one or more 1-D pieces of one dtype, got {pieces!r}")
         sizes = tuple(int(piece.shape[0]) for piece in pieces)
         shapes = check_shapes(shapes, sizes)
-        self.agree(name, sizes, pieces[0].dtype)
+        self.agree(name, sizes, pieces[0].dtype, shapes)
         if sum(sizes) == 0:
             return pieces, Aggregated(tf.zeros([0], pieces[0].dtype))
         if self.sends_pieces_apart:  # entered with the first piece backpropagation yields (the bucket's last)
@@ -317,34 +324,38 @@ class Strategy:
         return self.key or type(self).__name__
 
     # -- rank agreement -----------------------------------------------------------------
-    def describe(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> Dict[str, str]:
+    def describe(self, name: str, sizes: Sequence[int], dtype: tf.DType, shapes: Shapes = None) -> Dict[str, str]:
         """What every rank must agree on for a call on a buffer `name` made of pieces of
-        `sizes` elements of `dtype`: the strategy with its options (`signature`), the
-        buffer and the number of ranks taking part."""
+        `sizes` elements of `dtype` (and of gradient `shapes`, where given: a strategy that
+        treats gradients as matrices sends factors of their shapes): the strategy with its
+        options (`signature`), the buffer and the number of ranks taking part."""
         _, ranks = set_rank_and_size(self.process_set)
-        return {**self.signature(), "buffer name": name, "buffer elements": str(sum(sizes)),
-                "buffer pieces": str(list(sizes)), "buffer dtype": tf.as_dtype(dtype).name, "ranks": str(ranks)}
+        out = {**self.signature(), "buffer name": name, "buffer elements": str(sum(sizes)),
+               "buffer pieces": str(list(sizes)), "buffer dtype": tf.as_dtype(dtype).name, "ranks": str(ranks)}
+        if shapes is not None:
+            out["buffer piece shapes"] = str([None if shape is None else list(shape) for shape in shapes])
+        return out
 
-    def agree(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> None:
+    def agree(self, name: str, sizes: Sequence[int], dtype: tf.DType, shapes: Shapes = None) -> None:
         """Collective on a layout's first call only: checks that every rank of the
         strategy's process set makes the same call (`describe`).
 
         Raises:
           hvdx.RankMismatchError: on every rank, naming the ranks and what differs.
         """
-        layout: Layout = (name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name)
+        layout = _layout(name, sizes, dtype, shapes)
         if layout in self._agreed_layouts():
             return
-        check_agreement(self.describe(name, sizes, dtype), f"a call of a strategy on buffer {name!r}",
+        check_agreement(self.describe(name, sizes, dtype, shapes), f"a call of a strategy on buffer {name!r}",
                         process_set=self.process_set or hvd.global_process_set)
         self.agree_state([name], self.process_set or hvd.global_process_set)
         self._agreed_layouts().add(layout)
 
-    def agreed(self, name: str, sizes: Sequence[int], dtype: tf.DType) -> None:
+    def agreed(self, name: str, sizes: Sequence[int], dtype: tf.DType, shapes: Shapes = None) -> None:
         """Records a layout that the caller has checked itself (the aggregator checks a
-        whole step's layout in one collective, bucket layouts included, then calls
-        `agree_state` on its buffers): no second check."""
-        self._agreed_layouts().add((name, tuple(int(s) for s in sizes), tf.as_dtype(dtype).name))
+        whole step's layout in one collective, bucket layouts and gradient shapes included,
+        then calls `agree_state` on its buffers): no second check."""
+        self._agreed_layouts().add(_layout(name, sizes, dtype, shapes))
 
     def _agreed_layouts(self) -> Set[Layout]:
         """The layouts the ranks of the current topology agreed on: none after a new

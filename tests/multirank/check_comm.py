@@ -203,6 +203,10 @@ def check_disagreement(topo) -> dict:
         "pieces": mismatch(lambda: comm.Hierarchical().aggregate_pieces(
             [ones(400), ones(600)] if odd else [ones(500), ones(500)], "f")),
         "name": mismatch(lambda: sparse()(ones(1000), "g" if odd else "h")),
+        # a matrix compressor given the same elements as other matrices (issue 66): factors of
+        # other shapes would meet in its all-reduces
+        "shapes": mismatch(lambda: comm.PowerSGD().aggregate_pieces(
+            [ones(4096)], "s", shapes=[(128, 32) if odd else (32, 128)])),
     }
     # A rank in a tape step meets the others' direct call at the same check (one name).
     variable = tf.Variable(tf.ones([1000]))
