@@ -59,11 +59,11 @@ def test_a_reset_forgets_the_layouts_the_old_ranks_agreed_on():
     """Layouts agreed by the ranks of the old membership are checked again by the new ones."""
     strategy = hvdx.comm.Allreduce()
     strategy.agree("grads", [3, 4], tf.float32)
-    assert ("grads", (3, 4), "float32") in strategy._agreed_layouts()
+    assert ("grads", (3, 4), "float32", None) in strategy._agreed_layouts()
     reinit()
     assert not strategy._agreed_layouts()
     strategy.agree("grads", [3, 4], tf.float32)
-    assert ("grads", (3, 4), "float32") in strategy._agreed_layouts()
+    assert ("grads", (3, 4), "float32", None) in strategy._agreed_layouts()
 
 
 def test_a_reset_points_the_aggregation_at_the_new_process_set():
