@@ -415,11 +415,12 @@ class GradientAggregator(tf.Module):
         return self._book.var_sets[key]
 
     def _bucket_layouts(self, grads: List[Any], variables: List[Any], fused: List[int]
-                        ) -> List[Tuple[str, Tuple[int, ...], tf.DType]]:
-        """Each bucket's (buffer name, piece lengths, dtype the strategy receives), in order."""
+                        ) -> List[Tuple[str, Tuple[int, ...], tf.DType, List[Optional[Tuple[int, ...]]]]]:
+        """Each bucket's (buffer name, piece lengths, dtype the strategy receives, the pieces'
+        gradient shapes), in order."""
         set_key = self._set_key(grads, variables, fused)
         return [(f"{set_key}_b{b}", tuple(p.stop - p.start for p in bucket),
-                 tf.float32 if self._strategy.lossy else grads[bucket[0].index].dtype)
+                 tf.float32 if self._strategy.lossy else grads[bucket[0].index].dtype, _piece_shapes(grads, bucket))
                 for b, bucket in enumerate(self._bucket_plan(grads, variables, fused))]
 
     def _check_layout(self, grads, variables, fused, sparse, dynamic) -> None:
@@ -441,7 +442,7 @@ class GradientAggregator(tf.Module):
             # named to sort after the fields they follow from (the bucket size from the strategy
             # with bucket_bytes="auto"; the layouts from everything): a difference names its cause first
             "with bucket_bytes": str(self.effective_bucket_bytes),
-            "with the bucket layouts": str([(name, list(sizes), dtype.name) for name, sizes, dtype in buckets]),
+            "with the bucket layouts": str([(name, list(sizes), dtype.name) for name, sizes, dtype, _ in buckets]),
         }
         signature = tuple(sorted(description.items()))
         verified = self._book.verified.under(topology() if initialized() else None)
@@ -449,10 +450,10 @@ class GradientAggregator(tf.Module):
             return
         self._book.checks += 1
         check_agreement(description, "the gradients to aggregate", process_set=self.process_set)
-        self._strategy.agree_state([name for name, _, _ in buckets], self.process_set)
+        self._strategy.agree_state([name for name, _, _, _ in buckets], self.process_set)
         verified.add(signature)
-        for (name, sizes, dtype), bucket in zip(buckets, self._bucket_plan(grads, variables, fused)):
-            self._strategy.agreed(name, sizes, dtype, _piece_shapes(grads, bucket))
+        for name, sizes, dtype, piece_shapes in buckets:
+            self._strategy.agreed(name, sizes, dtype, piece_shapes)
 
     def _aggregate_fused(self, grads: List[tf.Tensor], variables: List[Any], fused: List[int],
                          out: List[Any]) -> Tuple[List[Any], List[tf.Tensor]]:

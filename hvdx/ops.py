@@ -359,9 +359,8 @@ def error_feedback(grads: Union[TensorLike, Sequence[TensorLike]], residual: Ten
             raise ValueError(f"error_feedback: 1-D tensors of one length, got shapes {[t.shape for t in tensors]}")
     while len(grads) > 8:  # the kernel's GradientList::kMax
         grads = [tf.add_n(grads[:len(grads) - 7]), *grads[len(grads) - 7:]]
-    empty = tf.zeros([0], tf.float32)
-    acc, out = _ops.hvdx_error_feedback(grads=grads, residual=residual,
-                                        velocity=empty if velocity is None else tensors[-1],
+    acc, out = _ops.hvdx_error_feedback(grads=grads, residual=residual,  # velocity [0]: none
+                                        velocity=tf.zeros([0], tf.float32) if velocity is None else tensors[-1],
                                         momentum=float(momentum), decay=float(decay), name=name)
     return acc, (None if velocity is None else out)
 

@@ -56,9 +56,8 @@ inline Status CheckSparse(int64_t nnz, int64_t size, int index_bits) {
 // ErrorFeedbackOp's checks, and the functor's list of gradients.
 inline Status GradientList(const float* const* grads, int count, int64_t n, functor::GradientList* list) {
   if (n < 0) return errors::InvalidArgument("error_feedback: n must be >= 0, got ", n);
-  if (count < 1 || count > functor::GradientList::kMax)
-    return errors::InvalidArgument("error_feedback: 1 to ", functor::GradientList::kMax, " gradients, got ", count);
   list->count = count;
+  HVDX_RETURN_IF_ERROR(functor::CheckGradientList(*list));
   for (int j = 0; j < count; ++j) list->data[j] = grads[j];
   return OkStatus();
 }

@@ -66,9 +66,7 @@ Status ErrorFeedback<CpuDevice>::operator()(const CpuDevice& d, const GradientLi
                                              const float* velocity, float momentum, float decay, float* acc,
                                              float* velocity_out, int64_t n) {
   if (n == 0) return OkStatus();
-  if (grads.count < 1 || grads.count > GradientList::kMax) {
-    return errors::InvalidArgument("ErrorFeedback takes 1 to ", GradientList::kMax, " gradients, got ", grads.count);
-  }
+  HVDX_RETURN_IF_ERROR(CheckGradientList(grads));
   const bool has_velocity = velocity != nullptr, has_decay = decay != 1.0f;
   const double streams = grads.count + 1 + (has_velocity ? 1 : 0);
   const OpCost cost(streams * sizeof(float), (has_velocity ? 2 : 1) * sizeof(float), streams + 2);

@@ -39,9 +39,7 @@ Status ErrorFeedback<GpuDevice>::operator()(const GpuDevice& d, const GradientLi
                                              const float* velocity, float momentum, float decay, float* acc,
                                              float* velocity_out, int64_t n) {
   if (n == 0) return OkStatus();
-  if (grads.count < 1 || grads.count > GradientList::kMax) {
-    return errors::InvalidArgument("ErrorFeedback takes 1 to ", GradientList::kMax, " gradients, got ", grads.count);
-  }
+  HVDX_RETURN_IF_ERROR(CheckGradientList(grads));
   const int blocks = static_cast<int>(std::min<int64_t>((n + kThreads - 1) / kThreads, 65535 * 8));
   return Launch("ErrorFeedbackKernel", ErrorFeedbackKernel, dim3(blocks), dim3(kThreads), 0, d.stream(), grads,
                 residual, velocity, momentum, decay, decay != 1.0f, acc, velocity_out, n);

@@ -20,6 +20,14 @@ struct GradientList {
   int count;
 };
 
+// The functors' one check of a list's count (the op and the harness fill `data` only after theirs).
+inline Status CheckGradientList(const GradientList& grads) {
+  if (grads.count < 1 || grads.count > GradientList::kMax) {
+    return errors::InvalidArgument("ErrorFeedback takes 1 to ", GradientList::kMax, " gradients, got ", grads.count);
+  }
+  return OkStatus();
+}
+
 // For i < n, with g = ((grads[0][i] + grads[1][i]) + ...) in float32, in that order:
 //   velocity given (non-null):  u = momentum * velocity[i] + g;  velocity_out[i] = u;
 //                               acc[i] = decay * residual[i] + u
