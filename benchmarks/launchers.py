@@ -7,7 +7,7 @@ Two measurements, two modes:
   the share of the busiest thread, which is Horovod's background thread when it is the first
   thread hvd.init() started. Configurations: `horovodrun --gloo` 2 x 2; `mpirun` 1 x 4 with 4
   declared slots on fewer cores, spinning (HVDX_MPI_DEFAULTS=0) and yielding (hvdx's default,
-  hvdx/launcher.py); `mpirun --oversubscribe` 1 x 4; `mpirun` 2 x 2 on emulated nodes
+  hvdx/mpi_defaults.py); `mpirun --oversubscribe` 1 x 4; `mpirun` 2 x 2 on emulated nodes
   (hvdx/runner/mpi.py) spinning (`--mca mpi_yield_when_idle 0`) and yielding. A configuration that
   does not finish within --timeout is reported as such (the spinning ones crawl under load).
 

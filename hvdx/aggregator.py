@@ -49,7 +49,7 @@ from hvdx.agreement import Agreed, check_agreement
 from hvdx.topology import initialized, topology
 from hvdx.variables import tf_variable
 
-__all__ = ["AUTO_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "GradientAggregator", "aggregator_options", "choose",
+__all__ = ["AUTO_BUCKET_BYTES", "DEFAULT_BUCKET_BYTES", "GradientAggregator", "choose",
            "default_communication"]
 
 _log = logging.getLogger("hvdx")
@@ -121,19 +121,6 @@ def choose(communication: Union[str, comm.Strategy, None], options: Optional[Map
     if gradient_predivide_factor != 1.0:  # Horovod's split of the average, for equal rounding
         horovod.update(prescale_factor=1.0 / gradient_predivide_factor, postscale_factor=gradient_predivide_factor)
     return StrategyChoice.resolve(communication, given, horovod=horovod, aids=wrapper_aids, traits=traits)
-
-
-def aggregator_options(communication: Union[str, comm.Strategy, None], *, density: Optional[float] = None,
-                       num_samplings: Optional[int] = None, wire_dtype=None, compression=None, op=hvd.Average,
-                       gradient_predivide_factor: float = 1.0,
-                       process_set: hvd.ProcessSet = hvd.global_process_set,
-                       aids: Optional[Dict[str, Any]] = None) -> Tuple[comm.Strategy, Dict[str, Any]]:
-    """The strategy `choose` builds, and the options a switch keeps (the given and Horovod's),
-    for callers of the former interface; `aids`: more strategy options by name."""
-    choice = choose(communication, dict(aids or {}, density=density, num_samplings=num_samplings,
-                                        wire_dtype=wire_dtype), compression=compression, op=op,
-                    gradient_predivide_factor=gradient_predivide_factor, process_set=process_set)
-    return choice.build(), {**choice.options, **choice.horovod}
 
 
 class GradientAggregator(tf.Module):

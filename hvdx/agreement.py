@@ -20,7 +20,7 @@ import tensorflow as tf
 __all__ = ["AGREEMENT", "Agreed", "RankMismatchError", "check_agreement", "checks_made", "describe_differences"]
 
 #: The collective name of the layout checks of the aggregator and the strategies.
-AGREEMENT = "hvdx.layout.agree"
+AGREEMENT = "hvdx.agreement"
 _checks_made = 0
 
 

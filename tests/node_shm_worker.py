@@ -21,8 +21,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from hvdx.comm import node_shm  # noqa: E402
-from hvdx.comm.base import node_slices  # noqa: E402
+from hvdx.node import shm_engine as node_shm  # noqa: E402
+from hvdx.node.collectives import node_slices  # noqa: E402
 
 
 def data(rank, length, seed, dtype=np.float32):

@@ -431,7 +431,9 @@ def test_non_float_variables_are_refused():
 def test_a_synchronous_optimizer_is_refused():
     import tensorflow as tf
 
-    from hvdx.adpsgd import check_optimizer
+    from hvdx.adpsgd import ADPSGD
+
+    check_optimizer = ADPSGD.check_optimizer
 
     class DistributedOptimizer(tf.keras.optimizers.SGD):  # what hvdx's and Horovod's wrappers are called
         pass

@@ -254,9 +254,9 @@ def test_methods_refuse_a_synchronous_optimizer_and_a_missing_init():
     import tensorflow as tf
 
     from hvdx import DistributedOptimizer
-    from hvdx.asynchronous import ASSM, check_optimizer
+    from hvdx.asynchronous import ASSM
     with pytest.raises(ValueError, match="cannot run with the synchronous"):
-        check_optimizer(DistributedOptimizer(tf.keras.optimizers.SGD(0.1)))
+        ASSM.check_optimizer(DistributedOptimizer(tf.keras.optimizers.SGD(0.1)))
     with pytest.raises(ValueError, match="average_every"):
         ASSM(average_every=0)
 

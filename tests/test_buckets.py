@@ -7,7 +7,7 @@ switch keep working per bucket.
 The checks of tests/multirank/check_buckets.py, on 2 nodes x 2 ranks (the suite's 2x2
 launch); timings are measured by benchmarks/train_step.py, never asserted here.
 """
-from hvdx.comm.base import node_slices
+from hvdx.node.collectives import node_slices
 from tests import suite
 
 STRATEGIES = ("allreduce", "hierarchical", "hitopk", "sparse_allgather")

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from hvdx.daso.plateau import PlateauDetector
+from hvdx.plateau import PlateauDetector
 from hvdx.daso.schedule import COOLDOWN, CYCLING, WARMUP, Schedule
 from tests import suite
 

@@ -1,5 +1,5 @@
 """DASO's group transport: the ring that carries the global averaging while training goes on
-(coquelin2021, section 3, Figures 1, 3, 5; hvdx/daso/transport.py).
+(coquelin2021, section 3, Figures 1, 3, 5; hvdx/transport/ring.py).
 
 Unit tests run rings of threads inside this process (the address exchange passed in, no
 Horovod); the multirank tests run tests/multirank/check_daso_transport.py on 3x2 and 2x2 ranks
@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from hvdx.daso.transport import GroupTransport, Request, TransportError, listen_address
+from hvdx.transport.ring import GroupTransport, Request, TransportError, listen_address
 from tests import harness, suite
 
 
@@ -93,12 +93,12 @@ def test_bad_arrays_are_refused():
 
 
 def test_listen_address_follows_the_launcher(monkeypatch):
-    for var in ("HOROVOD_GLOO_IFACE", "HVDX_DASO_IFACE", "HOROVOD_HOSTNAME"):
+    for var in ("HOROVOD_GLOO_IFACE", "HVDX_TRANSPORT_IFACE", "HOROVOD_HOSTNAME"):
         monkeypatch.delenv(var, raising=False)
     assert listen_address() == "127.0.0.1"
     monkeypatch.setenv("HOROVOD_HOSTNAME", "localhost")
     assert listen_address() == "127.0.0.1"
-    monkeypatch.setenv("HVDX_DASO_IFACE", "lo")
+    monkeypatch.setenv("HVDX_TRANSPORT_IFACE", "lo")
     assert listen_address() == "127.0.0.1"
     monkeypatch.setenv("HOROVOD_GLOO_IFACE", "no-such-iface0")
     with pytest.raises(TransportError, match="no-such-iface0"):

@@ -1,7 +1,7 @@
 """Launching under MPI (docs/launching.md): `mpirun` 1 x 4, `horovodrun --mpi`, and `mpirun`
 2 x 2 on nodes emulated with UTS namespaces (hvdx/runner/mpi.py), each training the digits demo
 to its end with every rank holding the same weights, and AD-PSGD's transport under mpirun on
-two emulated nodes; and hvdx's own part (hvdx/launcher.py):
+two emulated nodes; and hvdx's own part (hvdx/mpi_defaults.py):
 Open MPI told to yield the core while it waits where ranks outnumber cores, a warning with the
 flags to pass where hvdx cannot tell it."""
 import os
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdx import launcher
+from hvdx import mpi_defaults as launcher
 from hvdx.runner import launch, mpi, slurm
 from tests import harness
 
@@ -25,7 +25,7 @@ SLURM_UNAVAILABLE = slurm.slurm_unavailable() or MPI_UNAVAILABLE
 needs_slurm = pytest.mark.skipif(SLURM_UNAVAILABLE is not None, reason=str(SLURM_UNAVAILABLE))
 
 
-# -- hvdx.launcher: what the environment tells before MPI_Init -----------------------------
+# -- hvdx.mpi_defaults: what the environment tells before MPI_Init -----------------------------
 
 def test_open_mpi_ranks_are_recognised_with_their_machine_count():
     info = launcher.detect({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}, cores=2)
@@ -206,7 +206,7 @@ def test_mpirun_one_node_of_four_trains_the_demo_to_the_end():
 @needs_mpi
 def test_horovodrun_mpi_trains_the_demo_to_the_end():
     # -H localhost:4 declares 4 slots: mpirun does not know it oversubscribes 2 cores, so
-    # the ranks would spin; hvdx.init() tells Open MPI to yield (hvdx/launcher.py).
+    # the ranks would spin; hvdx.init() tells Open MPI to yield (hvdx/mpi_defaults.py).
     command = launch.horovodrun_command([sys.executable, DEMO, "--epochs", str(EPOCHS)], np=4,
                                        hosts="localhost:4", controller="mpi")
     assert_trained(train_digits(command, np=4), nodes=1, per_node=4)

@@ -13,8 +13,8 @@ from tests.harness import ROOT
 #: The layers, lowest first (docs/design.md). A module belongs to the longest prefix listed.
 LAYERS: List[List[str]] = [
     # foundations: no other hvdx module, or only each other's
-    ["hvdx.version", "hvdx.arguments", "hvdx.legacy_keras", "hvdx.ops", "hvdx.shm", "hvdx.agreement", "hvdx.layout",
-     "hvdx.plateau", "hvdx.mpi_defaults", "hvdx.launcher", "hvdx.transport", "hvdx.phases", "hvdx.zoo",
+    ["hvdx.version", "hvdx.arguments", "hvdx.legacy_keras", "hvdx.ops", "hvdx.shm", "hvdx.agreement",
+     "hvdx.plateau", "hvdx.mpi_defaults", "hvdx.transport", "hvdx.phases", "hvdx.zoo",
      "hvdx.checkpoints", "hvdx.accumulation", "hvdx.variables", "hvdx.tensorflow._horovod_api", "hvdx.progress",
      "hvdx.stall", "hvdx.timeline"],
     # the run's topology and its progress watchdog; the launchers (on the segment kit's pid_alive)
@@ -31,12 +31,11 @@ LAYERS: List[List[str]] = [
      "hvdx.keras3_optimizer"],
     # the protocol of the methods beside the synchronous step
     ["hvdx.lifecycle"],
-    # the methods
+    # Keras glue that knows no particular method: the callbacks (the one method driver among
+    # them), the elastic state
+    ["hvdx.callbacks", "hvdx.elastic", "hvdx.keras3_elastic"],
+    # the methods, each package whole (its Keras glue, a subclass of the driver, in it)
     ["hvdx.daso", "hvdx.adpsgd", "hvdx.asynchronous", "hvdx.localsgd", "hvdx.streaming_diloco"],
-    # Keras glue: the callbacks; the methods' package faces and old callback modules, which
-    # re-export their callbacks (lazily: importing a method never imports the callbacks)
-    ["hvdx.callbacks", "hvdx.elastic", "hvdx.keras3_elastic", "hvdx.daso.__init__", "hvdx.daso.keras", "hvdx.adpsgd.__init__", "hvdx.adpsgd.keras",
-     "hvdx.asynchronous.__init__", "hvdx.asynchronous.keras"],
     # Horovod's namespaces and the package's face
     ["hvdx.keras", "hvdx.tensorflow", "hvdx.__init__"],
 ]
@@ -117,6 +116,23 @@ def test_no_module_imports_from_a_higher_layer():
               for module, targets in sorted(GRAPH.items()) for target in sorted(targets)
               if layer(target) > layer(module)]
     assert not upward, "\n".join(upward)
+
+
+#: The method packages, and the one each may build on (streaming DiLoCo is LocalSGD's subclass).
+METHODS = ["hvdx.daso", "hvdx.adpsgd", "hvdx.asynchronous", "hvdx.localsgd", "hvdx.streaming_diloco"]
+EXTENDS = {"hvdx.streaming_diloco": {"hvdx.localsgd"}}
+
+
+def _method(module: str) -> str:
+    return next((m for m in METHODS if module == m or module.startswith(m + ".")), "")
+
+
+def test_a_method_imports_no_other_method():
+    """The methods share one layer and stand on what is below it, never on each other."""
+    crossing = [f"{module} imports {target}" for module, targets in sorted(GRAPH.items()) if _method(module)
+                for target in sorted(targets)
+                if _method(target) not in ("", _method(module)) and _method(target) not in EXTENDS.get(_method(module), ())]
+    assert not crossing, "\n".join(crossing)
 
 
 def test_no_import_cycles():

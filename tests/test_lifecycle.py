@@ -52,25 +52,24 @@ def test_every_method_is_a_training_method():
     assert not hvdx.adpsgd.ADPSGD.needs_every_step and hvdx.DASO.needs_every_step
 
 
-def test_the_old_names_are_the_new_ones():
+def test_each_method_keeps_its_keras_glue_and_the_driver_knows_none():
+    """One driver for every method (hvdx.callbacks knows no particular method); each method's
+    own callback is a subclass of it in the method's package, reached from the package's face."""
     import hvdx
     import hvdx.adpsgd.keras
     import hvdx.asynchronous.keras
     import hvdx.daso.keras
-    import hvdx.daso.plateau
     import hvdx.keras.callbacks
-    from hvdx.callbacks import method
 
-    assert hvdx.daso.DASOCallback is hvdx.daso.keras.DASOCallback is hvdx.callbacks.DASOCallback
-    assert hvdx.adpsgd.ADPSGDCallback is hvdx.adpsgd.keras.ADPSGDCallback is hvdx.callbacks.ADPSGDCallback
-    assert hvdx.asynchronous.SharedModelCallback is hvdx.asynchronous.keras.SharedModelCallback \
-        is hvdx.callbacks.SharedModelCallback
-    for alias in (method.DASOCallback, method.ADPSGDCallback, method.SharedModelCallback):
-        assert issubclass(alias, hvdx.callbacks.TrainingMethodCallback)
-    assert hvdx.adpsgd.keras.ADPSGD is hvdx.adpsgd.method.ADPSGD is hvdx.adpsgd.ADPSGD
-    assert hvdx.daso.plateau.PlateauDetector is hvdx.plateau.PlateauDetector is hvdx.daso.PlateauDetector
-    # one check_optimizer for every asynchronous method; the old names are it, bound to the method's label
-    assert hvdx.adpsgd.check_optimizer.__func__ is hvdx.asynchronous.check_optimizer.__func__ \
+    assert hvdx.daso.DASOCallback is hvdx.daso.keras.DASOCallback
+    assert hvdx.adpsgd.ADPSGDCallback is hvdx.adpsgd.keras.ADPSGDCallback
+    assert hvdx.asynchronous.SharedModelCallback is hvdx.asynchronous.keras.SharedModelCallback
+    for glue in (hvdx.daso.DASOCallback, hvdx.adpsgd.ADPSGDCallback, hvdx.asynchronous.SharedModelCallback):
+        assert issubclass(glue, hvdx.callbacks.TrainingMethodCallback)
+    for name in ("DASOCallback", "ADPSGDCallback", "SharedModelCallback"):
+        assert not hasattr(hvdx.callbacks, name), name
+    # one check_optimizer for every asynchronous method, bound to the method's label
+    assert hvdx.adpsgd.ADPSGD.check_optimizer.__func__ is hvdx.asynchronous.ASSM.check_optimizer.__func__ \
         is hvdx.lifecycle.TrainingMethod.check_optimizer.__func__
     for name in ("BroadcastGlobalVariablesCallback", "CommunicationPolicy", "SwitchCommunication",
                  "check_same_steps", "switch"):
@@ -101,7 +100,7 @@ def test_a_synchronous_optimizer_is_known_by_its_marker_not_its_name(one_rank):
         method.check_optimizer(DASO(0.1))  # the name alone says nothing
         method.check_optimizer(tf.keras.optimizers.SGD(0.1))
     with pytest.raises(ValueError, match="^AD-PSGD cannot run"):
-        hvdx.adpsgd.check_optimizer(renamed)
+        hvdx.adpsgd.ADPSGD.check_optimizer(renamed)
     assert hvdx.wrapped.is_synchronous(renamed) and not hvdx.wrapped.is_synchronous(DASO(0.1))
 
 

@@ -1,28 +1,12 @@
 """hvdx.node: the node-local collectives, below the strategies (their behaviour:
 tests/test_node_shm.py, tests/test_comm.py, tests/multirank/check_node_shm.py). Here: the
-names they had under hvdx.comm still lead to them, and the layering holds (hvdx.node on
-topology, ops and the shm kit only; the kit on no hvdx module)."""
+layering holds (hvdx.node on topology, ops and the shm kit only; the kit on no hvdx module)."""
 import ast
 from pathlib import Path
 
 import pytest
 
 from tests.harness import ROOT
-
-MOVED_FROM_BASE = ("SLICE_ALIGN", "node_allgather", "node_reduce_scatter", "node_reduce_scatter_parts", "node_slices",
-                   "padded_length")
-
-
-def test_the_moved_names_are_the_same_objects_at_their_former_paths():
-    from hvdx.comm import base, node_shm
-    from hvdx.node import collectives, shm_engine
-
-    for name in MOVED_FROM_BASE:
-        assert getattr(base, name) is getattr(collectives, name), name
-        assert name in base.__all__
-    for name in node_shm.__all__:
-        assert getattr(node_shm, name) is getattr(shm_engine, name, getattr(collectives, name, None)), name
-    assert node_shm.check_engine is collectives.check_engine and node_shm.ENGINES == ("horovod", "shm")
 
 
 def _hvdx_imports(path: Path):

@@ -1,4 +1,4 @@
-"""hvdx.comm.node_shm: the node-local shared-memory collectives (node_engine="shm").
+"""hvdx.node.shm_engine: the node-local shared-memory collectives (node_engine="shm").
 
 Single-process tests: the segment's checks in this process, and plain processes
 (tests/node_shm_worker.py, no Horovod) that map one segment as the ranks of a node: parity
@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from hvdx import comm
-from hvdx.comm import node_shm
+from hvdx.node import shm_engine as node_shm
 from tests import suite
 from tests.harness import ROOT
 
@@ -167,7 +167,7 @@ def test_segment_checks_sizes_ranks_and_cleans_up(tmp_path):
 
 def test_sweep_removes_a_segment_whose_creator_died(tmp_path):
     """A creator killed between create and unlink leaves a name; the next create sweeps it."""
-    code = ("import sys, os; from hvdx.comm import node_shm; from pathlib import Path; "
+    code = ("import sys, os; from hvdx.node import shm_engine as node_shm; from pathlib import Path; "
             "node_shm.Segment.create(sys.argv[1], 2, 8192, directory=Path(sys.argv[2])); print('made', flush=True); "
             "os.kill(os.getpid(), 9)")
     name = f"{node_shm.PREFIX}swept{secrets.token_hex(4)}-0"
@@ -178,7 +178,7 @@ def test_sweep_removes_a_segment_whose_creator_died(tmp_path):
 
 
 def test_atexit_removes_a_segment_not_yet_unlinked(tmp_path):
-    code = ("import sys; from hvdx.comm import node_shm; from pathlib import Path; "
+    code = ("import sys; from hvdx.node import shm_engine as node_shm; from pathlib import Path; "
             "node_shm.Segment.create(sys.argv[1], 2, 8192, directory=Path(sys.argv[2])); sys.exit(3)")
     name = f"{node_shm.PREFIX}exit{secrets.token_hex(4)}-0"
     done = subprocess.run([sys.executable, "-c", code, name, str(tmp_path)], env=dict(os.environ, PYTHONPATH=str(ROOT)),

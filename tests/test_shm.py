@@ -91,7 +91,7 @@ def test_create_writes_the_common_header_and_attach_counts_itself_and_sees_the_s
 
 def test_every_kind_of_hvdx_segment_starts_with_the_common_header(tmp_path):
     from hvdx.asynchronous.shared import SharedModel
-    from hvdx.comm import node_shm
+    from hvdx.node import shm_engine as node_shm
 
     node = node_shm.Segment.create(node_shm.PREFIX + "hdr-0", 2, 8192, directory=tmp_path)
     model = SharedModel.create([3, 5], np.arange(8, dtype=np.float32), directory=tmp_path, watchdog=False)
@@ -232,7 +232,7 @@ def test_admit_runs_under_the_lock_before_counting_and_its_refusal_is_not_retrie
 # -- alignment, pid_alive ---------------------------------------------------------------------------------
 def test_align_and_the_layouts_of_both_kinds(tmp_path):
     from hvdx.asynchronous import shared
-    from hvdx.comm import node_shm
+    from hvdx.node import shm_engine as node_shm
 
     assert [shm.align(x) for x in (0, 1, 63, 64, 65)] == [0, 64, 64, 64, 128]
     assert shm.align(4097, shm.PAGE) == 8192 and shm.HEADER.size == shm.HEADER_BYTES == 32

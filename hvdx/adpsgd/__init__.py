@@ -9,21 +9,21 @@ waits for everybody.
   transport's threads (`hvdx.transport.peer`), the averages over all ranks;
 - `hvdx.adpsgd.method`: `ADPSGD` on TensorFlow variables, an `hvdx.lifecycle.TrainingMethod`
   (custom loops, or `Model.fit` through `hvdx.callbacks.TrainingMethodCallback`);
-  `ADPSGDCallback` (`hvdx.callbacks`, reached here without importing the callbacks until
-  asked for) builds one per `fit`.
+- `hvdx.adpsgd.keras`: `ADPSGDCallback`, which builds one per `fit` (reached here without
+  importing Keras' callbacks until asked for).
 
 Guide: docs/adpsgd.md.
 """
 from hvdx.adpsgd.gossip import Gossip
 from hvdx.adpsgd.graph import TOPOLOGIES, Graph, build_graph, register_topology
-from hvdx.adpsgd.method import ADPSGD, check_optimizer
+from hvdx.adpsgd.method import ADPSGD
 
-__all__ = ["ADPSGD", "ADPSGDCallback", "Gossip", "Graph", "TOPOLOGIES", "build_graph", "check_optimizer",
+__all__ = ["ADPSGD", "ADPSGDCallback", "Gossip", "Graph", "TOPOLOGIES", "build_graph",
            "register_topology"]
 
 
 def __getattr__(name: str):
-    if name == "ADPSGDCallback":  # the Keras glue lives with the other callbacks (hvdx.adpsgd.keras re-exports it)
+    if name == "ADPSGDCallback":  # its Keras glue (hvdx.adpsgd.keras), imported when asked for
         from hvdx.adpsgd.keras import ADPSGDCallback
         return ADPSGDCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,7 @@ from hvdx.topology import Topology, initialized, topology as current_topology
 from hvdx.transport.peer import PeerTransport
 from hvdx.transport.ring import GroupTransport
 
-__all__ = ["ADPSGD", "check_cross_node_weight", "check_fit_options", "check_optimizer"]
+__all__ = ["ADPSGD", "check_cross_node_weight", "check_fit_options"]
 
 
 class ADPSGD(TrainingMethod):
@@ -398,10 +398,6 @@ class ADPSGD(TrainingMethod):
             v.assign(flat[offset:offset + size].reshape(shape).astype(v.dtype.as_numpy_dtype, copy=False))
             offset += size
         self._last = np.asarray(flat, self._dtype).copy()
-
-
-#: The old name of `ADPSGD.check_optimizer` (`hvdx.lifecycle.TrainingMethod.check_optimizer`).
-check_optimizer = ADPSGD.check_optimizer
 
 
 def check_cross_node_weight(weight: Any) -> float:

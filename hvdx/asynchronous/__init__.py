@@ -9,8 +9,8 @@ node's processes without waiting for each other; nodes averaged periodically.
   partition.py).
 - the segment (shared.py); staleness (staleness.py); the step common to all, an
   `hvdx.lifecycle.TrainingMethod` (method.py). In `Model.fit`:
-  `hvdx.callbacks.TrainingMethodCallback(method)`, or its old name `SharedModelCallback`
-  (reached here without importing the callbacks until asked for). Guide: docs/asynchronous.md.
+  `hvdx.callbacks.TrainingMethodCallback(method)`, or `SharedModelCallback(method)` (keras.py,
+  reached here without importing Keras' callbacks until asked for). Guide: docs/asynchronous.md.
 
     method = hvdx.asynchronous.ASSM().start(model, optimizer)     # custom loop
     for x, y in shard:
@@ -19,7 +19,7 @@ node's processes without waiting for each other; nodes averaged periodically.
         method.apply_gradients(tape.gradient(loss, method.variables_to_train()))
     method.finish()
 """
-from hvdx.asynchronous.method import SharedModelMethod, check_optimizer
+from hvdx.asynchronous.method import SharedModelMethod
 from hvdx.asynchronous.minibatch import AsyncMiniBatch
 from hvdx.asynchronous.partition import backprop_flops_saved, layer_units, partition
 from hvdx.asynchronous.passm import ASSM, PASSM, PASSMPlus
@@ -29,12 +29,12 @@ from hvdx.asynchronous.staleness import Staleness
 METHODS = {"asyncminibatch": AsyncMiniBatch, "assm": ASSM, "passm": PASSM, "passm+": PASSMPlus}
 
 __all__ = ["ASSM", "AsyncMiniBatch", "METHODS", "PASSM", "PASSMPlus", "SharedModel", "SharedModelCallback",
-           "SharedModelError", "SharedModelMethod", "Staleness", "backprop_flops_saved", "check_optimizer",
+           "SharedModelError", "SharedModelMethod", "Staleness", "backprop_flops_saved",
            "layer_units", "partition", "sweep"]
 
 
 def __getattr__(name: str):
-    if name == "SharedModelCallback":  # the Keras glue lives with the other callbacks (re-exported by .keras)
+    if name == "SharedModelCallback":  # its Keras glue (hvdx.asynchronous.keras), imported when asked for
         from hvdx.asynchronous.keras import SharedModelCallback
         return SharedModelCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

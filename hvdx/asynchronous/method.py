@@ -43,7 +43,7 @@ from hvdx import legacy_keras
 
 keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
-__all__ = ["SharedModelMethod", "check_optimizer"]
+__all__ = ["SharedModelMethod"]
 
 _NAME_BYTES = 64
 
@@ -402,7 +402,3 @@ class SharedModelMethod(TrainingMethod):
     @staticmethod
     def merge_staleness(summaries: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
         return merge(summaries)
-
-
-#: The old name of `SharedModelMethod.check_optimizer` (`hvdx.lifecycle.TrainingMethod.check_optimizer`).
-check_optimizer = SharedModelMethod.check_optimizer

@@ -22,13 +22,10 @@ from hvdx.comm import registry
 from hvdx.comm.traits import OptimizerTraits
 from hvdx.agreement import Agreed, check_agreement
 # the node-local collectives, below the strategies; re-exported here, where they were
-from hvdx.node.collectives import (SLICE_ALIGN, node_allgather, node_reduce_scatter,  # noqa: F401
-                                   node_reduce_scatter_parts, node_slices, padded_length)
 from hvdx.topology import Topology, initialized, set_rank_and_size, topology
 
-__all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "SLICE_ALIGN", "Shapes", "Strategy",
-           "check_density", "check_hierarchical", "check_positive_int", "check_shapes", "get", "node_allgather", "node_reduce_scatter",
-           "node_reduce_scatter_parts", "node_slices", "padded_length"]
+__all__ = ["Aggregated", "DEFAULT_BUCKET_BYTES", "HOROVOD_OPTIONS", "Shapes", "Strategy", "check_density",
+           "check_hierarchical", "check_positive_int", "check_shapes", "get"]
 
 #: Horovod's own options. A strategy may take them (`Allreduce` does); the optimizer saves
 #: them in its config itself, so they are not part of a strategy's `get_config()`.

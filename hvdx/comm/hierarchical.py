@@ -42,13 +42,13 @@ class Hierarchical(Strategy):
         written).
       node_engine: what runs the node-local reduce-scatter and all-gather: "horovod"
         (default, over the node's process set) or "shm" (hvdx's shared-memory segment per
-        node, `hvdx.comm.node_shm`; set up collectively on the first trace). "shm" pays under
+        node, `hvdx.node.shm_engine`; set up collectively on the first trace). "shm" pays under
         Gloo, whose node-local bytes otherwise cross TCP loopback; under MPI or NCCL it is
         allowed but rarely faster. CPU tensors only (a GPU buffer raises ValueError). A node of
         one rank makes no node collective either way.
     Raises:
       ValueError: a negative or non-integer flat_below, an unknown node_engine.
-      hvdx.comm.node_shm.NodeShmError: (first call, "shm") a rank of the node could not
+      hvdx.node.shm_engine.NodeShmError: (first call, "shm") a rank of the node could not
         create or attach the segment; tf.errors.InternalError at run time when the node's
         ranks issue different node collectives, or one died or did not arrive within
         HVDX_NODE_SHM_TIMEOUT seconds (the message names it).

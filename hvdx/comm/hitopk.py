@@ -37,13 +37,13 @@ class HiTopK(TopKStrategy):
     Args: those of `TopKStrategy` (density, num_samplings, wire_dtype, DGC's aids), and
       node_engine: what runs steps 1 and 4 inside the node: "horovod" (default, over the
         node's process set) or "shm" (hvdx's shared-memory segment per node,
-        `hvdx.comm.node_shm`; set up collectively on the first trace). "shm" pays under Gloo,
+        `hvdx.node.shm_engine`; set up collectively on the first trace). "shm" pays under Gloo,
         whose node-local bytes otherwise cross TCP loopback; under MPI or NCCL it is allowed
         but rarely faster. CPU tensors only. A node of one rank makes no node collective.
     Raises:
       ValueError: a bad option; node_engine="shm" with warmup_steps (the warm-up builds the
         exchange inside tf.switch_case branches, where node collectives are not ordered).
-      hvdx.comm.node_shm.NodeShmError, tf.errors.InternalError: as `Hierarchical`'s with "shm".
+      hvdx.node.shm_engine.NodeShmError, tf.errors.InternalError: as `Hierarchical`'s with "shm".
     """
 
     STEPS = ("reduce_scatter", "mstopk", "inter_allgather", "intra_allgather")

@@ -355,7 +355,7 @@ class TopKStrategy(Strategy):
                   process_set: hvd.ProcessSet, name: str, node_engine: str = "horovod") -> Tuple[tf.Tensor, tf.Tensor]:
         """All-gather of every member's pairs: k per member, or one k per member in order.
         node_engine "shm": `process_set` is the node's, gathered through its shared-memory
-        segment (`hvdx.comm.base.node_allgather`)."""
+        segment (`hvdx.node.collectives.node_allgather`)."""
         packed = wire.pack(values, indices, self.wire_dtype)
         if node_engine == "shm":
             topo = self.topology

@@ -6,8 +6,8 @@ merge (eq. 1), on a schedule of warm-up, cycling and cool-down phases.
 - `hvdx.daso.sync`: what moves (blocking, non-blocking, merge, drain) and
   `hvdx.transport.ring`: how it moves between nodes without blocking Horovod's thread;
 - `hvdx.daso.optimizer.DASO` (also `hvdx.DASO`): the Keras optimizer, an
-  `hvdx.lifecycle.TrainingMethod`; `DASOCallback` (`hvdx.callbacks`, reached here without
-  importing the callbacks until asked for) drives it in Model.fit.
+  `hvdx.lifecycle.TrainingMethod`; `hvdx.daso.keras.DASOCallback` (reached here without
+  importing Keras' callbacks until asked for) drives it in Model.fit.
 """
 from hvdx.daso.optimizer import DASO
 from hvdx.daso.schedule import COOLDOWN, CYCLING, WARMUP, Action, Schedule
@@ -17,7 +17,7 @@ __all__ = ["COOLDOWN", "CYCLING", "DASO", "DASOCallback", "WARMUP", "Action", "P
 
 
 def __getattr__(name: str):
-    if name == "DASOCallback":  # the Keras glue lives with the other callbacks (hvdx.daso.keras re-exports it)
+    if name == "DASOCallback":  # its Keras glue (hvdx.daso.keras), imported when asked for
         from hvdx.daso.keras import DASOCallback
         return DASOCallback
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,10 +1,37 @@
-"""DASO's Keras glue is hvdx's one method driver (`hvdx.callbacks.method`: `DASOCallback` is
-`TrainingMethodCallback` for the model's hvdx.DASO); these names stay for the code that
-imported them from here.
+"""DASO's Keras glue: `DASOCallback`, hvdx's one method driver
+(`hvdx.callbacks.TrainingMethodCallback`) for the model's hvdx.DASO optimizer.
 
+    model.compile(optimizer=hvdx.DASO(tf.keras.optimizers.SGD(0.1), total_epochs=20), loss=...)
     model.fit(..., callbacks=[hvdx.daso.DASOCallback()])
 """
-from hvdx.callbacks.method import DASOCallback
-from hvdx.daso.optimizer import find_daso
+from __future__ import annotations
 
-__all__ = ["DASOCallback", "find_daso"]
+from typing import Optional
+
+from hvdx.callbacks.method import TrainingMethodCallback
+from hvdx.daso.optimizer import DASO
+
+__all__ = ["DASOCallback"]
+
+
+class DASOCallback(TrainingMethodCallback):
+    """`TrainingMethodCallback` for the model's hvdx.DASO optimizer (or `daso`, if given): after
+    every batch the schedule's global synchronisation (`DASO.after_step`), after the last
+    batch of an epoch the drain and the epoch's training loss (`DASO.end_epoch`), at the end
+    `DASO.close()`; before the first batch the check that every rank runs as many steps and
+    epochs. `daso` is the optimizer driven.
+
+    Raises (from `fit`): ValueError where the model's optimizer is no hvdx.DASO and none was
+    given; TypeError for a `daso` that is no hvdx.DASO."""
+
+    kind = DASO
+
+    def __init__(self, daso: Optional[DASO] = None) -> None:
+        super().__init__(daso)
+
+    @property
+    def daso(self) -> Optional[DASO]:
+        return self.method
+
+    def _missing(self) -> str:
+        return "DASOCallback needs a model compiled with hvdx.DASO(...) as its optimizer"

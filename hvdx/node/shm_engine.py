@@ -254,7 +254,7 @@ def communicator(topo=None) -> NodeCommunicator:
     slot_bytes = int(os.environ.get("HVDX_NODE_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
     with tf.init_scope():
         token = hvd.broadcast_object(shm.token() if hvd.rank() == 0 else None, root_rank=0,
-                                     name="hvdx.node_shm.token")
+                                     name="hvdx.node.shm.token")
         name = NODE.name(token, topo.node)
         segment, error = None, None
         if topo.local_rank == 0:
@@ -281,7 +281,7 @@ def _node_check(error: Optional[str], step: str, topo) -> None:
     """A node barrier that raises on every rank of the node when one of them failed."""
     import horovod.tensorflow as hvd
 
-    errors = hvd.allgather_object((topo.local_rank, error), name=f"hvdx.node_shm.{step}", process_set=topo.local_set)
+    errors = hvd.allgather_object((topo.local_rank, error), name=f"hvdx.node.shm.{step}", process_set=topo.local_set)
     failed = [f"local rank {rank}: {message}" for rank, message in errors if message]
     if failed:
         raise NodeShmError(f"node {topo.node}: the shared-memory segment could not be set up ({step}); "

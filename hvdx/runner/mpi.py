@@ -18,7 +18,7 @@ Horovod's MPI controller busy-polls while it waits: ranks that outnumber the cor
 steal the cores the working ranks need. `OVERSUBSCRIBED_MCA` is what a job whose ranks share
 cores passes to Open MPI (mpirun sets it by itself only when it knows the node is
 oversubscribed, i.e. with --oversubscribe and more ranks than slots); hvdx.init() sets it
-itself when it can tell (hvdx/launcher.py).
+itself when it can tell (hvdx/mpi_defaults.py).
 
 Nothing here imports TensorFlow or Horovod.
 """

@@ -91,12 +91,11 @@ def listen_address() -> str:
     """The IPv4 address this rank listens on (never 0.0.0.0).
 
     The address of interface $HOROVOD_GLOO_IFACE (what horovodrun and hvdx's emulated
-    cluster set), else of $HVDX_TRANSPORT_IFACE or $HVDX_DASO_IFACE (its older name); else
-    127.0.0.1 when $HOROVOD_HOSTNAME names this machine (localhost, 127.0.0.1, its host
-    name; horovodrun's emulated nodes on one machine) or is unset; else $HOROVOD_HOSTNAME
-    resolved.
+    cluster set), else of $HVDX_TRANSPORT_IFACE; else 127.0.0.1 when $HOROVOD_HOSTNAME names
+    this machine (localhost, 127.0.0.1, its host name; horovodrun's emulated nodes on one
+    machine) or is unset; else $HOROVOD_HOSTNAME resolved.
     """
-    for var in ("HOROVOD_GLOO_IFACE", "HVDX_TRANSPORT_IFACE", "HVDX_DASO_IFACE"):
+    for var in ("HOROVOD_GLOO_IFACE", "HVDX_TRANSPORT_IFACE"):
         iface = os.environ.get(var)
         if not iface:
             continue

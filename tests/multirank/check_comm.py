@@ -13,6 +13,7 @@ import tensorflow as tf
 
 import hvdx
 from hvdx import comm
+from hvdx.node.collectives import node_slices
 from hvdx.zoo import mlp
 from tests import mstopk_reference as ref
 
@@ -84,7 +85,7 @@ def check_hitopk_simulation(topo, d: int, density: float, steps: int) -> None:
     `node_slices` (aligned, the last shorter; a small buffer zero-padded)."""
     strategy = comm.HiTopK(density=density)
     n, size = topo.local_size, topo.size
-    slices = comm.base.node_slices(d, n)
+    slices = node_slices(d, n)
     padded_d = slices[-1][0] + slices[-1][1]
     for step in range(steps):
         rng = np.random.default_rng(1000 * step + topo.rank)
@@ -220,19 +221,19 @@ def check_disagreement(topo) -> dict:
 
     found["tape_vs_direct"] = mismatch(tape_or_direct)
     # Agreeing ranks: one check per layout, whoever calls, never one per step.
-    before = hvdx.layout.checks_made()
+    before = hvdx.agreement.checks_made()
     agreed = comm.HiTopK(density=0.05)
     outputs = [agreed(ones(1000) * float(topo.rank + 1), "ok").numpy() for _ in range(3)]
-    direct_checks = hvdx.layout.checks_made() - before
+    direct_checks = hvdx.agreement.checks_made() - before
     net = mlp(8, (600,), 4, activation=None)
     aggregator = hvdx.GradientAggregator("hitopk", density=0.05, bucket_bytes=4096)
     x = tf.ones([2, 8]) * float(topo.rank + 1)
-    before = hvdx.layout.checks_made()
+    before = hvdx.agreement.checks_made()
     for _ in range(3):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(net(x) ** 2)
         aggregator(tape.gradient(loss, net.trainable_variables), net.trainable_variables)
-    tape_checks = hvdx.layout.checks_made() - before
+    tape_checks = hvdx.agreement.checks_made() - before
     buckets = len(aggregator.last_aggregation.buckets)
     # Ranks of a new membership whose step counters differ (an elastic job's returning node: its
     # new processes at step 0, the survivors on): the density warm-up's stage would differ, and

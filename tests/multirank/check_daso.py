@@ -279,7 +279,7 @@ def check_errors(topo):
     """The message of each misuse (ValueError / RuntimeError naming what to fix)."""
     import horovod.tensorflow.keras as hvd_keras
 
-    from hvdx.layout import RankMismatchError
+    from hvdx.agreement import RankMismatchError
 
     def message(fn, *exceptions):
         try:

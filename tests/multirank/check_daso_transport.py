@@ -1,4 +1,4 @@
-"""DASO's group transport (hvdx/daso/transport.py) across real processes, launched by
+"""DASO's group transport (hvdx/transport/ring.py) across real processes, launched by
 tests/test_daso_transport.py on m nodes x n ranks: one ring per cross set (coquelin2021, Figure 1).
 
 Each rank returns digests of its results; the test compares them across the members of a group.
@@ -11,7 +11,7 @@ import numpy as np
 import tensorflow as tf
 
 import hvdx
-from hvdx.daso.transport import GroupTransport, TransportError, listen_address
+from hvdx.transport.ring import GroupTransport, TransportError, listen_address
 
 SUM_SIZES = (1, 7, 1000, 3_000_001)  # uneven segments and chunks for groups of 2 and 3
 OVERLAP_SIZE = 4_000_000             # 16 MB float32: long enough to overlap a matmul loop

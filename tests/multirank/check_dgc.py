@@ -20,6 +20,7 @@ import tensorflow as tf
 import hvdx
 from hvdx import comm
 from hvdx.comm.memory import commit
+from hvdx.node.collectives import node_slices
 from tests.multirank.check_comm import gather_ragged, gather_rows, simulate_selection
 from tests.multirank.check_training_path import digits, digits_model, same_on_every_rank
 
@@ -34,7 +35,7 @@ def check_simulation(topo, d: int = 64 * 16 + 5, steps: int = 6, momentum: float
     strategy = comm.HiTopK(density=0.05, momentum=momentum, residual_decay=decay, warmup_steps=4,
                            warmup_density=0.25)
     n, size = topo.local_size, topo.size
-    slices = comm.base.node_slices(d, n)
+    slices = node_slices(d, n)
     padded_d = slices[-1][0] + slices[-1][1]
     stored = slices[0][1]
     for step in range(steps):
@@ -81,7 +82,7 @@ def check_dense_below(topo, steps: int = 3) -> int:
         commit(result.updates, result.finite)
         small = pieces[1].numpy()
         np.testing.assert_allclose(small, everyone[:, 500:540].mean(axis=0), rtol=1e-6)
-        slices = comm.base.node_slices(sum(sizes), topo.local_size)
+        slices = node_slices(sum(sizes), topo.local_size)
         sparse = np.count_nonzero(np.concatenate([pieces[0].numpy(), pieces[2].numpy()]))
         assert 0 < sparse <= topo.num_nodes * sum(strategy.k(length) for _, length in slices), sparse
         residuals = gather_rows(strategy.variables["w"].value(), f"dbw.r.{step}")

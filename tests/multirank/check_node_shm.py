@@ -1,4 +1,4 @@
-"""Every rank checks node_engine="shm" (hvdx.comm.node_shm) against Horovod's node collectives.
+"""Every rank checks node_engine="shm" (hvdx.node.shm_engine) against Horovod's node collectives.
 
 - the shm all-to-all (node_slices' splits) and all-gather (per-rank lengths) equal
   hvd.alltoall / hvd.allgather over the node's set bit for bit, on sizes from 1 element to
@@ -17,8 +17,8 @@ import tensorflow as tf
 
 import hvdx
 from hvdx import comm
-from hvdx.comm import node_shm
-from hvdx.comm.base import node_slices
+from hvdx.node import shm_engine as node_shm
+from hvdx.node.collectives import node_slices
 from tests.multirank import digits
 
 
