@@ -25,7 +25,7 @@ import sys
 from types import ModuleType
 from typing import Tuple
 
-__all__ = ["ENV", "KERAS3_SINCE", "Keras2Missing", "is_keras3_object", "keras2", "keras_package",
+__all__ = ["ENV", "KERAS3_SINCE", "Keras2Missing", "is_keras3_object", "keras2", "keras_of", "keras_package",
            "tf_keras_is_keras3", "use_keras2"]
 
 ENV = "TF_USE_LEGACY_KERAS"
@@ -135,3 +135,16 @@ def is_keras3_object(obj) -> bool:
     if keras is None or not str(getattr(keras, "__version__", "0")).startswith("3."):
         return False
     return any((cls.__module__ or "").split(".")[0] == "keras" for cls in type(obj).__mro__)
+
+
+def keras_of(obj) -> ModuleType:
+    """The Keras API `obj` (an optimizer, a model, a variable) belongs to: the `keras` package
+    for a Keras 3 object, else Keras 2 (`keras2()`).
+
+    Raises:
+        Keras2Missing: a Keras 2 object's API asked for where tf_keras is not installed (it
+            cannot happen for an object that exists).
+    """
+    if is_keras3_object(obj):
+        return sys.modules["keras"]
+    return keras2()

@@ -12,7 +12,9 @@ One synchronisation, on every rank (DiLoCo Algorithm 1, lines 8-12):
     x_local <- x_anchor                                 (every rank the same model again)
 
 The inner optimizer's state (momentum, Adam's moments) stays each rank's own; the outer one's
-is the same on every rank (it sees the same averages). A method in one module: it is an
+is the same on every rank (it sees the same averages). Keras 2 and Keras 3 alike: the model's
+variables of either (a Keras 3 variable's tf.Variable, `hvdx.variables.tf_variable`), an outer
+optimizer of either (the anchor is that Keras' variables). A method in one module: it is an
 `hvdx.lifecycle.TrainingMethod`, so the one Keras callback drives it,
 
     model.compile(tf.keras.optimizers.SGD(0.05, momentum=0.9), loss)      # the plain optimizer
@@ -37,19 +39,36 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import tensorflow as tf
 
 from hvdx.arguments import integer
+from hvdx.legacy_keras import is_keras3_object, keras_of
 from hvdx.lifecycle import TrainingMethod
-from hvdx import legacy_keras
+from hvdx.variables import tf_variable
 
-keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
-
-__all__ = ["LocalSGD"]
+__all__ = ["LocalSGD", "default_outer_optimizer"]
 
 SYNC_NAME = "hvdx.localsgd.sync"  # the one allreduce's name, the same on every rank and every sync
 
 
-def default_outer_optimizer() -> keras2.optimizers.Optimizer:
-    """DiLoCo's outer optimizer (sec. 3): Nesterov momentum 0.9, learning rate 0.7."""
-    return keras2.optimizers.SGD(learning_rate=0.7, momentum=0.9, nesterov=True)
+def default_outer_optimizer() -> Any:
+    """DiLoCo's outer optimizer (sec. 3): Nesterov momentum 0.9, learning rate 0.7, of tf.keras
+    (Keras 3 from TensorFlow 2.16 on unless $TF_USE_LEGACY_KERAS=1, else Keras 2)."""
+    return tf.keras.optimizers.SGD(learning_rate=0.7, momentum=0.9, nesterov=True)
+
+
+def check_outer_optimizer(optimizer: Any) -> Any:
+    """`optimizer` if it is a Keras optimizer of either Keras (Keras 2's legacy ones too).
+
+    Raises:
+        ValueError: anything else, naming what to pass.
+    """
+    keras = keras_of(optimizer)
+    kinds = [keras.optimizers.Optimizer]
+    legacy = getattr(keras.optimizers, "legacy", None)
+    if legacy is not None and not is_keras3_object(optimizer):
+        kinds.append(legacy.Optimizer)
+    if not isinstance(optimizer, tuple(kinds)):
+        raise ValueError(f"outer_optimizer must be a Keras optimizer (e.g. "
+                         f"keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)), got {type(optimizer).__name__}")
+    return optimizer
 
 
 class LocalSGD(TrainingMethod):
@@ -57,8 +76,8 @@ class LocalSGD(TrainingMethod):
 
     Args:
       sync_every: local steps between two synchronisations (DiLoCo's H; Lin et al.'s H).
-      outer_optimizer: a plain Keras optimizer applied to the pseudo-gradients (default
-        `default_outer_optimizer()`); `tf.keras.optimizers.SGD(1.0)` makes each
+      outer_optimizer: a plain Keras optimizer (of either Keras, whatever the model's) applied
+        to the pseudo-gradients (default `default_outer_optimizer()`); `SGD(1.0)` makes each
         synchronisation a plain average of the ranks' models.
       sync_every_epoch: also synchronise at each epoch's end when local steps are pending
         (True: validation and checkpoints see one model on every rank; the window of that
@@ -85,18 +104,14 @@ class LocalSGD(TrainingMethod):
     same_steps_on_every_rank = True
     needs_every_step = True
 
-    def __init__(self, sync_every: int = 8, outer_optimizer: Optional[keras2.optimizers.Optimizer] = None, *,
-                 sync_every_epoch: bool = True) -> None:
+    def __init__(self, sync_every: int = 8, outer_optimizer: Any = None, *, sync_every_epoch: bool = True) -> None:
         sync_every = integer(sync_every, "sync_every", 1, expected="a positive number of local steps (an int)")
-        outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
-        if not isinstance(outer, (keras2.optimizers.Optimizer, keras2.optimizers.legacy.Optimizer)):
-            raise ValueError(f"outer_optimizer must be a Keras optimizer (e.g. "
-                             f"tf.keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True)), got {type(outer).__name__}")
+        outer = check_outer_optimizer(outer_optimizer if outer_optimizer is not None else default_outer_optimizer())
         self.check_optimizer(outer)
         self.sync_every, self.sync_every_epoch = sync_every, bool(sync_every_epoch)
         self.outer_optimizer = outer
-        self.variables: List[tf.Variable] = []
-        self.anchor: List[tf.Variable] = []
+        self.variables: List[tf.Variable] = []  # the model's (a Keras 3 variable's tf.Variable)
+        self.anchor: List[Any] = []  # variables of the outer optimizer's Keras (`_anchor_values`: their tf.Variables)
         self.steps = 0           # local steps of this run (every rank the same)
         self.outer_steps = 0     # synchronisations
         self.pending = 0         # local steps since the last synchronisation
@@ -117,20 +132,40 @@ class LocalSGD(TrainingMethod):
                              "(use one LocalSGD per model)")
         if not self.anchor:
             self.variables = variables
-            with tf.init_scope():
-                self.anchor = [tf.Variable(v.read_value(), trainable=False, name="localsgd_anchor")
-                               for v in variables]
+            self.anchor = self._make_anchor(variables)
         for dtype in sorted({v.dtype.name for v in self.variables}):  # one broadcast per dtype
             group = [v for v in self.variables if v.dtype.name == dtype]
             flat = tf.concat([tf.reshape(v, [-1]) for v in group], 0)
             flat = hvd.broadcast(flat, root_rank=0, name=f"hvdx.localsgd.start.{dtype}")
             for v, piece in zip(group, tf.split(flat, [int(tf.size(v)) for v in group])):
                 v.assign(tf.reshape(piece, v.shape))
-        for a, v in zip(self.anchor, self.variables):
+        for a, v in zip(self._anchor_values(), self.variables):
             a.assign(v)
         self.pending = 0
         self._started = True
         return self
+
+    def _make_anchor(self, variables: Sequence[tf.Variable]) -> List[Any]:
+        """The anchor: a copy of `variables` as variables of the outer optimizer's Keras (a
+        Keras 3 optimizer updates Keras 3 variables only), the optimizer built on all of them
+        (Keras' optimizers must see every variable at their first build)."""
+        with tf.init_scope():
+            if is_keras3_object(self.outer_optimizer):
+                keras = keras_of(self.outer_optimizer)
+                anchor = [keras.Variable(v.read_value(), trainable=False, name="localsgd_anchor") for v in variables]
+            else:
+                anchor = [tf.Variable(v.read_value(), trainable=False, name="localsgd_anchor") for v in variables]
+            self._build_outer(anchor)
+        return anchor
+
+    def _build_outer(self, anchor: Sequence[Any]) -> None:
+        build = getattr(self.outer_optimizer, "build", None)
+        if callable(build) and not getattr(self.outer_optimizer, "built", False):
+            build(list(anchor))
+
+    def _anchor_values(self) -> List[tf.Variable]:
+        """The anchor's tf.Variables (what TensorFlow reads and assigns)."""
+        return [tf_variable(a) for a in self.anchor]
 
     def after_step(self) -> None:
         """Counts this rank's local step; every `sync_every` of them, `synchronize()`
@@ -156,9 +191,10 @@ class LocalSGD(TrainingMethod):
         hvd = sys.modules["horovod.tensorflow"]
         means = hvd.grouped_allreduce([tf.convert_to_tensor(v) for v in self.variables], op=hvd.Average,
                                       name=SYNC_NAME)
-        deltas = [a - m for a, m in zip(self.anchor, means)]
+        anchor = self._anchor_values()
+        deltas = [a - m for a, m in zip(anchor, means)]
         self.outer_optimizer.apply_gradients(zip(deltas, self.anchor))
-        for v, a in zip(self.variables, self.anchor):  # after the outer step: ordered on the anchor's resource
+        for v, a in zip(self.variables, anchor):  # after the outer step: ordered on the anchor's resource
             v.assign(a.read_value())
 
     def end_epoch(self, epoch: int, logs: Optional[Mapping[str, Any]]) -> None:
@@ -186,7 +222,7 @@ class LocalSGD(TrainingMethod):
     def state(self) -> Dict[str, Any]:
         """{"steps", "outer_steps", "sync_every", "outer_optimizer": its Keras config} (JSON)."""
         return {"steps": self.steps, "outer_steps": self.outer_steps, "sync_every": self.sync_every,
-                "outer_optimizer": keras2.optimizers.serialize(self.outer_optimizer)}
+                "outer_optimizer": keras_of(self.outer_optimizer).optimizers.serialize(self.outer_optimizer)}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Takes back a `state()`: the counts, `sync_every` and the outer optimizer (rebuilt from
@@ -194,9 +230,13 @@ class LocalSGD(TrainingMethod):
         self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
         self.sync_every = int(state["sync_every"])
         config = state.get("outer_optimizer")
-        if config is not None and config != keras2.optimizers.serialize(self.outer_optimizer):
-            self.outer_optimizer = keras2.optimizers.deserialize(dict(config))
+        keras = keras_of(self.outer_optimizer)
+        if config is not None and config != keras.optimizers.serialize(self.outer_optimizer):
+            self.outer_optimizer = keras.optimizers.deserialize(dict(config))
             self._sync_fn = None
+            if self.anchor:  # the anchor's values kept, the new optimizer built on them
+                with tf.init_scope():
+                    self._build_outer(self.anchor)
 
     def stats(self) -> Dict[str, Any]:
         """{"method", "steps", "outer_steps", "pending", "sync_every"} of this rank."""
@@ -212,9 +252,11 @@ def _horovod():
 
 
 def _trainable(model_or_variables: Any) -> List[tf.Variable]:
-    """The trainable float variables of a Keras model, or the given variables (checked)."""
+    """The trainable float variables of a Keras model of either Keras, or the given variables
+    (checked), as tf.Variables (a Keras 3 variable's own)."""
     trainable = getattr(model_or_variables, "trainable_variables", None)
     variables: Sequence[Any] = list(trainable) if trainable is not None else list(model_or_variables)
+    variables = [tf_variable(v) for v in variables]
     if not variables:
         raise ValueError("LocalSGD needs the model's trainable variables, got none (build the model first)")
     for v in variables:

@@ -41,7 +41,7 @@ import tensorflow as tf
 from hvdx.arguments import integer, real
 from hvdx.comm.base import check_hierarchical
 from hvdx.comm.lowbit import DEFAULT_CHUNK, check_bits, check_chunk, dequantize, quantize
-from hvdx.localsgd import LocalSGD, keras2
+from hvdx.localsgd import LocalSGD
 from hvdx.topology import Topology, topology as current_topology
 from hvdx.transport.base import TransportError
 from hvdx.transport.ring import GroupTransport
@@ -219,7 +219,7 @@ class StreamingDiLoCo(LocalSGD):
 
     label = "Streaming DiLoCo"
 
-    def __init__(self, sync_every: int = 30, outer_optimizer: Optional[keras2.optimizers.Optimizer] = None, *,
+    def __init__(self, sync_every: int = 30, outer_optimizer: Any = None, *,
                  fragments: int = 3, overlap: int = 1, mixing: Optional[float] = None, bits: Optional[int] = None,
                  chunk: int = DEFAULT_CHUNK, error_feedback: bool = True, hierarchical: Optional[bool] = None,
                  sync_every_epoch: bool = True, timeout: float = 300.0) -> None:
@@ -298,7 +298,8 @@ class StreamingDiLoCo(LocalSGD):
 
     def _launch(self, fragments: List[int], apply_at: int, mixing: float) -> None:
         indices = [i for p in fragments for i in self.groups[p]]
-        deltas = [tf.reshape(tf.cast(self.anchor[i] - self.variables[i], tf.float32), [-1]) for i in indices]
+        anchor = self._anchor_values()
+        deltas = [tf.reshape(tf.cast(anchor[i] - self.variables[i], tf.float32), [-1]) for i in indices]
         flat = tf.concat(deltas, 0).numpy()
         self.inflight.append(_InFlight(fragments, apply_at, mixing, self.exchange.submit(flat, tuple(fragments))))
 
@@ -311,11 +312,7 @@ class StreamingDiLoCo(LocalSGD):
         finally:
             self.waited_seconds += time.perf_counter() - began
         if self._outer_built is not self.outer_optimizer:  # the first apply, or restore() gave a new one
-            build = getattr(self.outer_optimizer, "build", None)
-            if isinstance(self.outer_optimizer, keras2.optimizers.Optimizer) and callable(build):
-                with tf.init_scope():  # Keras' optimizers must see every variable at their first build
-                    build(self.anchor)
-            self._outer_built = self.outer_optimizer
+            self._outer_built = self.outer_optimizer  # (built on every anchor by LocalSGD)
             self._apply_fns.clear()
         offset = 0
         for p in item.fragments:
@@ -331,11 +328,11 @@ class StreamingDiLoCo(LocalSGD):
 
     def _apply_graph(self, fragment: int, deltas: List[tf.Tensor], mixing: float) -> None:
         indices = self.groups[fragment]
-        anchors = [self.anchor[i] for i in indices]
+        anchors, values = [self.anchor[i] for i in indices], self._anchor_values()
         self.outer_optimizer.apply_gradients(
-            [(tf.cast(tf.reshape(d, a.shape), a.dtype), a) for d, a in zip(deltas, anchors)])
-        for i, a in zip(indices, anchors):  # after the outer step: ordered on the anchor's resource
-            v, anchor = self.variables[i], tf.cast(a.read_value(), self.variables[i].dtype)
+            [(tf.cast(tf.reshape(d, values[i].shape), values[i].dtype), a) for i, d, a in zip(indices, deltas, anchors)])
+        for i in indices:  # after the outer step: ordered on the anchor's resource
+            v, anchor = self.variables[i], tf.cast(values[i].read_value(), self.variables[i].dtype)
             v.assign(anchor if mixing == 0.0 else mixing * v + (1.0 - mixing) * anchor)
 
     def end_epoch(self, epoch: int, logs: Optional[Mapping[str, Any]]) -> None:

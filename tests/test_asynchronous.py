@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import FOREGROUND, ROOT
+from tests.harness import FOREGROUND, HAS_KERAS3, NO_KERAS3, ROOT
 
 SEGMENT = [*FOREGROUND, sys.executable, str(ROOT / "tests" / "asynchronous_segment.py")]
 SHM = Path("/dev/shm")
@@ -305,6 +305,42 @@ def test_fit_trains_the_shared_model_and_callbacks_after_it_see_it(one_rank, nam
     assert history.history["loss"][-1] < history.history["loss"][0]
     assert callback.stats["steps"] == 3 * 8 and callback.stats["staleness"]["updates"] == 24
     assert "train_step" not in vars(model) and method.shared is None   # fit's own step back, segment unmapped
+
+
+def _keras3_assm_fit(policy: str):
+    """(fit's loss per epoch, the callback) of ASSM on a Keras 3 model under `policy`."""
+    import keras
+
+    from hvdx import asynchronous
+    keras.mixed_precision.set_global_policy(policy)
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(10, dtype="float32")])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        callback = asynchronous.SharedModelCallback(asynchronous.ASSM())
+        rng = np.random.default_rng(0)
+        x = rng.random((256, 64), np.float32)
+        y = (x[:, :10].argmax(1)).astype(np.int64)
+        history = model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[callback])
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    assert "train_step" not in vars(model) and callback.method.shared is None  # fit's own step back
+    return history.history["loss"], callback
+
+
+@pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+def test_a_keras3_model_trains_in_keras3s_fit_with_the_methods_own_step(one_rank):
+    """Keras 3: the method's step in place of Keras 3's feeds its loss metric (Keras 3's step
+    does that, not compute_loss) and scales the loss for the LossScaleOptimizer Keras 3 puts
+    around the optimizer under mixed_float16 (it unscales in apply): mixed precision learns as
+    float32 does, where unscaled gradients divided by the loss scale would leave the loss flat."""
+    full, callback = _keras3_assm_fit("float32")
+    mixed, _ = _keras3_assm_fit("mixed_float16")
+    assert full[0] > 2.0 and full[-1] < full[0] - 0.05, full   # the loss is measured, and falls
+    np.testing.assert_allclose(mixed, full, rtol=0.01)
+    assert callback.stats["steps"] == 4 * 8 and callback.stats["staleness"]["updates"] == 32
 
 
 def test_custom_loop_and_its_errors(one_rank):

@@ -136,3 +136,30 @@ def test_a_keras3_users_job_trains_saves_and_resumes_on_two_nodes(ranks):
         assert run["lr"] == pytest.approx(run["initial_lr"]), (rank, run)  # the warm-up ended at the rate
         assert run["loss"][-1] < 0.5 * run["loss"][0], (rank, run)
         assert run["accuracy"] > 0.85, (rank, run)
+
+
+KERAS3_METHODS = ("localsgd", "streaming4", "adpsgd", "assm", "passm")
+
+
+@suite.runs(*[suite.check("keras3_methods.fit", "keras3:2x2", method=method, timeout=300)
+              for method in KERAS3_METHODS if HAS_KERAS3], ids=list(KERAS3_METHODS) if HAS_KERAS3 else [])
+def test_the_methods_beside_the_step_train_a_keras3_model_into_one_model_on_every_rank(ranks):
+    """tests/multirank/check_keras3_methods.py: a Keras 3 model and optimizer, no environment
+    variable, `fit` with the one method driver on 2 nodes x 2 ranks, each rank seeded apart on
+    its own shard: LocalSGD (DiLoCo's outer optimizer, of Keras 3 by default there), streaming
+    DiLoCo with 4-bit outer gradients, AD-PSGD, ASSM and PASSM (each node's processes on one
+    shared model, their step in place of Keras 3's). Every rank ends with the same model bitwise,
+    the model classifies the digits, and the method's state goes through JSON into a new one."""
+    assert sorted(ranks) == [0, 1, 2, 3]
+    method = dict(ranks.check.kwargs)["method"]
+    for rank, run in ranks.items():
+        assert run["keras"].startswith("3.") and run["model_keras"] == "keras", run
+        assert run["spread"] == 0.0, (rank, run)
+        assert run["loss"][-1] < run["loss"][0], (rank, run)  # (asynchronous: a rank may join a trained model)
+        assert run["accuracy"] > 0.8, (rank, run)
+        assert run["stats"]["steps"] > 0, (rank, run)
+        if method in ("localsgd", "streaming4"):
+            assert run["restored"] and run["outer_keras"] == "keras", (rank, run)
+            assert run["stats"]["outer_steps"] > 0 and run["stats"]["pending"] == 0, (rank, run)
+        elif method in ("assm", "passm"):
+            assert run["restored"] and run["stats"]["staleness"]["updates"] == run["stats"]["steps"], (rank, run)

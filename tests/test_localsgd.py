@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from tests import suite
+from tests import harness, suite
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +163,70 @@ def test_fit_through_the_one_callback_trains_and_counts(one_rank):
     assert driver.stats == {"method": "LocalSGD", "steps": 32, "outer_steps": 12, "pending": 0, "sync_every": 3}
     for v, a in zip(model.trainable_variables, method.anchor):  # fit ends on the anchor
         np.testing.assert_array_equal(v.numpy(), a.numpy())
+
+
+# -- Keras 3 (in this process beside tf.keras as Keras 2; a Keras 3 user's job: tests/test_keras3.py) ------
+keras3 = pytest.mark.skipif(not harness.HAS_KERAS3, reason=harness.NO_KERAS3)
+
+
+@keras3
+def test_a_keras3_model_trains_in_fit_with_an_outer_optimizer_of_either_keras(one_rank):
+    """A Keras 3 model in Keras 3's `fit`, driven by the one callback: the method averages the
+    tf.Variables its Keras 3 variables hold; a Keras 3 outer optimizer moves an anchor of
+    Keras 3 variables, a Keras 2 one an anchor of tf.Variables; fit ends on the anchor and the
+    Keras 3 optimizer's config goes through state()."""
+    import keras
+    import tensorflow as tf
+
+    from hvdx.callbacks import TrainingMethodCallback
+    from hvdx.localsgd import LocalSGD
+    rng = np.random.default_rng(0)
+    x = rng.random((256, 16), np.float32)
+    y = (x[:, :4].argmax(1)).astype(np.int64)
+    for outer, anchor_kind in ((keras.optimizers.SGD(0.8, momentum=0.5), keras.Variable),
+                               (tf.keras.optimizers.SGD(0.8, momentum=0.5), tf.Variable)):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
+        model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
+                      keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        method = LocalSGD(sync_every=3, outer_optimizer=outer)
+        driver = TrainingMethodCallback(method)
+        history = model.fit(x, y, batch_size=32, epochs=4, verbose=0, callbacks=[driver])
+        assert history.history["loss"][-1] < history.history["loss"][0]
+        assert driver.stats["outer_steps"] == 12 and driver.stats["pending"] == 0
+        assert all(isinstance(a, anchor_kind) for a in method.anchor)
+        for v, a in zip(model.trainable_variables, method.anchor):  # fit ends on the anchor
+            np.testing.assert_array_equal(v.numpy(), np.asarray(a.numpy()))
+        state = json.loads(json.dumps(method.state()))
+        fresh = LocalSGD(outer_optimizer=type(outer)(0.1))
+        fresh.restore(state)
+        assert type(fresh.outer_optimizer) is type(outer) and fresh.outer_optimizer.get_config()["momentum"] == 0.5
+
+
+@keras3
+def test_a_keras3_model_that_runs_several_steps_per_call_is_refused(one_rank):
+    import keras
+
+    from hvdx.callbacks import TrainingMethodCallback
+    from hvdx.localsgd import LocalSGD
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile(keras.optimizers.SGD(0.1), "mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        model.fit(np.zeros((8, 4), np.float32), np.zeros((8, 2), np.float32), verbose=0,
+                  callbacks=[TrainingMethodCallback(LocalSGD())])
+
+
+@keras3
+def test_the_outer_optimizer_may_be_of_either_keras_and_nothing_else(one_rank):
+    import keras
+    import tensorflow as tf
+
+    from hvdx.localsgd import check_outer_optimizer
+    for optimizer in (keras.optimizers.SGD(0.7), tf.keras.optimizers.SGD(0.7), tf.keras.optimizers.legacy.SGD(0.7)):
+        assert check_outer_optimizer(optimizer) is optimizer
+    for bad in ("sgd", keras.layers.Dense(2), None):
+        with pytest.raises(ValueError, match=r"outer_optimizer must be a Keras optimizer \(e.g. keras.optimizers.SGD"):
+            check_outer_optimizer(bad)
 
 
 # -- on Horovod ranks (tests/multirank/check_localsgd.py) ----------------------------------------------

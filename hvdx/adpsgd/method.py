@@ -41,6 +41,7 @@ from hvdx.lifecycle import TrainingMethod
 from hvdx.topology import Topology, initialized, topology as current_topology
 from hvdx.transport.peer import PeerTransport
 from hvdx.transport.ring import GroupTransport
+from hvdx.variables import tf_variable
 
 __all__ = ["ADPSGD", "check_cross_node_weight", "check_fit_options"]
 
@@ -141,7 +142,7 @@ class ADPSGD(TrainingMethod):
         self.weights = self._weights(topo)
 
     def _set_variables(self, variables: Sequence[tf.Variable]) -> None:
-        variables = list(variables)
+        variables = [tf_variable(v) for v in variables]  # a Keras 3 variable: the tf.Variable it holds
         if not variables:
             raise ValueError("ADPSGD needs the model's variables, got none (build the model first)")
         for v in variables:
@@ -177,7 +178,7 @@ class ADPSGD(TrainingMethod):
             return self
         if model_or_variables is not None:
             weights = getattr(model_or_variables, "weights", None)
-            self._set_variables([w for w in weights if w.dtype.is_floating] if weights is not None
+            self._set_variables([w for w in map(tf_variable, weights) if w.dtype.is_floating] if weights is not None
                                 else model_or_variables)
         if not self.variables:
             raise ValueError("ADPSGD needs the model's variables: ADPSGD(variables) or start(model)")

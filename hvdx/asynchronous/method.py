@@ -38,10 +38,8 @@ from hvdx.asynchronous.shared import SharedModel, SharedModelError
 from hvdx.asynchronous.staleness import Staleness, merge
 from hvdx.lifecycle import TrainingMethod
 from hvdx.topology import Topology, barrier, initialized, topology as current_topology
-from hvdx.variables import slot_variables
-from hvdx import legacy_keras
-
-keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
+from hvdx.legacy_keras import keras_of
+from hvdx.variables import broadcast_variables, slot_variables
 
 __all__ = ["SharedModelMethod"]
 
@@ -161,7 +159,7 @@ class SharedModelMethod(TrainingMethod):
         self.optimizer = optimizer
         if optimizer is not None and hasattr(optimizer, "build"):
             optimizer.build(self.variables)  # slots (momentum) for every variable: phases may change
-        hvd.broadcast_variables(self.variables, root_rank=0)
+        broadcast_variables(self.variables, root_rank=0)  # either Keras' (a Keras 3 variable's tf.Variable)
         flat = np.concatenate([np.ravel(v.numpy()) for v in self.variables]).astype(np.float32)
         sizes = [u.size for u in self.units]
         root = topo.local_ranks[0]
@@ -262,11 +260,16 @@ class SharedModelMethod(TrainingMethod):
         method whose update reads it back skips this), differentiates `variables_to_train()`
         only (PASSM: restricted backpropagation), applies the model's optimizer to them and
         adds the update to the shared model. Returns the metrics' logs."""
-        x, y, sample_weight = keras2.utils.unpack_x_y_sample_weight(data)
+        x, y, sample_weight = keras_of(model).utils.unpack_x_y_sample_weight(data)
         self.step_begin_ops()
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True)
             loss = model.compute_loss(x, y, y_pred, sample_weight)
+            tracker = getattr(model, "_loss_tracker", None)  # Keras 3: its train_step feeds the loss metric
+            if tracker is not None:
+                batch = tf.shape(next(t for t in tf.nest.flatten(x) if t is not None))[0]
+                tracker.update_state(loss, sample_weight=batch)
+                loss = model.optimizer.scale_loss(loss)  # Keras 3's LossScaleOptimizer unscales in apply
         own = self.variables_to_train()
         grads = tape.gradient(loss, own)
         model.optimizer.apply_gradients(zip(grads, own))

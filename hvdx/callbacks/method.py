@@ -87,10 +87,8 @@ class TrainingMethodCallback(keras2.callbacks.Callback):
     def on_train_begin(self, logs=None) -> None:
         method = self.method = self._method_for_fit()
         model = self.model
-        if method.needs_every_step:
-            steps_per_execution = getattr(model, "_steps_per_execution", None)
-            if steps_per_execution is not None and int(steps_per_execution.numpy()) != 1:
-                raise ValueError(f"{method.label} acts between steps: compile the model with steps_per_execution=1")
+        if method.needs_every_step and _steps_per_execution(model) != 1:
+            raise ValueError(f"{method.label} acts between steps: compile the model with steps_per_execution=1")
         params = self.params or {}
         if method.same_steps_on_every_rank:
             check_same_steps(params, name="hvdx.lifecycle.steps")
@@ -100,7 +98,7 @@ class TrainingMethodCallback(keras2.callbacks.Callback):
         running(method)  # a membership change (hvdx.elastic) resets it
         if method.replaces_train_step:
             model.train_step = self._train_step
-            model.train_function = model.make_train_function(force=True)
+            model.make_train_function(force=True)  # both Keras keep it as model.train_function
 
     def _train_step(self, data):
         return self.method.train_step(self.model, data)
@@ -108,7 +106,7 @@ class TrainingMethodCallback(keras2.callbacks.Callback):
     def on_epoch_begin(self, epoch: int, logs=None) -> None:
         self._epoch, self._epoch_ended, self._cut = epoch, False, False
         if self._call(self.method.begin_epoch, epoch):  # e.g. PASSM+ changed phase: trace the other step
-            self.model.train_function = self.model.make_train_function(force=True)
+            self.model.make_train_function(force=True)
 
     def on_train_batch_end(self, batch: int, logs=None) -> None:
         self._call(self.method.after_step)
@@ -171,3 +169,13 @@ class TrainingMethodCallback(keras2.callbacks.Callback):
                 del model.train_step
                 model.train_function = None
 
+
+def _steps_per_execution(model: Any) -> int:
+    """The steps one call of the model's train function runs: Keras 2's `_steps_per_execution`
+    (a variable), Keras 3's `steps_per_execution` (an int); 1 where neither is set."""
+    value = getattr(model, "_steps_per_execution", None)
+    if value is None:
+        value = getattr(model, "steps_per_execution", None)
+    if value is None:
+        return 1
+    return int(value.numpy()) if hasattr(value, "numpy") else int(value)
