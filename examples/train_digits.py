@@ -1,5 +1,7 @@
-"""hvdx's demo job: data-parallel training of a small tf.keras model on scikit-learn's
-bundled digits with hvdx.DistributedOptimizer, across the nodes and ranks of a topology.
+"""hvdx's demo job: data-parallel training of a small Keras model on scikit-learn's bundled
+digits with hvdx.DistributedOptimizer, across the nodes and ranks of a topology. Written for
+Keras 3 (TensorFlow 2.16+'s own); it runs as it is with Keras 2 (TF_USE_LEGACY_KERAS=1, or
+TensorFlow 2.15, where `import keras` is Keras 2).
 
     horovodrun -np 4 -H localhost:2,127.0.0.1:2 --gloo python examples/train_digits.py
     mpirun --allow-run-as-root --oversubscribe -np 4 python examples/train_digits.py
@@ -13,24 +15,20 @@ dense allreduce, measured in the same run.
 """
 from __future__ import annotations
 
-from hvdx.legacy_keras import use_keras2  # noqa: E402
-
-use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
-
 import argparse
 import hashlib
 import time
 
 import statistics
 
-import hvdx
 import horovod.tensorflow as hvd
+import keras
 import numpy as np
 import tensorflow as tf
 from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
-from hvdx.zoo import mlp
+import hvdx
+from sklearn.model_selection import train_test_split
 
 
 def shard(x: np.ndarray, y: np.ndarray, rank: int, size: int):
@@ -40,9 +38,10 @@ def shard(x: np.ndarray, y: np.ndarray, rank: int, size: int):
     return x[rank::size][:per_rank], y[rank::size][:per_rank]
 
 
-def build_model(seed: int) -> tf.keras.Model:
+def build_model(seed: int) -> keras.Model:
     """64 inputs -> 64 ReLU units -> 10 logits, the same initial weights on every rank."""
-    return mlp(64, (64,), seed=seed)
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
 
 
 def main() -> None:
@@ -71,11 +70,11 @@ def main() -> None:
 
     model = build_model(args.seed)
     optimizer = hvdx.DistributedOptimizer(
-        tf.keras.optimizers.SGD(learning_rate=args.lr * topo.size, momentum=0.9),
+        keras.optimizers.SGD(learning_rate=args.lr * topo.size, momentum=0.9),
         communication=args.communication,
         **({"density": args.density} if args.communication in ("hitopk", "sparse_allgather") else {}))
     model.compile(optimizer=optimizer, metrics=["accuracy"],
-                  loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     start = time.perf_counter()
     model.fit(x_mine, y_mine, batch_size=args.batch_size, epochs=args.epochs, verbose=0,
               callbacks=[hvdx.callbacks.BroadcastGlobalVariablesCallback(0)])
@@ -108,7 +107,7 @@ def main() -> None:
         print(f"communication per step for the {d}-element gradient buffer (median of 20): "
               + ", ".join(f"{label} {seconds * 1e3:.2f} ms" for label, seconds in times.items()),
               flush=True)
-        print(f"weights agree on all {topo.size} ranks: sha256 {digest}", flush=True)
+        print(f"weights agree on all {topo.size} ranks: sha256 {digest} (Keras {keras.__version__})", flush=True)
     hvdx.barrier()
 
 

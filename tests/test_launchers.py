@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hvdx import mpi_defaults as launcher
+from hvdx import legacy_keras, mpi_defaults as launcher
 from hvdx.runner import launch, mpi, slurm
 from tests import harness
 
@@ -174,9 +174,12 @@ def test_uts_agent_starts_the_command_on_a_machine_of_the_hosts_name():
 # -- the digits demo under each MPI launcher, to its end -------------------------------------
 
 def train_digits(command: list, np: int, timeout: float = 420, env: dict = None) -> dict:
-    """Runs the demo under `command` (an MPI launcher's line around it); returns rank 0's lines,
-    or fails naming each rank that failed with its last output."""
-    job = launch.run(command, timeout=timeout, env=env or harness.test_env(), cwd=harness.ROOT)
+    """Runs the demo under `command` (an MPI launcher's line around it) as a user does, with
+    the Keras TensorFlow gives (no $TF_USE_LEGACY_KERAS: Keras 3 from TensorFlow 2.16 on);
+    returns rank 0's lines, or fails naming each rank that failed with its last output."""
+    env = dict(env or harness.test_env())
+    env.pop(legacy_keras.ENV, None)
+    job = launch.run(command, timeout=timeout, env=env, cwd=harness.ROOT)
     problems = mpi.explain(job.output, job.returncode, job.timed_out, np)
     assert not problems, f"{' '.join(command)}\n\n" + "\n\n".join(problems)
     lines = mpi.rank_lines(job.output) or {0: job.output.splitlines()}
@@ -189,6 +192,7 @@ def assert_trained(out: dict, nodes: int, per_node: int) -> None:
     assert f"hvdx topology: {nodes} node(s) x {per_node} rank(s)" in text, text
     assert f"trained {EPOCHS} epochs" in text and f"over {nodes * per_node} ranks" in text, text
     assert f"weights agree on all {nodes * per_node} ranks" in text, text
+    assert f"(Keras {3 if harness.HAS_KERAS3 else 2}." in text, text  # TensorFlow's own Keras
     accuracy = float(text.split("test accuracy ")[1].split(",")[0])
     assert accuracy > 0.85, text  # an MLP on the digits reaches ~0.9 in a few epochs
 
