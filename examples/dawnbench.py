@@ -13,13 +13,11 @@ efficiency per phase (`hvdx.throughput`), a summary and the curves.
     python examples/dawnbench.py --preset imagenet --dry-run      # the plan, as JSON
 
 Any preset value can be overridden (`--phases 2x64@32,1x96@16 --switch-epoch 2 --lr 4`).
-docs/dawnbench.md explains the recipe and how it maps to the paper.
+docs/dawnbench.md explains the recipe and how it maps to the paper. Written for tf.keras as
+TensorFlow makes it: Keras 3 from TensorFlow 2.16 on, Keras 2 with TF_USE_LEGACY_KERAS=1 (or
+TensorFlow 2.15); every part follows the model's Keras.
 """
 from __future__ import annotations
-
-from hvdx.legacy_keras import use_keras2  # noqa: E402
-
-use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
 
 import argparse
 import dataclasses
@@ -182,7 +180,7 @@ def plan(config: Config) -> dict:
 def small_resnet(num_classes: int, widths: Sequence[int]) -> tf.keras.Model:
     """A ResNet of one basic block per stage (stride 2 from the second stage), any input size
     (hvdx.zoo.resnet: named layers, batch-norm momentum 0.9)."""
-    return zoo.resnet(widths, num_classes, bn_momentum=0.9, name="small_resnet")
+    return zoo.resnet(widths, num_classes, bn_momentum=0.9, name="small_resnet", keras=tf.keras)
 
 
 def build_model(config: Config) -> tf.keras.Model:
@@ -190,7 +188,7 @@ def build_model(config: Config) -> tf.keras.Model:
     same initial weights on every rank."""
     tf.keras.utils.set_random_seed(config.seed)
     if config.model == "resnet50":
-        return zoo.resnet50(config.num_classes)
+        return zoo.resnet50(config.num_classes, keras=tf.keras)
     return small_resnet(config.num_classes, config.widths)
 
 
@@ -301,8 +299,8 @@ def train(config: Config) -> dict:
         say(f"resumed at epoch {epoch} (phase {state['phase']}, {state['resolution']} px, "
             f"{state['communication']}) from {saved.directory}/{state['checkpoint']}", flush=True)
     elif not config.elastic:  # rank 0's initial state everywhere, before the first step (not in a batch hook of fit)
-        hvd.broadcast_variables(model.variables, root_rank=0)
-        hvd.broadcast_variables(optimizer.variables, root_rank=0)
+        hvdx.broadcast_variables(model.variables, root_rank=0)  # either Keras' variables
+        hvdx.broadcast_variables(optimizer.variables, root_rank=0)
 
     say(f"DAWNBench recipe on {topo.num_nodes} node(s) x {topo.local_size} rank(s): phases "
         f"{', '.join(map(str, config.phases))} (epochs x px @ batch per rank), HiTopK (density {config.density}) "

@@ -3,7 +3,9 @@
 shi2021 sec. 5.6 / Table 4 trains ResNet-50 in phases of increasing resolution, each
 `epochs` epochs at `resolution` px (square) with `batch_size` samples per rank:
 "13x96@256,11x128@256,3x224@256,1x288@128". Each phase has its own steps per epoch, so the
-learning rate is a function of the fractional epoch, not of the step (`PhaseSchedule`).
+learning rate is a function of the fractional epoch, not of the step (`PhaseSchedule`: a
+Keras learning-rate schedule of tf.keras' Keras, Keras 3 from TensorFlow 2.16 on unless
+$TF_USE_LEGACY_KERAS=1; `schedule_class(keras)` for a given Keras).
 
     phases = parse_phases("3x24@32,2x32@32,1x40@16")
     index, phase = phase_at(phases, epoch)
@@ -13,15 +15,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import List, Sequence, Tuple
+from types import ModuleType
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from hvdx import legacy_keras
 
-keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
-
-__all__ = ["Phase", "PhaseSchedule", "first_step", "parse_phases", "phase_at", "phase_start", "total_epochs"]
+__all__ = ["Phase", "PhaseRule", "PhaseSchedule", "first_step", "parse_phases", "phase_at", "phase_start",
+           "schedule_class", "total_epochs"]
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,7 @@ def first_step(phases: Sequence[Phase], steps_per_epoch: Sequence[int], epoch: i
     return step
 
 
-@keras2.utils.register_keras_serializable(package="hvdx")
-class PhaseSchedule(keras2.optimizers.schedules.LearningRateSchedule):
+class PhaseRule:
     """The learning rate of a phased run: the optimizer step is mapped to a fractional
     epoch e over phases of `steps_per_epoch[i]` steps for `epochs[i]` epochs; then
 
@@ -98,8 +98,9 @@ class PhaseSchedule(keras2.optimizers.schedules.LearningRateSchedule):
         lr = peak ((T - e) / (T - W))^power     after (polynomial decay to 0 at e = T),
 
     times `batch_scale[i]` in phase i (linear scaling: shi2021's last phase halves the
-    batch, and its rate with it). W = `warmup_epochs`, T = `total_epochs`. Serializable
-    (Keras config; registered as "hvdx>PhaseSchedule")."""
+    batch, and its rate with it). W = `warmup_epochs`, T = `total_epochs`. The rule alone;
+    `PhaseSchedule` (`schedule_class`) is it as a Keras schedule, serializable (Keras
+    config; registered as "hvdx>PhaseSchedule" in its Keras)."""
 
     def __init__(self, peak: float, warmup_epochs: float, total_epochs: int, power: float,
                  steps_per_epoch: Sequence[int], epochs: Sequence[int], batch_scale: Sequence[float]) -> None:
@@ -108,7 +109,7 @@ class PhaseSchedule(keras2.optimizers.schedules.LearningRateSchedule):
 
     @classmethod
     def over(cls, phases: Sequence[Phase], steps_per_epoch: Sequence[int], peak: float, warmup_epochs: float,
-             power: float = 2.0) -> "PhaseSchedule":
+             power: float = 2.0) -> "PhaseRule":
         """The schedule over `phases` (T: their epochs; each phase's batch scale: its batch
         over the first phase's), phase i having `steps_per_epoch[i]` steps per epoch."""
         return cls(peak, warmup_epochs, total_epochs(phases), power, steps_per_epoch, [p.epochs for p in phases],
@@ -139,6 +140,23 @@ class PhaseSchedule(keras2.optimizers.schedules.LearningRateSchedule):
                     batch_scale=self.batch_scale)
 
 
-# The recipe registered the schedule as "dawnbench>PhaseSchedule" before it moved here: configs
-# saved then still load.
-keras2.utils.get_custom_objects().setdefault("dawnbench>PhaseSchedule", PhaseSchedule)
+_CLASSES: Dict[str, type] = {}
+
+
+def schedule_class(keras: Optional[ModuleType] = None) -> type:
+    """`PhaseRule` as a learning-rate schedule of `keras` (a Keras API module: `keras`,
+    `tf_keras`, tf.keras; None: tf.keras), registered there as "hvdx>PhaseSchedule"; one
+    class per Keras, made at the first call."""
+    keras = keras if keras is not None else tf.keras
+    base = keras.optimizers.schedules.LearningRateSchedule
+    key = f"{base.__module__}.{base.__qualname__}"
+    if key not in _CLASSES:
+        made = type("PhaseSchedule", (PhaseRule, base), {"__module__": __name__, "__doc__": PhaseRule.__doc__})
+        _CLASSES[key] = keras.utils.register_keras_serializable(package="hvdx")(made)
+    return _CLASSES[key]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PhaseSchedule":  # the schedule of tf.keras' Keras (schedule_class)
+        return schedule_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

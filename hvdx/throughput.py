@@ -113,7 +113,8 @@ def single_rank_throughput(model: keras2.Model, phases: Sequence[Phase], steps: 
     `model`: give it a copy, not the model being trained."""
     import horovod.tensorflow as hvd
 
-    train = model.make_train_function()
+    model.make_train_function()
+    train = model.train_function  # both Keras keep it there (Keras 3's make_train_function returns None)
     out: Dict[str, float] = {}
     for i, phase in enumerate(dict.fromkeys(phases)):
         res, batch = phase.resolution, phase.batch_size

@@ -13,8 +13,8 @@ builds from the global random state as it is. Keras' layer names are its automat
 policy, except that the ResNets' logits are float32 under any policy (mixed precision's
 recipe).
 
-The builders are Keras 2 (tf_keras, or tf.keras where it is Keras 2); `mlp`, `cnn` and
-`resnet` take `keras=`, the Keras module whose layers they use, e.g. `keras=keras` (Keras 3,
+The builders are Keras 2 (tf_keras, or tf.keras where it is Keras 2); `mlp`, `cnn`, `resnet` and
+`resnet50` take `keras=`, the Keras module whose layers they use, e.g. `keras=keras` (Keras 3,
 `import keras`) builds the same architecture as a Keras 3 model (its initial weights differ:
 each Keras draws its own).
 """
@@ -180,15 +180,16 @@ def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (No
 
 
 def resnet50(classes: int = 1000, *, input_shape: Shape = (None, None, 3), name: str = "resnet50",
-             seed: Optional[int] = None) -> keras2.Model:
+             seed: Optional[int] = None, keras=None) -> keras2.Model:
     """Keras' ResNet-50 without weights and without its top, average-pooled, under a Dense
     "logits" layer of `classes` (float32 under any dtype policy): 23.6M + 2049 * classes
-    parameters. `input_shape`'s default takes any image size; `seed`: see the module."""
-    _reseed(seed)
-    base = keras2.applications.ResNet50(weights=None, include_top=False, input_shape=tuple(input_shape),
-                                          pooling="avg")
-    outputs = keras2.layers.Dense(classes, name="logits", dtype="float32")(base.output)
-    return keras2.Model(base.input, outputs, name=name)
+    parameters. `input_shape`'s default takes any image size; `seed`, `keras`: see the module."""
+    keras = keras or keras2
+    _reseed(seed, keras)
+    base = keras.applications.ResNet50(weights=None, include_top=False, input_shape=tuple(input_shape),
+                                       pooling="avg")
+    outputs = keras.layers.Dense(classes, name="logits", dtype="float32")(base.output)
+    return keras.Model(base.input, outputs, name=name)
 
 
 def vgg19(classes: int = 1000, *, input_shape: Shape = (224, 224, 3), name: str = "vgg19",

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from hvdx.phases import parse_phases, phase_at
-from tests import suite
+from tests import harness, suite
 from tests.multirank.check_dawnbench import load_script
 
 dawnbench = load_script()
@@ -87,9 +87,15 @@ def test_checkpoints_kept_default_to_the_newest_three():
 
 # -- 2 nodes x 2 ranks (tests/multirank/check_dawnbench.py) --------------------------------
 
-@suite.runs(suite.check("dawnbench.resume", "2x2", timeout=400))
+@suite.runs(suite.check("dawnbench.resume", "2x2", timeout=400),
+            *([suite.check("dawnbench.resume", "keras3:2x2", timeout=400)] if harness.HAS_KERAS3 else []))
 def test_recipe_switches_resizes_and_resumes_exactly_on_2x2(ranks):
+    """On both Keras: 2x2 has tf.keras as Keras 2 (the suite's environment), keras3:2x2 as
+    TensorFlow makes it (Keras 3), where the recipe's model, LARS, schedule and checkpoints
+    are Keras 3's."""
     print(json.dumps(ranks[0], indent=1))
+    keras3 = ranks.check.topology.startswith("keras3:")
+    assert all(d["keras"] == ("3" if keras3 else "2") for d in ranks.values()), ranks[0]["keras"]
     for rank, data in ranks.items():
         expected = [  # smoke: phases 2x8@4, 1x12@2, switch at epoch 2
             {"epoch": 0, "phase": 0, "resolution": 8, "batch_size": 4, "communication": "HiTopK", "steps": 2},

@@ -1,9 +1,11 @@
 """hvdx.phases: progressive resizing's phases (shi2021 sec. 5.6, Table 4) and the learning
 rate over phases of different steps per epoch."""
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from hvdx.phases import Phase, PhaseSchedule, first_step, parse_phases, phase_at, phase_start, total_epochs
+from tests.harness import HAS_KERAS3, NO_KERAS3
 
 PAPER = "13x96@256, 11x128@256,3x224@256,1x288@128"
 
@@ -55,12 +57,29 @@ def test_schedule_warms_up_then_decays_over_phases_of_different_steps():
     assert over.get_config() == schedule.get_config()                 # the same schedule, from the phases
 
 
-def test_schedule_deserializes_by_its_registered_names():
-    """Registered as "hvdx>PhaseSchedule"; configs saved under the recipe's former name load too."""
+def test_schedule_deserializes_by_its_registered_name():
+    """Registered as "hvdx>PhaseSchedule" in tf.keras' Keras."""
     schedule = PhaseSchedule(1.0, 0.5, 2, 2.0, [3], [2], [1.0])
     config = tf.keras.optimizers.schedules.serialize(schedule)
     assert tf.keras.utils.get_registered_name(PhaseSchedule) == "hvdx>PhaseSchedule"
     assert isinstance(tf.keras.optimizers.schedules.deserialize(config), PhaseSchedule)
-    old = dict(config, class_name="dawnbench>PhaseSchedule")
-    old.pop("registered_name", None)
-    assert tf.keras.optimizers.schedules.deserialize(old).get_config() == schedule.get_config()
+
+
+@pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+def test_a_keras3_optimizer_steps_through_the_same_schedule():
+    """One rule, a schedule class per Keras: Keras 3's SGD reads the same rates at its steps
+    as Keras 2's schedule gives, and the Keras 3 class goes through Keras 3's config."""
+    import keras
+
+    from hvdx.phases import schedule_class
+    ours = schedule_class(keras)
+    assert issubclass(ours, keras.optimizers.schedules.LearningRateSchedule) and ours is not PhaseSchedule
+    args = (4.0, 1.0, 3, 2.0, [10, 20], [2, 1], [1.0, 0.5])
+    keras3, keras2 = ours(*args), PhaseSchedule(*args)
+    variable = keras.Variable(np.zeros(2, np.float32))
+    sgd = keras.optimizers.SGD(keras3)
+    for step in range(40):
+        np.testing.assert_allclose(float(sgd.learning_rate), float(keras2(step)), rtol=1e-6)
+        sgd.apply_gradients([(np.ones(2, np.float32), variable)])
+    again = keras.optimizers.schedules.deserialize(keras.optimizers.schedules.serialize(keras3))
+    assert type(again) is ours and again.get_config() == keras2.get_config()

@@ -24,6 +24,7 @@ import tensorflow as tf
 
 import hvdx
 from hvdx.checkpoints import EpochCheckpoints
+from hvdx.legacy_keras import tf_keras_is_keras3
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "dawnbench.py")
 
@@ -115,7 +116,8 @@ def check_resume(topo, phases: str = "2x8@4,1x12@2", switch_epoch: int = 2, step
                 "checkpoints_kept": kept,
                 "phases": [{k: p[k] for k in ("phase", "samples_per_s", "single_samples_per_s", "scaling_efficiency")}
                            for p in full["phases"]],
-                "trainable_norm": float(sum(np.sum(np.square(w)) for w in full["trainable_weights"]))}
+                "trainable_norm": float(sum(np.sum(np.square(w)) for w in full["trainable_weights"])),
+                "keras": "3" if tf_keras_is_keras3() else "2"}
     finally:
         hvdx.barrier()
         if topo.rank == 0:
