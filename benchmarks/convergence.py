@@ -48,8 +48,9 @@ its test accuracy is taken (outside the timed part), so a slow spell of the mach
 all of them alike. Wall times are only results when the machine runs nothing else.
 `--keras 2,3` (issue 64) runs every method but `horovod` (Keras 2 only) also on the task's
 model built with Keras 3 (`import keras`: its layers and optimizer, `hvdx.DistributedOptimizer`'s
-Keras 3 path, `jit_compile=False`), as "METHOD@keras3", taking turns with the others; the
-report adds each HiTopK method's final accuracy against `allreduce` of the same Keras.
+Keras 3 path, the local methods on Keras 3 variables, hvdx's Keras 3 LARS / LAMB,
+`jit_compile=False`), as "METHOD@keras3", taking turns with the others; the report adds each
+HiTopK method's final accuracy against `allreduce` of the same Keras.
 
     python benchmarks/convergence.py                       # the emulated cluster, 2x2, 1 Gbit/s (root)
     python benchmarks/convergence.py --local --tasks mnist # loopback horovodrun
@@ -168,20 +169,20 @@ OPTIMIZERS = ("task", "lars", "lamb")
 def inner_optimizer(task: str, size: int, optimizer: str = "task", keras=None):
     """The optimizer a task trains with: its own ("task": Adam for mnist, momentum SGD for
     the others, rates scaled by the ranks as Horovod's examples; `keras`'s, None: tf.keras),
-    or hvdx's LARS or LAMB (Keras 2)."""
+    or hvdx's LARS or LAMB of that Keras."""
     import tensorflow as tf
 
+    from hvdx.legacy_keras import is_keras3_object
+
     keras = keras or tf.keras
-    if optimizer in ("lars", "lamb") and keras.Model.__module__.split(".")[0] == "keras":  # Keras 3's
-        raise ValueError(f"--optimizer {optimizer}: hvdx's LARS and LAMB are Keras 2 optimizers (docs/keras3.md)")
-    if optimizer == "lars":
-        from hvdx.optimizers import LARS
-
-        return LARS(**LARS_OPTIONS[task])
-    if optimizer == "lamb":
-        from hvdx.optimizers import LAMB
-
-        return LAMB(**LAMB_OPTIONS)
+    if optimizer in ("lars", "lamb"):
+        if is_keras3_object(keras.optimizers.SGD()):  # Keras 3's: hvdx's Keras 3 classes
+            from hvdx.optimizers import keras3 as layerwise
+        else:
+            from hvdx.optimizers import keras2 as layerwise
+        if optimizer == "lars":
+            return layerwise.LARS(**LARS_OPTIONS[task])
+        return layerwise.LAMB(**LAMB_OPTIONS)
     if optimizer != "task":
         raise ValueError(f"unknown optimizer {optimizer!r} (one of {OPTIMIZERS})")
     if task == "mnist":
@@ -649,8 +650,6 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="results' stem (<out>/<name>.json, .png) and README section (with - for _)")
     common.add_output_arguments(parser, readme=None)
     args = parser.parse_args(argv)
-    if 3 in args.keras and args.optimizer != "task":
-        parser.error(f"--optimizer {args.optimizer} with --keras 3: hvdx's LARS and LAMB are Keras 2 optimizers")
     if args.smoke and not args.worker_json:
         args.steps, args.eval_every = min(args.steps, 6), min(args.eval_every, 3)
     if args.worker_json:
