@@ -11,7 +11,10 @@
 - Tests made with `tests.suite.runs` get their check's result as the `ranks` fixture: each
   topology is launched once, for the union of the checks that the selected tests need. The
   launches start with the session, in the background, and those tests run after the others
-  (HVDX_LAUNCH_AHEAD=0: in collection order, each launch when its first test needs it).
+  (HVDX_LAUNCH_AHEAD=0: in collection order, each launch when its first test needs it). Of
+  the others, those that launch ranks themselves run after those that launch nothing: the
+  one-process tests keep one core busy beside the suite's launch, and the launching ones, which
+  want both cores, meet fewer of the suite's launches still running.
 - Tests that launch are marked `multirank`; benchmark smoke tests and multi-rank runs whose code is the
   same on both stacks `slow` (pyproject.toml).
 """
@@ -85,10 +88,11 @@ def _launch_ahead() -> bool:
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
-    """The suite's tests after the others (their launches run while the others do); a test
-    that may launch its topology may take that launch's time beyond its own timeout."""
+    """The tests that launch nothing first, then those that launch ranks themselves, then the
+    suite's (their launches run while the others do); a test that may launch its topology
+    may take that launch's time beyond its own timeout."""
     if _launch_ahead():
-        items.sort(key=lambda item: suite.needed(item) is not None)  # stable: collection order otherwise
+        items.sort(key=_phase)  # stable: collection order within each
     if not config.pluginmanager.hasplugin("timeout"):
         return
     import pytest_timeout
@@ -102,6 +106,13 @@ def pytest_collection_modifyitems(config, items):
         if wanted is not None and item.get_closest_marker("timeout") is None:
             launch = suite.budget(c for c in checks if c.topology == wanted.topology)
             item.add_marker(pytest.mark.timeout(default + launch))
+
+
+def _phase(item: pytest.Item) -> int:
+    """0: launches nothing; 1: launches ranks itself (marked multirank); 2: a suite check's test."""
+    if suite.needed(item) is not None:
+        return 2
+    return 1 if item.get_closest_marker("multirank") is not None else 0
 
 
 def _suite(config, tmp_path_factory) -> suite.Suite:
