@@ -16,7 +16,8 @@ Adam at 0.001 x size, a one-step `fit` at module level before `hvd.elastic.run` 
 first collectives) and another in the state's reset callback (the survivors'); "keras3" (with
 API "hvdx", launched without $TF_USE_LEGACY_KERAS: tf.keras is Keras 3 too): the Keras 3 form,
 a model of `import keras` seeded apart on every rank (the state's first sync makes them one),
-`hvd.DistributedOptimizer` of a Keras 3 optimizer (hvdx's Keras 3 wrapper), hvd.callbacks'
+`hvd.DistributedOptimizer` of a Keras 3 optimizer (hvdx's Keras 3 wrapper; with a method as
+COMMUNICATION, the plain Keras 3 optimizer and the method's driver), hvd.callbacks'
 MetricAverageCallback and the elastic callbacks in its `fit`, the Keras 3 elastic state. With
 the synchronous wrapper every rank sends rank 0 its residuals' owners, norm and step counters at
 the end (rank 0 records them: `residuals`). Every rank prints
