@@ -41,7 +41,7 @@ import tensorflow as tf
 from hvdx.arguments import integer
 from hvdx.legacy_keras import is_keras3_object, keras_of
 from hvdx.lifecycle import TrainingMethod
-from hvdx.variables import tf_variable
+from hvdx.variables import build_optimizer, tf_variable
 
 __all__ = ["LocalSGD", "default_outer_optimizer"]
 
@@ -159,9 +159,8 @@ class LocalSGD(TrainingMethod):
         return anchor
 
     def _build_outer(self, anchor: Sequence[Any]) -> None:
-        build = getattr(self.outer_optimizer, "build", None)
-        if callable(build) and not getattr(self.outer_optimizer, "built", False):
-            build(list(anchor))
+        if not getattr(self.outer_optimizer, "built", False):  # Keras 3 builds once (another build adds variables)
+            build_optimizer(self.outer_optimizer, anchor)
 
     def _anchor_values(self) -> List[tf.Variable]:
         """The anchor's tf.Variables (what TensorFlow reads and assigns)."""
