@@ -241,7 +241,7 @@ class StreamingDiLoCo(LocalSGD):
         self.exchange: Optional[OuterExchange] = None
         self.inflight: Deque[_InFlight] = deque()
         self._apply_fns: Dict[tuple, Any] = {}
-        self._outer_built: Any = None
+        self._traced_outer: Any = None  # the outer optimizer _apply_fns were traced with
         self.waited_seconds = 0.0  # the training thread's wait for exchanges (what the overlap did not hide)
 
     # -- the lifecycle ----------------------------------------------------------------------
@@ -311,8 +311,8 @@ class StreamingDiLoCo(LocalSGD):
             raise TransportError("the outer exchange was cancelled (the transport was closed)") from exc
         finally:
             self.waited_seconds += time.perf_counter() - began
-        if self._outer_built is not self.outer_optimizer:  # the first apply, or restore() gave a new one
-            self._outer_built = self.outer_optimizer  # (built on every anchor by LocalSGD)
+        if self._traced_outer is not self.outer_optimizer:  # the first apply, or restore() gave a new one
+            self._traced_outer = self.outer_optimizer  # (LocalSGD built it on every anchor)
             self._apply_fns.clear()
         offset = 0
         for p in item.fragments:
