@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import psutil
+import pytest
 
 from hvdx.runner import NODE_NAMES, cluster_command, horovodrun_command, host_list, hosts, kill_tree, run  # noqa: F401
 from hvdx.runner.netns import unavailable
@@ -79,6 +80,8 @@ class Launch:
 KERAS_VERSION = importlib.metadata.version("keras")
 HAS_KERAS3 = int(KERAS_VERSION.split(".")[0]) >= 3
 NO_KERAS3 = f"no Keras 3: the keras package is {KERAS_VERSION} (Keras 3 is `import keras` from TensorFlow 2.16 on)"
+#: Marks a test (or, as `pytestmark`, a module) that needs Keras 3.
+KERAS3 = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
 
 
 def leftover_processes(job: "Launch") -> List[psutil.Process]:

@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.harness import FOREGROUND, HAS_KERAS3, NO_KERAS3, ROOT
+from tests import harness
+from tests.harness import FOREGROUND, ROOT
 
 SEGMENT = [*FOREGROUND, sys.executable, str(ROOT / "tests" / "asynchronous_segment.py")]
 SHM = Path("/dev/shm")
@@ -330,7 +331,7 @@ def _keras3_assm_fit(policy: str):
     return history.history["loss"], callback
 
 
-@pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+@harness.KERAS3
 def test_a_keras3_model_trains_in_keras3s_fit_with_the_methods_own_step(one_rank):
     """Keras 3: the method's step in place of Keras 3's feeds its loss metric (Keras 3's step
     does that, not compute_loss) and scales the loss for the LossScaleOptimizer Keras 3 puts

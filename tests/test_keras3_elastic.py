@@ -19,9 +19,10 @@ import tensorflow as tf
 import hvdx
 from hvdx import elastic
 from hvdx.variables import tf_variable
-from tests.harness import HAS_KERAS3, NO_KERAS3
+from tests import harness
+from tests.harness import HAS_KERAS3
 
-pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+pytestmark = harness.KERAS3
 
 if HAS_KERAS3:
     import keras

@@ -24,9 +24,9 @@ import hvdx
 from hvdx import legacy_keras
 from hvdx.optimizers import keras2
 from tests import harness, suite
-from tests.harness import HAS_KERAS3, NO_KERAS3
+from tests.harness import HAS_KERAS3
 
-pytestmark = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+pytestmark = harness.KERAS3
 
 if HAS_KERAS3:
     import keras

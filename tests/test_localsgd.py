@@ -166,7 +166,7 @@ def test_fit_through_the_one_callback_trains_and_counts(one_rank):
 
 
 # -- Keras 3 (in this process beside tf.keras as Keras 2; a Keras 3 user's job: tests/test_keras3.py) ------
-keras3 = pytest.mark.skipif(not harness.HAS_KERAS3, reason=harness.NO_KERAS3)
+keras3 = harness.KERAS3
 
 
 @keras3

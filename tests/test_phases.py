@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from hvdx.phases import Phase, PhaseSchedule, first_step, parse_phases, phase_at, phase_start, total_epochs
-from tests.harness import HAS_KERAS3, NO_KERAS3
+from tests import harness
 
 PAPER = "13x96@256, 11x128@256,3x224@256,1x288@128"
 
@@ -65,7 +65,7 @@ def test_schedule_deserializes_by_its_registered_name():
     assert isinstance(tf.keras.optimizers.schedules.deserialize(config), PhaseSchedule)
 
 
-@pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+@harness.KERAS3
 def test_a_keras3_optimizer_steps_through_the_same_schedule():
     """One rule, a schedule class per Keras: Keras 3's SGD reads the same rates at its steps
     as Keras 2's schedule gives, and the Keras 3 class goes through Keras 3's config."""

@@ -177,7 +177,7 @@ def test_transformer_maps_token_sentences_to_logits_per_position():
     assert [layer.units for layer in model.layers if isinstance(layer, tf.keras.layers.Dense)][:2] == [128, 32]
 
 
-@pytest.mark.skipif(not harness.HAS_KERAS3, reason=harness.NO_KERAS3)
+@harness.KERAS3
 def test_keras3_builds_the_same_architectures():
     """`keras=keras` (Keras 3, the benchmarks' --keras 3): the same layers in the same order
     with the same parameter counts as Keras 2's models."""
