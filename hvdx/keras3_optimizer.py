@@ -383,10 +383,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         _refuse_outer_loss_scaler(self)
         if not self.built:
             self.build(trainable_variables)
-        if self._loss_scaler is None:
-            aggregated = self._core.aggregate(grads, trainable_variables)
-        else:
-            aggregated = aggregate_passes(self._core.accumulator, self._aggregate_if_finite, grads, trainable_variables)
+        aggregated = self._aggregate(grads, trainable_variables)
         applies = self._core.applies_now()
         # with the local trust ratio, the wrapped LARS applies the aggregate as local_trusted's (ratio 1, no decay)
         trusted = self._stepping.trust_applied(True) if self._core.local_trust else contextlib.nullcontext()
@@ -404,6 +401,14 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
                 return tf.constant(False)
 
             tf.cond(applies, step, skip)
+
+    def _aggregate(self, grads: List[Any], variables: List[Any]) -> List[Any]:
+        """The step's aggregation (the hook a subclass may narrow, as on the Keras 2 path):
+        through the local accumulation, and with a LossScaleOptimizer inside only where every
+        rank's gradients are finite (`_aggregate_if_finite`)."""
+        if self._loss_scaler is None:
+            return self._core.aggregate(grads, variables)
+        return aggregate_passes(self._core.accumulator, self._aggregate_if_finite, grads, variables)
 
     def _aggregate_if_finite(self, grads: List[Any], variables: List[Any]) -> List[Any]:
         """With a LossScaleOptimizer inside: the ranks first agree whether every rank's `grads`

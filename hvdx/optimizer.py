@@ -137,11 +137,11 @@ class DistributedOptimizer(keras2.optimizers.Optimizer):
                  local_trust_ratio: Optional[bool] = None, trust_norms: str = "average",
                  **strategy_options: Any) -> None:
         check_name(name)
-        if is_keras3_optimizer(optimizer):  # reached by a subclass (DASO): hvdx.DistributedOptimizer takes it
+        if is_keras3_optimizer(optimizer):  # reached by a subclass of this Keras 2 wrapper
             raise ValueError(f"{type(self).__name__} is Keras 2 code and wraps a Keras 2 optimizer; got the Keras 3 "
-                             f"{type(optimizer).__name__} ({type(optimizer).__module__}), which only "
-                             "hvdx.DistributedOptimizer takes so far (docs/keras3.md): run the script with "
-                             "TF_USE_LEGACY_KERAS=1 (tf.keras is then Keras 2, tf_keras) and pass "
+                             f"{type(optimizer).__name__} ({type(optimizer).__module__}): wrap it with "
+                             "hvdx.DistributedOptimizer (or hvdx.DASO), which takes either Keras' optimizers, or run "
+                             "the script with TF_USE_LEGACY_KERAS=1 and pass "
                              f"tf.keras.optimizers.{type(optimizer).__name__}(...) with a tf.keras model")
         if not isinstance(optimizer, _KERAS_OPTIMIZERS):
             hint = ("; a tf.compat.v1.train optimizer is wrapped by hvdx.tensorflow.DistributedOptimizer"

@@ -8,7 +8,7 @@ import pytest
 
 from hvdx.plateau import PlateauDetector
 from hvdx.daso.schedule import COOLDOWN, CYCLING, WARMUP, Schedule
-from tests import suite
+from tests import harness, suite
 
 
 # -- plateau detection ------------------------------------------------------------------
@@ -277,3 +277,95 @@ def test_a_checkpoint_restores_onto_another_number_of_ranks_per_node(ranks):
         assert result["spread"] == 0.0  # trained through merges and blocking averages, drained: identical
         assert result["in_flight_refused"].startswith("ValueError: this DASO checkpoint was saved with a global "
                                                       "exchange in flight") and "drain()" in result["in_flight_refused"]
+
+
+# -- on Keras 3, one rank (a Keras 3 job on ranks: tests/test_keras3.py, check_keras3_methods `daso`) --------
+@pytest.fixture(scope="module")
+def keras3_rank():
+    import hvdx
+
+    return hvdx.init()
+
+
+def _keras3_fit(optimizer, epochs: int = 2, callbacks=()):
+    """A Keras 3 MLP (the same initial weights every time) trained by `optimizer` on 64 fixed
+    samples without shuffling: (its weights, the model)."""
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((64, 8)).astype(np.float32), np.arange(64) % 3
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+    model.set_weights([np.random.default_rng(1).standard_normal(w.shape).astype(np.float32) * 0.3
+                       for w in model.get_weights()])
+    model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return [w.copy() for w in model.get_weights()], model
+
+
+@harness.KERAS3
+def test_hvdx_daso_of_a_keras3_optimizer_is_the_keras3_daso_and_on_one_rank_steps_as_the_wrapped_one(keras3_rank):
+    import keras
+    import numpy as np
+
+    import hvdx
+    from hvdx.daso import DASOCallback, DASOMethod
+
+    want, _ = _keras3_fit(keras.optimizers.SGD(0.1, momentum=0.9))
+    opt = hvdx.DASO(keras.optimizers.SGD(0.1, momentum=0.9), total_epochs=2)
+    got, model = _keras3_fit(opt, callbacks=[DASOCallback()])
+    assert type(opt).__module__ == "hvdx.daso.keras3_optimizer" and isinstance(opt, DASOMethod)
+    assert isinstance(opt, keras.optimizers.SGD) and model.optimizer is opt
+    assert opt.schedule.epoch == 2 and opt.schedule.step == 8 and opt._sync.transport.closed
+    for g, w in zip(got, want):  # one node of one rank: nothing to average, DASO's step is the SGD's
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    from hvdx.optimizers.keras3 import LARS  # ... and hvdx's Keras 3 LARS', its norms this rank's own
+
+    want, _ = _keras3_fit(LARS(0.1, momentum=0.9))
+    got, _ = _keras3_fit(hvdx.DASO(LARS(0.1, momentum=0.9, parallel="pto"), total_epochs=2), callbacks=[DASOCallback()])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+@harness.KERAS3
+def test_keras3_daso_keeps_its_schedule_in_the_config_the_keras_archive_and_checkpoints(keras3_rank, tmp_path):
+    import keras
+    import tensorflow as tf
+
+    import hvdx
+    from hvdx.daso import DASOCallback
+
+    opt = hvdx.DASO(keras.optimizers.SGD(0.1), total_epochs=5, warmup_epochs=1, cooldown_epochs=1, max_global_skips=2)
+    _, model = _keras3_fit(opt, epochs=2, callbacks=[DASOCallback()])
+    state = opt.schedule.state()
+    assert state["epoch"] == 2 and state["syncs"] > 0
+    again = type(opt).from_config(opt.get_config())
+    assert type(again) is type(opt) and again.schedule.state() == state
+    path = str(tmp_path / "daso.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path).optimizer
+    assert type(loaded).__name__ == "DASO" and loaded.schedule.state() == state
+    checkpoint = tf.train.Checkpoint(optimizer=opt).save(str(tmp_path / "ckpt"))
+    fresh = hvdx.DASO(keras.optimizers.SGD(0.1), total_epochs=5, warmup_epochs=1, cooldown_epochs=1,
+                      max_global_skips=2)
+    tf.train.Checkpoint(optimizer=fresh).restore(checkpoint)
+    fresh.start_epoch(2)  # a restored checkpoint brings its schedule with it
+    assert fresh.schedule.state() == {**state, "epoch": 2}
+
+
+@harness.KERAS3
+def test_keras3_daso_fails_clearly_without_its_callback_and_for_wrong_optimizers(keras3_rank):
+    import keras
+    import tensorflow as tf
+
+    import hvdx
+    from hvdx.optimizers.keras3 import LARS
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"callbacks=\[hvdx.daso.DASOCallback\(\)\]"):
+        _keras3_fit(hvdx.DASO(keras.optimizers.SGD(0.1), total_epochs=2))
+    with pytest.raises(ValueError, match="already an hvdx.DistributedOptimizer"):
+        hvdx.DASO(hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1)), total_epochs=2)
+    with pytest.raises(ValueError, match=r"parallel='slices'.*parallel='pto'"):
+        hvdx.DASO(LARS(0.1, parallel="slices"), total_epochs=2)
+    with pytest.raises(ValueError, match="total_epochs must be an int >= 1"):
+        hvdx.DASO(keras.optimizers.SGD(0.1), total_epochs=0)

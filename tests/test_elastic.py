@@ -22,7 +22,7 @@ from hvdx.zoo import mlp
 from tests import harness
 
 
-KERAS3_ONLY = pytest.mark.skipif(not harness.HAS_KERAS3, reason=harness.NO_KERAS3)
+KERAS3_ONLY = harness.KERAS3
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -310,7 +310,7 @@ def _assert_residuals_per_rank(record, job):
     assert "was written by rank" in job.output, job.output[-4000:]
 
 
-@pytest.mark.skipif(not harness.HAS_KERAS3, reason=harness.NO_KERAS3)
+@harness.KERAS3
 @pytest.mark.multirank
 def test_a_keras3_model_trains_on_when_a_node_leaves_and_comes_back(tmp_path):
     """Horovod's elastic Keras example's pattern written for Keras 3 (`import keras`, hvdx's
@@ -385,12 +385,12 @@ def test_hitopk_keras_training_survives_a_killed_rank(tmp_path):
 
 @pytest.mark.multirank
 @pytest.mark.slow  # the methods' code is the same on both stacks; Horovod's (patched) part is the test above
-@pytest.mark.parametrize("method", ["daso", pytest.param("adpsgd", marks=KERAS3_ONLY),
-                                    pytest.param("assm", marks=KERAS3_ONLY)])  # LARS(pto): the DAWNBench test below
+@KERAS3_ONLY
+@pytest.mark.parametrize("method", ["daso", "adpsgd", "assm"])  # LARS(pto): the DAWNBench test below
 def test_training_methods_and_lars_survive_a_membership_change(tmp_path, method):
-    """DASO (Keras 2: a Keras 2 optimizer), AD-PSGD and ASSM on a Keras 3 model (tf.keras as
-    TensorFlow makes it, the Keras 3 elastic state; their reset is the same code under Keras 2)
-    under `TrainingMethodCallback`: a removed node interrupts `fit`
+    """DASO, AD-PSGD and ASSM on a Keras 3 model and optimizer (tf.keras as TensorFlow makes
+    it, the Keras 3 elastic state; their reset is the same code under Keras 2: DASO's on 2x2
+    in tests/test_lifecycle.py) under `TrainingMethodCallback`: a removed node interrupts `fit`
     with the method running; hvdx.elastic's reset closes it and plans it for the new ranks
     (`hvdx.lifecycle.reset_running`: DASO's node process set and groups, AD-PSGD's graph,
     ASSM's node segment), the next `fit` starts it collectively; the node added back starts
@@ -398,13 +398,11 @@ def test_training_methods_and_lars_survive_a_membership_change(tmp_path, method)
     transports the ranks' largest run count). Every rank ends with one model. (LARS(parallel=
     "pto") under HiTopK, which plans its shares again at the retrace: the DAWNBench test below.
     A killed rank with DASO and AD-PSGD: ended rc 0 on 2 ranks by hand, docs/elastic.md.)"""
-    keras3 = method != "daso"
-    job, record = _elastic_digits(tmp_path, method, "remove,add,keras3" if keras3 else "remove,add", keras3=keras3)
+    job, record = _elastic_digits(tmp_path, method, "remove,add,keras3", keras3=True)
     assert record["sizes"] == [4, 2, 4], record
     assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
     assert record["size"] == 4 and record["accuracy"] > 0.85, record
-    if keras3:
-        assert record["tf_keras_is_keras3"] and record["state"] == ["KerasState", "Keras3State"], record
+    assert record["tf_keras_is_keras3"] and record["state"] == ["KerasState", "Keras3State"], record
 
 
 

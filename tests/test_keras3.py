@@ -18,9 +18,9 @@ from hvdx import legacy_keras
 from hvdx.aggregator import GradientAggregator
 from hvdx.variables import tf_variable
 from tests import harness, suite
-from tests.harness import HAS_KERAS3, NO_KERAS3
+from tests.harness import HAS_KERAS3
 
-keras3 = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+keras3 = harness.KERAS3
 KERAS3_ENV = {legacy_keras.ENV: None}  # removed: tf.keras is TensorFlow's default, Keras 3
 
 
@@ -163,3 +163,27 @@ def test_the_methods_beside_the_step_train_a_keras3_model_into_one_model_on_ever
             assert run["stats"]["outer_steps"] > 0 and run["stats"]["pending"] == 0, (rank, run)
         elif method in ("assm", "passm"):
             assert run["restored"] and run["stats"]["staleness"]["updates"] == run["stats"]["steps"], (rank, run)
+
+
+@suite.runs(*[suite.check("keras3_methods.daso", "keras3:2x2", timeout=300)] if HAS_KERAS3 else [])
+def test_daso_trains_a_keras3_model_in_mixed_precision_saves_and_resumes(ranks):
+    """tests/multirank/check_keras3_methods.py `daso`: hvdx.DASO around a Keras 3 SGD under the
+    mixed_float16 policy on 2 nodes x 2 ranks, ranks seeded apart, one rank's batch overflowing:
+    the Keras 3 DASO (an hvdx.daso.DASOMethod, its loss scaler inside) trains through blocking and
+    non-blocking synchronisations, each fit closes its transport, every epoch ends with one model
+    on every rank; the overflow lowers only its node's loss scale (node-local averaging); the
+    `.keras` archive gives back the Keras 3 DASO with its schedule and weights, and a third fit
+    goes on from it."""
+    assert sorted(ranks) == [0, 1, 2, 3]
+    scales = ranks[0]["loss_scales"]
+    assert scales[0] == scales[1] and scales[2] == scales[3] and scales[1] < scales[2], scales
+    for rank, run in ranks.items():
+        assert run["keras"].startswith("3.") and run["type"] == "hvdx.daso.keras3_optimizer.DASO", run
+        assert run["method"] and run["loss_scaled"] and run["compute_dtype"] == "float16", run
+        assert run["spread_before_load"] == 0.0 and run["spread"] == 0.0, (rank, run)
+        assert run["starts"] > 0 and run["blocking"] > 0, (rank, run)  # both kinds of synchronisation ran
+        assert run["transports"] == {"first_closed": True, "second_closed": True, "new": True}, (rank, run)
+        assert run["loaded_type"] == run["type"] and run["schedule_restored"] and run["weights_restored"], run
+        assert run["epochs_after_load"] == 5, (rank, run)
+        assert run["loss"][-1] < run["loss"][0] and run["accuracy"] > 0.85, (rank, run)
+        assert run["accuracy_after_load"] > 0.85, (rank, run)

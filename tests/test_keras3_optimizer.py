@@ -27,9 +27,9 @@ import tensorflow as tf
 import hvdx
 from hvdx import legacy_keras
 from tests import harness, suite
-from tests.harness import HAS_KERAS3, NO_KERAS3
+from tests.harness import HAS_KERAS3
 
-keras3 = pytest.mark.skipif(not HAS_KERAS3, reason=NO_KERAS3)
+keras3 = harness.KERAS3
 pytestmark = keras3
 
 if HAS_KERAS3:
@@ -232,8 +232,13 @@ def test_mixes_and_unsupported_optimizers_fail_saying_what_to_do(one_rank):
         hvdx.DistributedOptimizer(opt)
     with pytest.raises(ValueError, match="communication='hitopk'"):
         hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1), "hitopk")
-    with pytest.raises(ValueError, match="only hvdx.DistributedOptimizer takes so far"):
-        hvdx.DASO(keras.optimizers.SGD(0.1), total_epochs=2)
+    from hvdx.optimizer import DistributedOptimizer as Keras2DistributedOptimizer
+
+    class Keras2Wrapper(Keras2DistributedOptimizer):  # a user's subclass of the Keras 2 wrapper
+        pass
+
+    with pytest.raises(ValueError, match=r"Keras2Wrapper is Keras 2 code.*hvdx.DistributedOptimizer \(or hvdx.DASO\)"):
+        Keras2Wrapper(keras.optimizers.SGD(0.1))
     model = make_model()  # XLA cannot compile Horovod's collectives (Keras 3's default where a GPU is visible)
     model.compile(optimizer=hvdx.DistributedOptimizer(keras.optimizers.SGD(0.1)), jit_compile=True,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
