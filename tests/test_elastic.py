@@ -410,7 +410,8 @@ def test_training_methods_and_lars_survive_a_membership_change(tmp_path, method)
 @pytest.mark.slow  # hvdx's parts are the same on both stacks; Horovod's (patched) part is tested on both above
 def test_the_dawnbench_recipe_goes_on_when_a_node_leaves_and_comes_back(tmp_path):
     """examples/dawnbench.py --elastic (LARS with the parallel tensor operator, HiTopK then
-    2DTAR, DataCache, a checkpoint per epoch) on 2x2 under a discovery script that drops
+    2DTAR, DataCache, a checkpoint per epoch) as a user runs it (tf.keras as TensorFlow makes
+    it: Keras 3 from 2.16 on; Keras 2 on the TensorFlow 2.15 stack) on 2x2 under a discovery script that drops
     node localhost after epoch 1 and lists it again after epoch 3: the run ends rc 0 with all
     6 epochs, trained on 4, then 2, then 4 ranks, each epoch with its DataCache's steps for
     those ranks, the learning rate following the epochs through the size changes."""
@@ -435,6 +436,7 @@ def test_the_dawnbench_recipe_goes_on_when_a_node_leaves_and_comes_back(tmp_path
     # processes, so they join however soon the job would end (test_hitopk_keras_training_runs_
     # flat... tests the new processes started ahead)
     env = dict(harness.test_env(str(tmp_path)), HOROVOD_ELASTIC_PRELAUNCH="0")
+    env.pop("TF_USE_LEGACY_KERAS", None)  # as a user runs it: tf.keras as TensorFlow makes it (Keras 3 on 2.16+)
     job = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                            cwd=str(tmp_path), start_new_session=True)
     changes = [(2, "127.0.0.1:2\n"), (4, "127.0.0.1:2\nlocalhost:2\n")]  # (committed epochs, host list)

@@ -10,11 +10,24 @@ import tensorflow as tf
 
 from hvdx.phases import Phase, phase_at
 from hvdx.throughput import EpochTime
+from hvdx.wrapper_core import is_keras3_optimizer
 from hvdx import legacy_keras
 
 keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
-__all__ = ["EpochLog", "EpochTimer"]
+__all__ = ["EpochLog", "EpochTimer", "last_step_rate"]
+
+
+def last_step_rate(optimizer) -> float:
+    """The learning rate `optimizer`'s last step used, of either Keras. Keras 2 keeps it (a
+    schedule's `learning_rate` reads the rate its last update computed); Keras 3 evaluates a
+    schedule at `iterations`, the next step's, so its schedule is evaluated here at the step
+    before (0 before any)."""
+    schedule = getattr(optimizer, "_learning_rate", None)
+    if is_keras3_optimizer(optimizer) and callable(schedule) and not hasattr(schedule, "assign"):
+        step = max(int(optimizer.iterations.numpy()) - 1, 0)
+        return float(schedule(tf.constant(step, tf.int64)))
+    return float(optimizer.learning_rate)
 
 
 class EpochTimer(keras2.callbacks.Callback):
@@ -54,7 +67,7 @@ class EpochLog(EpochTimer):
     hvdx.DistributedOptimizer's strategy), "steps", "seconds" (the training steps),
     "epoch_seconds" (with validation), "ranks", "elapsed" (the run's epochs so far, from `elapsed`:
     the time of the epochs before a resume), "step_s" and "samples_per_s" (over `ranks`
-    ranks; `EpochTime`), "lr" (the wrapped optimizer's), and the epoch's logs as floats (put
+    ranks; `EpochTime`), "lr" (the rate of the wrapped optimizer's last step, `last_step_rate`), and the epoch's logs as floats (put
     Horovod's MetricAverageCallback before it for metrics averaged over ranks)."""
 
     def __init__(self, phases: Sequence[Phase], ranks: int, history: List[dict], elapsed: float = 0.0) -> None:
@@ -74,4 +87,4 @@ class EpochLog(EpochTimer):
             communication=type(optimizer.communication).__name__, steps=time.steps, seconds=time.seconds,
             epoch_seconds=time.epoch_seconds, ranks=self.ranks, elapsed=self.elapsed, step_s=time.step_s,
             samples_per_s=time.samples_per_s(phase.batch_size, self.ranks),
-            lr=float(optimizer.inner_optimizer.learning_rate), **{k: float(v) for k, v in (logs or {}).items()}))
+            lr=last_step_rate(optimizer.inner_optimizer), **{k: float(v) for k, v in (logs or {}).items()}))
