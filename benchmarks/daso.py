@@ -10,6 +10,12 @@ ResNet-50 on 1 Gbit/s-class links.
 
     python benchmarks/daso.py                 # emulated cluster, 2x2 and 2x1, 1 Gbit/s (root)
     python benchmarks/daso.py --local         # horovodrun over loopback (no slow links)
+    python benchmarks/daso.py --methods horovod,daso,daso_keras3 --topologies 2x2 --name daso_keras3
+                                              # DASO on Keras 3 beside Keras 2 in one run
+
+`daso_keras3` is `hvdx.DASO` around a Keras 3 SGD training the same MLP built with Keras 3
+(`import keras`, beside tf.keras as Keras 2 in the same rank processes); Horovod's Keras
+wrapper has no Keras 3 path, so the baseline stays Horovod's on Keras 2.
 
 Reported per topology: the training time (evaluation excluded) until the test accuracy
 first reaches `--target`, the final accuracy, and where a step's time goes (Horovod's
@@ -43,7 +49,8 @@ except ImportError:
                                    digits_shards, freeze_start_up, markdown_table, run_topologies, update_readme)
 
 METHODS = ["horovod", "daso"]
-LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO"}
+LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO", "daso_keras3": "hvdx.DASO (Keras 3)"}
+DASO_METHODS = ("daso", "daso_keras3")
 GOAL_LESS_TIME, GOAL_ACCURACY_POINTS = 0.35, 0.5
 STEP_KINDS = ["blocking", "local", "in_flight", "start", "merge", "epoch_end"]
 STEP_LABELS = {"blocking": "blocking global average (warm-up/cool-down)", "local": "cycling, no exchange in flight",
@@ -52,11 +59,11 @@ STEP_LABELS = {"blocking": "blocking global average (warm-up/cool-down)", "local
 
 
 # -- the ranks -------------------------------------------------------------------------------
-def build_model(width: int, seed: int = 0):
-    """The digits MLP 64-width-width-10."""
+def build_model(width: int, seed: int = 0, keras=None):
+    """The digits MLP 64-width-width-10 (of `keras`: None is tf.keras)."""
     from hvdx.zoo import mlp
 
-    return mlp(64, (width, width), seed=seed)
+    return mlp(64, (width, width), seed=seed, keras=keras)
 
 
 def classify_steps(history) -> List[str]:
@@ -84,9 +91,13 @@ def train(method: str, args, topo, data) -> dict:
 
     from hvdx.daso import DASO, DASOCallback
 
+    if method == "daso_keras3":
+        import keras
+    else:
+        keras = tf.keras  # Keras 2 (use_keras2 above)
     x_mine, y_mine, x_test, y_test = data
-    model = build_model(args.width, seed=args.seed)
-    inner = tf.keras.optimizers.SGD(args.lr, momentum=0.9)
+    model = build_model(args.width, seed=args.seed, keras=keras)
+    inner = keras.optimizers.SGD(args.lr, momentum=0.9)
     if method == "horovod":
         opt = hvd_keras.DistributedOptimizer(inner)
         callbacks = [hvd_keras.callbacks.BroadcastGlobalVariablesCallback(0)]
@@ -94,11 +105,11 @@ def train(method: str, args, topo, data) -> dict:
         opt = DASO(inner, total_epochs=args.epochs, warmup_epochs=args.warmup_epochs,
                    cooldown_epochs=args.cooldown_epochs, max_global_skips=args.max_global_skips)
         callbacks = [DASOCallback()]
-    model.compile(optimizer=opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
     steps, epoch_seconds, accuracy = [], [], []
 
-    class Timer(tf.keras.callbacks.Callback):  # after DASOCallback: a step includes its synchronisation
+    class Timer(keras.callbacks.Callback):  # after DASOCallback: a step includes its synchronisation
         def on_epoch_begin(self, epoch, logs=None):
             self.epoch_start = time.perf_counter()
 
@@ -114,14 +125,14 @@ def train(method: str, args, topo, data) -> dict:
             epoch_seconds.append(self.epoch_end - self.epoch_start)
             accuracy.append(float(model.evaluate(x_test, y_test, verbose=0, batch_size=512)[1]))
 
-    tf.keras.utils.set_random_seed(args.seed + 1 + topo.rank)
+    keras.utils.set_random_seed(args.seed + 1 + topo.rank)
     model.fit(x_mine, y_mine, batch_size=args.batch, epochs=args.epochs, verbose=0, shuffle=True,
               callbacks=callbacks + [Timer()])
     # the slowest rank's epoch times: the job is as fast as its slowest rank
     epoch_seconds = hvd.allreduce(tf.constant(epoch_seconds, tf.float64), op=hvd.Max,
                                   name=f"daso.bench.{method}").numpy().tolist()
     out = {"epoch_seconds": epoch_seconds, "accuracy": accuracy, "step_seconds": steps}
-    if method == "daso":
+    if method in DASO_METHODS:
         out["step_kinds"] = classify_steps(opt.history)
         per_epoch = len(steps) // args.epochs
         for i in range(per_epoch - 1, len(steps), per_epoch):
@@ -181,46 +192,55 @@ def summarize(result: dict, target: float) -> dict:
         m["mean_time_to_target"] = (statistics.mean(m["time_to_target"]) if None not in m["time_to_target"]
                                     else None)
         m["mean_final_accuracy"] = statistics.mean(m["final_accuracy"])
-    if "horovod" in runs and "daso" in runs:
-        pairs = list(zip(out["horovod"]["time_to_target"], out["daso"]["time_to_target"]))
+    for daso in (m for m in DASO_METHODS if m in runs and "horovod" in runs):
+        pairs = list(zip(out["horovod"]["time_to_target"], out[daso]["time_to_target"]))
         less = [1 - d / h for h, d in pairs if h and d]
-        out["daso"]["less_time_to_target"] = statistics.median(less) if len(less) == len(pairs) else None
-        out["daso"]["less_time_per_repeat"] = less
-        h, d = out["horovod"]["mean_time_to_target"], out["daso"]["mean_time_to_target"]
-        out["daso"]["less_mean_time_to_target"] = 1 - d / h if h and d else None
-        out["daso"]["mean_accuracy_points_vs_horovod"] = 100 * (out["daso"]["mean_final_accuracy"]
-                                                                - out["horovod"]["mean_final_accuracy"])
-        out["daso"]["accuracy_points_vs_horovod"] = 100 * (out["daso"]["median_final_accuracy"]
-                                                           - out["horovod"]["median_final_accuracy"])
-        daso_runs = runs["daso"]
+        out[daso]["less_time_to_target"] = statistics.median(less) if len(less) == len(pairs) else None
+        out[daso]["less_time_per_repeat"] = less
+        h, d = out["horovod"]["mean_time_to_target"], out[daso]["mean_time_to_target"]
+        out[daso]["less_mean_time_to_target"] = 1 - d / h if h and d else None
+        out[daso]["mean_accuracy_points_vs_horovod"] = 100 * (out[daso]["mean_final_accuracy"]
+                                                              - out["horovod"]["mean_final_accuracy"])
+        out[daso]["accuracy_points_vs_horovod"] = 100 * (out[daso]["median_final_accuracy"]
+                                                         - out["horovod"]["median_final_accuracy"])
+        daso_runs = runs[daso]
         kinds: Dict[str, List[float]] = {k: [] for k in STEP_KINDS}
         for run in daso_runs:
             for kind, seconds in zip(run["step_kinds"], run["step_seconds"]):
                 kinds[kind].append(seconds)
-        out["daso"]["step_ms"] = {k: 1000 * statistics.median(v) for k, v in kinds.items() if v}
-        out["daso"]["step_counts"] = {k: len(v) // len(daso_runs) for k, v in kinds.items() if v}
+        out[daso]["step_ms"] = {k: 1000 * statistics.median(v) for k, v in kinds.items() if v}
+        out[daso]["step_counts"] = {k: len(v) // len(daso_runs) for k, v in kinds.items() if v}
         exchange = [s for run in daso_runs for s in run["exchange_seconds"]]
         waits = [s for run in daso_runs for s in run["merge_wait_seconds"]]
-        out["daso"]["exchange_ms"] = 1000 * statistics.median(exchange) if exchange else None
-        out["daso"]["merge_wait_ms"] = 1000 * statistics.median(waits) if waits else None
+        out[daso]["exchange_ms"] = 1000 * statistics.median(exchange) if exchange else None
+        out[daso]["merge_wait_ms"] = 1000 * statistics.median(waits) if waits else None
         out["horovod"]["step_ms"] = 1000 * statistics.median(s for run in runs["horovod"]
                                                              for s in run["step_seconds"])
+    if "daso" in runs and "daso_keras3" in runs:  # the Keras 3 DASO against the Keras 2 one, same seeds
+        k2, k3 = out["daso"], out["daso_keras3"]
+        k3["mean_accuracy_points_vs_keras2"] = 100 * (k3["mean_final_accuracy"] - k2["mean_final_accuracy"])
+        k3["mean_time_ratio_vs_keras2"] = (k3["mean_time_to_target"] / k2["mean_time_to_target"]
+                                           if k2["mean_time_to_target"] and k3["mean_time_to_target"] else None)
+        k3["step_ratio_vs_keras2"] = {k: k3["step_ms"][k] / k2["step_ms"][k]
+                                      for k in k3.get("step_ms", {}) if k in k2.get("step_ms", {})}
     return out
 
 
-def verdict(summary: dict, seeds: int = 1) -> str:
-    """The goal's sentence: with one seed from the medians of the repeats (paired), with
-    several from the means over every seed's runs (issue 44: gains as means over seeds)."""
-    daso = summary.get("daso", {})
+def verdict(summary: dict, seeds: int = 1, daso: str = "daso") -> str:
+    """The goal's sentence for `daso` (a DASO method): with one seed from the medians of the
+    repeats (paired), with several from the means over every seed's runs (issue 44: gains as
+    means over seeds); the Keras 3 DASO's also against the Keras 2 one where both ran."""
+    summary_of = summary.get(daso, {})
+    name = LABELS[daso].replace("hvdx.DASO", "DASO")
     if seeds > 1:
-        less, points = daso.get("less_mean_time_to_target"), daso.get("mean_accuracy_points_vs_horovod")
+        less, points = summary_of.get("less_mean_time_to_target"), summary_of.get("mean_accuracy_points_vs_horovod")
     else:
-        less, points = daso.get("less_time_to_target"), daso.get("accuracy_points_vs_horovod")
+        less, points = summary_of.get("less_time_to_target"), summary_of.get("accuracy_points_vs_horovod")
     if less is None:
-        return "a method never reached the target accuracy"
-    text = (f"over {seeds} seeds, DASO's mean training time to the target accuracy is {less:.0%} less than "
+        return f"{name}: a method never reached the target accuracy"
+    text = (f"over {seeds} seeds, {name}'s mean training time to the target accuracy is {less:.0%} less than "
             "Horovod's" if seeds > 1 else
-            f"DASO needs {less:.0%} less training time than Horovod to the target accuracy")
+            f"{name} needs {less:.0%} less training time than Horovod to the target accuracy")
     met = less >= GOAL_LESS_TIME and points is not None and points >= -GOAL_ACCURACY_POINTS
     shortfalls = []
     if less < GOAL_LESS_TIME:
@@ -228,8 +248,14 @@ def verdict(summary: dict, seeds: int = 1) -> str:
     if points is not None and points < -GOAL_ACCURACY_POINTS:
         shortfalls.append(f"final accuracy {points:+.2f} points, beyond the 0.5 allowed")
     mean = " (means)" if seeds > 1 else ""
-    return text + (f", final accuracy {points:+.2f} points{mean}: goal met" if met else ": goal missed (" +
-                   "; ".join(shortfalls) + ")")
+    text += (f", final accuracy {points:+.2f} points{mean}: goal met" if met else ": goal missed (" +
+             "; ".join(shortfalls) + ")")
+    if summary_of.get("mean_accuracy_points_vs_keras2") is not None:
+        ratio = summary_of.get("mean_time_ratio_vs_keras2")
+        text += (f"; against DASO on Keras 2 in the same run: final accuracy "
+                 f"{summary_of['mean_accuracy_points_vs_keras2']:+.2f} points, time to the target x"
+                 + (f"{ratio:.2f}" if ratio is not None else " n/a"))
+    return text
 
 
 def plot(results: List[dict], target: float, path: Path) -> None:
@@ -247,7 +273,7 @@ def plot(results: List[dict], target: float, path: Path) -> None:
                 for seconds in run["epoch_seconds"]:
                     total += seconds
                     elapsed.append(total)
-                ax.plot(elapsed, run["accuracy"], color="C0" if method == "horovod" else "C3", alpha=0.8,
+                ax.plot(elapsed, run["accuracy"], color={"horovod": "C0", "daso": "C3"}.get(method, "C2"), alpha=0.8,
                         label=LABELS[method] if i == 0 else None)
         ax.axhline(target, color="gray", linestyle=":", label=f"target {target:.0%}")
         ax.set_ylim(max(0.5, target - 0.2), 1.0)
@@ -268,15 +294,18 @@ def _less(m: dict, key: str) -> str:
 
 def report(args, results: List[dict]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "daso.json").write_text(json.dumps({
+    (args.out / f"{args.name}.json").write_text(json.dumps({
         "args": {k: str(v) for k, v in vars(args).items() if k != "worker_json"},
         "goal": {"less_time": GOAL_LESS_TIME, "accuracy_points": GOAL_ACCURACY_POINTS}, "results": results},
         indent=1))
-    plot(results, args.target, args.out / "daso.png")
+    plot(results, args.target, args.out / f"{args.name}.png")
     network = next((r["network"] for r in results if r.get("network")), None)
     where = (f"on the emulated cluster of `hvdx/runner/cluster.py` ({args.rate} between nodes, tbf-shaped)"
              if network else "over loopback (horovodrun, no slow links)")
-    lines = [f"Measured by `python benchmarks/daso.py{' --local' if args.local else ''}` {where}, 2 CPU cores "
+    command = " ".join(["python benchmarks/daso.py"] + (["--local"] if args.local else []) + (
+        [f"--methods {','.join(args.methods)} --topologies {args.topologies} --name {args.name}"]
+        if args.name != "daso" else []))
+    lines = [f"Measured by `{command}` {where}, 2 CPU cores "
              f"for all ranks. Digits, MLP 64-{args.width}-{args.width}-10 ({results[0]['parameters']:,} parameters), "
              f"per-rank batch {args.batch}, SGD lr {args.lr} momentum 0.9, {args.epochs} epochs; DASO with "
              f"{args.warmup_epochs} warm-up and {args.cooldown_epochs} cool-down epochs, max_global_skips "
@@ -287,12 +316,13 @@ def report(args, results: List[dict]) -> None:
              f"times are the slowest rank's training time (evaluation excluded) until the test accuracy first "
              f"reaches {args.target:.0%}. Load average (1 min) when each topology started: " + ", ".join(
                  f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']} {r['load_average'][0]:.1f}"
-                 for r in results) + ". Plot: `results/daso.png`, raw: `results/daso.json`.", ""]
+                 for r in results) + f". Plot: `results/{args.name}.png`, raw: `results/{args.name}.json`.", ""]
     rows, breakdown = [], []
     for r in results:
         name = f"{r['topology']['nodes']}x{r['topology']['ranks_per_node']}"
         s = r["summary"]
-        lines.append(f"**{name}: {verdict(s, args.seeds)}.**")
+        for daso in (m for m in DASO_METHODS if m in s):
+            lines.append(f"**{name}: {verdict(s, args.seeds, daso)}.**")
         key = "mean" if args.seeds > 1 else "median"
         for method in r["runs"]:
             m = s[method]
@@ -302,29 +332,32 @@ def report(args, results: List[dict]) -> None:
                          f"{m['median_total_seconds']:.1f}", f"{100 * m[f'{key}_final_accuracy']:.2f}",
                          ", ".join(f"{100 * a:.2f}" for a in m["final_accuracy"]),
                          _less(m, key)])
-        if "daso" in s and "step_ms" in s["daso"]:
-            d = s["daso"]
-            breakdown.append([name, "Horovod: every step", "", f"{s['horovod']['step_ms']:.0f}"])
+        for daso in (m for m in DASO_METHODS if m in s and "step_ms" in s[m]):
+            d, who = s[daso], LABELS[daso].replace("hvdx.DASO", "DASO")
+            if daso == next(m for m in DASO_METHODS if m in s):
+                breakdown.append([name, "Horovod: every step", "", f"{s['horovod']['step_ms']:.0f}"])
             for kind in STEP_KINDS:
                 if kind in d["step_ms"]:
-                    breakdown.append([name, f"DASO: {STEP_LABELS[kind]}", d["step_counts"][kind],
+                    breakdown.append([name, f"{who}: {STEP_LABELS[kind]}", d["step_counts"][kind],
                                       f"{d['step_ms'][kind]:.0f}"])
             if d.get("exchange_ms") is not None:
-                breakdown.append([name, "DASO: one exchange on the wire (transport thread, overlapped)", "",
+                breakdown.append([name, f"{who}: one exchange on the wire (transport thread, overlapped)", "",
                                   f"{d['exchange_ms']:.0f}"])
-                breakdown.append([name, "DASO: merge's wait for it", "", f"{d['merge_wait_ms']:.1f}"])
+                breakdown.append([name, f"{who}: merge's wait for it", "", f"{d['merge_wait_ms']:.1f}"])
     per = "per seed" if args.seeds > 1 and args.repeats == 1 else "per run"
     lines += ["", markdown_table(["ranks", "method", f"time to {args.target:.0%} (s, {key})", per, "total (s, median)",
                                   f"final accuracy (%, {key})", per, "less time than Horovod"], rows, 2), "",
               "Where a step's time goes (median ms; DASO steps counted per run):", "",
               markdown_table(["ranks", "step", "steps per run", "median ms"], breakdown, 2)]
-    update_readme("daso", "\n".join(lines).rstrip(), args.readme)
+    update_readme(args.name, "\n".join(lines).rstrip(), args.readme)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_topology_arguments(parser)
-    parser.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
+    parser.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","),
+                        help=f"of {', '.join(LABELS)}")
+    parser.add_argument("--name", default="daso", help="the results' file stem and README section")
     parser.add_argument("--width", type=int, default=2048, help="the MLP's hidden width")
     parser.add_argument("--batch", type=int, default=32, help="per-rank batch size")
     parser.add_argument("--lr", type=float, default=0.03)
@@ -339,6 +372,9 @@ def main(argv: Optional[List[str]] = None) -> None:
                         help="seeds --seed .. --seed + N - 1, each --repeats runs; the table then gives means")
     add_output_arguments(parser, readme=README)
     args = parser.parse_args(argv)
+    unknown = [m for m in args.methods if m not in LABELS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}: choose from {sorted(LABELS)}")
     if args.worker_json:
         freeze_start_up()
         run_ranks(args)

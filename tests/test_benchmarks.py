@@ -298,10 +298,12 @@ def test_train_step_benchmark_runs_under_mpirun(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_daso_benchmark_writes_json_plot_and_table(tmp_path):
-    """A tiny MLP over loopback (horovodrun, 2 nodes x 1 rank), both methods, one repeat."""
+    """A tiny MLP over loopback (horovodrun, 2 nodes x 1 rank), every method (DASO on Keras 3
+    beside Keras 2's where Keras 3 is there), one repeat."""
     readme = tmp_path / "README.md"
+    methods = ["horovod", "daso"] + (["daso_keras3"] if harness.HAS_KERAS3 else [])
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "daso.py"), "--local",
-                           "--topologies", "2x1", "--width", "32", "--epochs", "4", "--warmup-epochs", "1",
+                           "--methods", ",".join(methods), "--topologies", "2x1", "--width", "32", "--epochs", "4", "--warmup-epochs", "1",
                            "--cooldown-epochs", "1", "--max-global-skips", "4", "--repeats", "1", "--target", "0.3",
                            "--out", str(tmp_path), "--readme", str(readme)],
                           capture_output=True, text=True, timeout=400, env=harness.test_env(str(tmp_path)))
@@ -309,24 +311,30 @@ def test_daso_benchmark_writes_json_plot_and_table(tmp_path):
     result = json.loads((tmp_path / "daso.json").read_text())
     (run,) = result["results"]
     assert run["topology"] == {"nodes": 2, "ranks_per_node": 1}
-    for method in ("horovod", "daso"):
+    assert sorted(run["runs"]) == sorted(methods)
+    for method in methods:
         (repeat,) = run["runs"][method]
         assert len(repeat["epoch_seconds"]) == len(repeat["accuracy"]) == 4
         assert min(repeat["epoch_seconds"]) > 0 and repeat["accuracy"][-1] > 0.3
-    daso = run["runs"]["daso"][0]
-    kinds = daso["step_kinds"]
-    assert len(kinds) == len(daso["step_seconds"])
-    # 1 warm-up + 1 cool-down epoch blocking, 2 cycling epochs with exchanges (B = 4, W = 1)
-    assert {"blocking", "start", "merge", "epoch_end"} <= set(kinds)
-    # every exchange merged (at a merge step or by an epoch's drain) reports its time on the wire
-    assert len(daso["exchange_seconds"]) == len(daso["merge_wait_seconds"]) >= kinds.count("merge") > 0
     summary = run["summary"]
-    assert summary["daso"]["less_time_to_target"] == pytest.approx(
-        1 - summary["daso"]["time_to_target"][0] / summary["horovod"]["time_to_target"][0])
+    for method in methods[1:]:
+        daso = run["runs"][method][0]
+        kinds = daso["step_kinds"]
+        assert len(kinds) == len(daso["step_seconds"])
+        # 1 warm-up + 1 cool-down epoch blocking, 2 cycling epochs with exchanges (B = 4, W = 1)
+        assert {"blocking", "start", "merge", "epoch_end"} <= set(kinds)
+        # every exchange merged (at a merge step or by an epoch's drain) reports its time on the wire
+        assert len(daso["exchange_seconds"]) == len(daso["merge_wait_seconds"]) >= kinds.count("merge") > 0
+        assert summary[method]["less_time_to_target"] == pytest.approx(
+            1 - summary[method]["time_to_target"][0] / summary["horovod"]["time_to_target"][0])
     assert (tmp_path / "daso.png").stat().st_size > 10_000
     text = readme.read_text()
     assert "<!-- daso:begin -->" in text and "| 2x1 | hvdx.DASO |" in text
     assert "DASO: cycling, exchange in flight" in text or "DASO: cycling, merges one (eq. 1)" in text
+    if harness.HAS_KERAS3:  # the Keras 3 DASO against the Keras 2 one, in the same run
+        assert "| 2x1 | hvdx.DASO (Keras 3) |" in text and "against DASO on Keras 2 in the same run" in text
+        assert summary["daso_keras3"]["mean_accuracy_points_vs_keras2"] == pytest.approx(
+            100 * (summary["daso_keras3"]["mean_final_accuracy"] - summary["daso"]["mean_final_accuracy"]))
 
 
 def test_daso_benchmark_classifies_steps_by_action():
@@ -521,3 +529,35 @@ def test_daso_benchmark_over_seeds_reports_means():
     assert daso.verdict(summary, seeds=2).startswith("over 2 seeds, DASO's mean training time to the target "
                                                      "accuracy is 70% less than Horovod's")
     assert "goal met" in daso.verdict(summary, seeds=2)
+
+
+def test_recipe_keras_takes_medians_per_phase_and_keras3_over_keras2(tmp_path):
+    """benchmarks/recipe_keras.py (the recipe's Table 4 form on both Keras): per Keras and
+    phase the median over rounds of the recipe's own per-phase samples/s, Keras 3's over
+    Keras 2's as their ratio, the rounds' accuracies and times as they were; the README table."""
+    import argparse
+
+    from benchmarks import recipe_keras
+
+    def run(rates, accuracy, reached):
+        return {"phases": [{"phase": "3x24@32", "communication": ["HiTopK"], "samples_per_s": rates[0], "step_s": 0.1,
+                            "scaling_efficiency": 0.5},
+                           {"phase": "2x32@32", "communication": ["Hierarchical"], "samples_per_s": rates[1],
+                            "step_s": 0.2, "scaling_efficiency": 0.4}],
+                "final": {"val_top1": accuracy}, "reached": reached and {"elapsed_s": reached}, "trained_s": 30.0,
+                "load_average": [1.0, 1.0]}
+
+    runs = {"2": [run((100, 50), 0.99, 20.0), run((110, 70), 0.98, None), run((90, 60), 0.99, 25.0)],
+            "3": [run((120, 40), 0.99, 19.0), run((100, 45), 0.99, 21.0), run((140, 50), 0.97, 30.0)]}
+    summary = recipe_keras.summarize(runs)
+    assert summary["2"]["phases"]["3x24@32"]["samples_per_s"] == 100
+    assert summary["3"]["phases"]["2x32@32"]["samples_per_s"] == 45
+    assert summary["ratio_3_over_2"] == {"3x24@32": 1.2, "2x32@32": 0.75}
+    assert summary["2"]["to_target_s"] == [20.0, None, 25.0] and summary["3"]["val_top1"] == [0.99, 0.99, 0.97]
+    readme = tmp_path / "README.md"
+    args = argparse.Namespace(out=tmp_path, readme=readme, rounds=3, se_steps=5, nodes=2, ranks_per_node=2,
+                              cluster=False, rate="1gbit")
+    recipe_keras.report(args, runs, summary)
+    text = readme.read_text()
+    assert "<!-- recipe_keras:begin -->" in text and "| Keras 3 (TensorFlow's tf.keras) | 3x24@32 | HiTopK |" in text
+    assert "| 1.20 |" in text and (tmp_path / "recipe_keras.png").stat().st_size > 5_000
