@@ -32,6 +32,10 @@ Inside and across nodes (`--stem adpsgd_nodes --methods allreduce,adpsgd,adpsgd_
 --topologies 2x2`): the same AD-PSGD with `cross_node_weight` 1 (uniform), 0.25 (a neighbour on
 another node four times less likely) and 4.
 
+On Keras 3 beside Keras 2 (`--stem adpsgd_keras3 --methods allreduce,adpsgd,adpsgd_keras3`):
+`adpsgd_keras3` is the same AD-PSGD around the same MLP built with Keras 3 (`import keras`,
+beside tf.keras as Keras 2 in the same rank processes) and stepped by a Keras 3 SGD.
+
 Writes <out>/<stem>.json, <stem>.png (stem: adpsgd) and the table of benchmarks/README.md.
 """
 from __future__ import annotations
@@ -64,9 +68,11 @@ METHODS = ["allreduce", "dpsgd", "adpsgd"]
 LABELS = {"allreduce": "AllReduce-SGD (hvd.DistributedGradientTape)", "dpsgd": "D-PSGD (gossip + barrier)",
           "adpsgd": "AD-PSGD (hvdx.adpsgd)",
           "adpsgd_intra": "AD-PSGD, cross_node_weight=0.25 (mostly inside nodes)",
-          "adpsgd_inter": "AD-PSGD, cross_node_weight=4 (mostly across nodes)"}
+          "adpsgd_inter": "AD-PSGD, cross_node_weight=4 (mostly across nodes)",
+          "adpsgd_keras3": "AD-PSGD (hvdx.adpsgd), Keras 3 model and SGD"}
 # The gossip methods: (synchronous, cross_node_weight); `--stem adpsgd_nodes` compares the weights.
-GOSSIP = {"dpsgd": (True, 1.0), "adpsgd": (False, 1.0), "adpsgd_intra": (False, 0.25), "adpsgd_inter": (False, 4.0)}
+GOSSIP = {"dpsgd": (True, 1.0), "adpsgd": (False, 1.0), "adpsgd_intra": (False, 0.25), "adpsgd_inter": (False, 4.0),
+          "adpsgd_keras3": (False, 1.0)}
 SCENARIOS = ["homogeneous", "slow_rank", "slow_link"]
 
 
@@ -83,11 +89,11 @@ def shape_node_link(rate_bps: int) -> None:
 
 
 # -- the ranks -------------------------------------------------------------------------------
-def build_model(width: int, seed: int):
-    """The digits MLP 64-width-width-10."""
+def build_model(width: int, seed: int, keras=None):
+    """The digits MLP 64-width-width-10 (of `keras`: None is tf.keras)."""
     from hvdx.zoo import mlp
 
-    return mlp(64, (width, width), seed=seed)
+    return mlp(64, (width, width), seed=seed, keras=keras)
 
 
 def train(method: str, scenario: str, args, topo, data, step_seconds: float, round_index: int) -> dict:
@@ -97,10 +103,14 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
 
     from hvdx.adpsgd import ADPSGD
 
+    if method.endswith("_keras3"):
+        import keras
+    else:
+        keras = tf.keras  # Keras 2 (use_keras2 above)
     x_mine, y_mine, x_eval, y_eval, x_test, y_test = data
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    model = build_model(args.width, args.seed + round_index if args.seeds else args.seed)
-    opt = tf.keras.optimizers.SGD(args.lr)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = build_model(args.width, args.seed + round_index if args.seeds else args.seed, keras=keras)
+    opt = keras.optimizers.SGD(args.lr)
     opt.build(model.trainable_variables)
     gossip = None
     steps = args.epochs * max(1, len(x_mine) // args.batch)  # the synchronous methods' steps on every rank
