@@ -26,8 +26,13 @@ Appendix D count on this model).
 
     python benchmarks/async_shared.py                       # 1x2 and 1x4, writes README's table
     python benchmarks/async_shared.py --smoke --out /tmp/x  # 1x2, tiny: checks the script runs
+    python benchmarks/async_shared.py --stem async_shared_keras3 --methods sync,assm,assm_keras3,passm,passm_keras3
 
-Writes <out>/async_shared.json, async_shared.png and the table of benchmarks/README.md.
+A method named `<method>_keras3` is the same method around the same MLP built with Keras 3
+(`import keras`, beside tf.keras as Keras 2 in the same rank processes) and stepped by a Keras 3
+SGD: the methods on Keras 3 beside Keras 2 in one run.
+
+Writes <out>/<stem>.json, <stem>.png (stem: async_shared) and the table of benchmarks/README.md.
 """
 from __future__ import annotations
 
@@ -56,18 +61,21 @@ except ImportError:
 METHODS = ["sync", "asyncminibatch", "assm", "passm", "passm+"]
 LABELS = {"sync": "synchronous (hvd.DistributedGradientTape)", "asyncminibatch": "AsyncMiniBatch",
           "assm": "ASSM", "passm": "PASSM", "passm+": "PASSM+"}
+LABELS.update({f"{m}_keras3": f"{LABELS[m]}, Keras 3 model and SGD" for m in METHODS if m != "sync"})
 
 
-def build_model(width: int, depth: int, seed: int):
-    """The digits MLP: 64 inputs, `depth` hidden layers of `width`, 10 logits."""
+def build_model(width: int, depth: int, seed: int, keras=None):
+    """The digits MLP: 64 inputs, `depth` hidden layers of `width`, 10 logits (of `keras`: None
+    is tf.keras)."""
     from hvdx.zoo import mlp
 
-    return mlp(64, (width,) * depth, seed=seed)
+    return mlp(64, (width,) * depth, seed=seed, keras=keras)
 
 
 def make_method(name: str, args):
     from hvdx.asynchronous import ASSM, PASSM, AsyncMiniBatch, PASSMPlus
 
+    name = name.removesuffix("_keras3")
     if name == "asyncminibatch":
         return AsyncMiniBatch(average_every=10 ** 9)
     if name == "assm":
@@ -88,10 +96,14 @@ def train(name: str, args, topo, data, seed: int) -> dict:
 
     import hvdx
 
+    if name.endswith("_keras3"):
+        import keras
+    else:
+        keras = tf.keras  # Keras 2 (use_keras2 above)
     x_train, y_train, x_test, y_test = data
-    model = build_model(args.width, args.depth, seed)
-    opt = tf.keras.optimizers.SGD(args.lr, momentum=args.momentum)
-    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    model = build_model(args.width, args.depth, seed, keras=keras)
+    opt = keras.optimizers.SGD(args.lr, momentum=args.momentum)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     steps_per_epoch = len(x_train) // args.batch
     method = None
     if name == "sync":
@@ -243,7 +255,7 @@ def summarize(result: dict, target: float) -> dict:
 
 def report(args, results: List[dict]) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "async_shared.json").write_text(json.dumps(
+    (args.out / f"{args.stem}.json").write_text(json.dumps(
         {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "results": results},
         indent=1) + "\n")
     import matplotlib
@@ -263,7 +275,7 @@ def report(args, results: List[dict]) -> None:
         ax.set_ylim(max(0.0, args.target - 0.3), 1.0)
     axes[0][0].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(args.out / "async_shared.png", dpi=100)
+    fig.savefig(args.out / f"{args.stem}.png", dpi=100)
     rows = []
     for result in results:
         p = result["topology"]["ranks_per_node"]
@@ -273,14 +285,16 @@ def report(args, results: List[dict]) -> None:
             average = statistics.mean if args.seeds else statistics.median
             st = s["staleness"]
             stale = "-" if not st else f"{st['mean']:.2f} / {st['max']}"
-            saved = result["passm_flops_saved"] if name in ("passm",) and result["passm_flops_saved"] else None
+            saved = result["passm_flops_saved"] if name in ("passm", "passm_keras3") and result["passm_flops_saved"] \
+                else None
             rows.append([f"1x{p}", LABELS[name], time, ratio,
                          f"{average(s['accuracy']):.4f}", f"{average(s['seconds']):.2f}", stale,
                          f"{saved:.2f}" if saved is not None else "-", f"{result['load_average'][0]:.1f}"])
     readme = readme_path(args)
     if readme is None:
         return
-    body = (f"## async_shared.py: shared-memory asynchronous SGD against synchronous Horovod "
+    title = "" if args.stem == "async_shared" else f" --stem {args.stem}: the methods on Keras 3 beside Keras 2"
+    body = (f"## async_shared.py{title}: shared-memory asynchronous SGD against synchronous Horovod "
             f"(gimpel2010 Figs. 1-3, kungurtsev2021 Fig. 1)\n\n"
             f"One node (horovodrun over loopback), an MLP ({args.depth}x{args.width}) on the digits, batch "
             f"{args.batch} per process, SGD lr {args.lr} momentum {args.momentum} (x0.1 at epoch "
@@ -296,17 +310,19 @@ def report(args, results: List[dict]) -> None:
             f"Staleness: mean / max number of other updates applied between a process's read and its "
             f"update, all processes. PASSM flops saved: fraction of the weight-gradient backprop flops saved per "
             f"step by restricted backpropagation (the paper's Appendix D count). "
-            f"`results/async_shared.json`, `results/async_shared.png`.\n\n"
+            f"`results/{args.stem}.json`, `results/{args.stem}.png`.\n\n"
             + markdown_table(["topology", "method", "time to target (s)", "ratio to sync", "final accuracy",
                               "training time (s)", "staleness mean / max", "PASSM flops saved", "load avg"], rows,
                              text_columns=2))
-    update_readme("async_shared", body, readme)
+    update_readme(args.stem, body, readme)
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_topology_arguments(parser, topologies="1x2,1x4")
-    parser.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","))
+    parser.add_argument("--methods", default=",".join(METHODS), type=lambda s: s.split(","),
+                        help=f"of {', '.join(LABELS)}")
+    parser.add_argument("--stem", default="async_shared", help="the results' file names and README section")
     parser.add_argument("--width", type=int, default=256, help="the MLP's hidden width")
     parser.add_argument("--depth", type=int, default=3, help="hidden layers (PASSM needs layers >= processes - 1)")
     parser.add_argument("--batch", type=int, default=16, help="per-process batch size")
@@ -323,6 +339,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="1x2, tiny: checks the script runs")
     add_output_arguments(parser, readme=None)
     args = parser.parse_args(argv)
+    unknown = [m for m in args.methods if m not in LABELS]
+    if unknown:
+        parser.error(f"unknown method(s) {unknown}: choose from {sorted(LABELS)}")
     raw = list(sys.argv[1:] if argv is None else argv)
     if args.smoke and not args.worker_json:
         args.topologies, args.width, args.epochs, args.rounds, args.target, args.eval_every = "1x2", 32, 2, 1, 0.3, 5
