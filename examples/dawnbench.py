@@ -332,7 +332,7 @@ def train(config: Config) -> dict:
                 f"rank ({phase.batch_size * topo.size} global), {steps[index]} steps per epoch", flush=True)
             model.fit(train_ds, steps_per_epoch=steps[index], initial_epoch=epoch, epochs=end, validation_data=val_ds,
                       validation_steps=val_steps, verbose=config.verbose if topo.rank == 0 else 0,
-                      callbacks=callbacks)
+                      callbacks=callbacks, shuffle=False)  # the pipeline shuffles (Keras 3 warns at True)
             epoch = end
         return history
 
