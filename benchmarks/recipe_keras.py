@@ -27,11 +27,10 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (README, ROOT, add_output_arguments, launch_ranks, load_during, markdown_table, readme_path,
-                        update_readme)
+    from common import ROOT, add_output_arguments, launch_ranks, load_during, markdown_table, readme_path, update_readme
 except ImportError:
-    from benchmarks.common import (README, ROOT, add_output_arguments, launch_ranks, load_during, markdown_table,
-                                   readme_path, update_readme)
+    from benchmarks.common import (ROOT, add_output_arguments, launch_ranks, load_during, markdown_table, readme_path,
+                                   update_readme)
 
 LEGACY = "TF_USE_LEGACY_KERAS"
 KERAS = {"2": "Keras 2 (TF_USE_LEGACY_KERAS=1)", "3": "Keras 3 (TensorFlow's tf.keras)"}

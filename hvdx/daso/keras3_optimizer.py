@@ -18,12 +18,12 @@ optimizer through Keras 3's serialisation) and the schedule in a `.keras` archiv
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import keras
 import tensorflow as tf
 
-from hvdx.daso.method import DASOMethod, daso_arguments
+from hvdx.daso.method import DASOMethod
 from hvdx.keras3_optimizer import DistributedOptimizer
 
 __all__ = ["DASO"]
@@ -35,17 +35,8 @@ class DASO(DASOMethod, DistributedOptimizer):
     it); an instance of the wrapped optimizer's class and of `hvdx.daso.DASOMethod`. Arguments,
     behaviour and errors: `hvdx.daso.optimizer.DASO`."""
 
-    def __init__(self, optimizer, total_epochs: int, warmup_epochs: int = 1, cooldown_epochs: int = 1,
-                 max_global_skips: int = 4, *, plateau_patience: int = 2, plateau_threshold: float = 0.05,
-                 blocking_wire_dtype: str = "bfloat16", timeout: float = 300.0, name: Optional[str] = None,
-                 schedule_state: Optional[Dict[str, Any]] = None) -> None:
-        topo, schedule, config = daso_arguments(
-            optimizer, total_epochs, warmup_epochs, cooldown_epochs, max_global_skips,
-            plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
-            blocking_wire_dtype=blocking_wire_dtype, timeout=timeout, schedule_state=schedule_state)
-        DistributedOptimizer.__init__(self, optimizer, name=name or f"DASO{type(optimizer).__name__}",
-                                      communication="allreduce", process_set=topo.local_set)
-        self._init_method(topo, schedule, config)
+    def __init__(self, optimizer, *args: Any, **kwargs: Any) -> None:
+        self._construct(DistributedOptimizer, optimizer, *args, **kwargs)
 
     @tf.autograph.experimental.do_not_convert
     def apply(self, grads, trainable_variables=None):

@@ -84,13 +84,25 @@ class DASOMethod(TrainingMethod):
     node-local gradient averaging every step, global parameter averaging in rotating groups,
     blocking in the first `warmup_epochs` and the last `cooldown_epochs`, non-blocking every B
     steps in between (merged with eq. 1). The public contract is `hvdx.DASO`'s
-    (hvdx/daso/optimizer.py); a Keras adapter calls `_init_method` after its wrapper's
-    constructor and routes its step through `_guarded_step`.
+    (hvdx/daso/optimizer.py); a Keras adapter constructs through `_construct` with its
+    Keras' wrapper and routes its step through `_guarded_step`.
     """
 
     label = "hvdx.DASO"
     same_steps_on_every_rank = True
     needs_every_step = True
+
+    def _construct(self, wrapper: type, optimizer: Any, total_epochs: int, warmup_epochs: int = 1,
+                   cooldown_epochs: int = 1, max_global_skips: int = 4, *, name: Optional[str] = None,
+                   **options: Any) -> None:
+        """The constructor both Keras' DASO share: the arguments checked (`daso_arguments`,
+        `options` its keyword-only ones), `wrapper`'s constructor (hvdx's wrapper of that Keras)
+        averaging over the node's process set, then DASO's own state."""
+        topo, schedule, config = daso_arguments(optimizer, total_epochs, warmup_epochs, cooldown_epochs,
+                                                max_global_skips, **options)
+        wrapper.__init__(self, optimizer, name=name or f"DASO{type(optimizer).__name__}", communication="allreduce",
+                         process_set=topo.local_set)
+        self._init_method(topo, schedule, config)
 
     def _init_method(self, topo: Topology, schedule: Schedule, config: Dict[str, Any]) -> None:
         """DASO's own state, after the wrapper's constructor (`daso_arguments`' results)."""

@@ -37,7 +37,7 @@ from typing import Any, Dict, Optional
 
 import tensorflow as tf
 
-from hvdx.daso.method import DASOMethod, daso_arguments, find_daso
+from hvdx.daso.method import DASOMethod, find_daso
 from hvdx.optimizer import DistributedOptimizer
 from hvdx.wrapper_core import is_keras3_optimizer
 from hvdx import legacy_keras
@@ -94,13 +94,10 @@ class DASO(DASOMethod, DistributedOptimizer):
                  max_global_skips: int = 4, *, plateau_patience: int = 2, plateau_threshold: float = 0.05,
                  blocking_wire_dtype: str = "bfloat16", timeout: float = 300.0, name: Optional[str] = None,
                  schedule_state: Optional[Dict[str, Any]] = None) -> None:
-        topo, schedule, config = daso_arguments(
-            optimizer, total_epochs, warmup_epochs, cooldown_epochs, max_global_skips,
-            plateau_patience=plateau_patience, plateau_threshold=plateau_threshold,
-            blocking_wire_dtype=blocking_wire_dtype, timeout=timeout, schedule_state=schedule_state)
-        DistributedOptimizer.__init__(self, optimizer, name=name or f"DASO{type(optimizer).__name__}",
-                                      communication="allreduce", process_set=topo.local_set)
-        self._init_method(topo, schedule, config)
+        self._construct(DistributedOptimizer, optimizer, total_epochs, warmup_epochs, cooldown_epochs,
+                        max_global_skips, name=name, plateau_patience=plateau_patience,
+                        plateau_threshold=plateau_threshold, blocking_wire_dtype=blocking_wire_dtype, timeout=timeout,
+                        schedule_state=schedule_state)
 
     @tf.autograph.experimental.do_not_convert
     def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation: bool = False, **kwargs):
