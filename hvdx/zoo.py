@@ -13,36 +13,39 @@ builds from the global random state as it is. Keras' layer names are its automat
 policy, except that the ResNets' logits are float32 under any policy (mixed precision's
 recipe).
 
-The builders are Keras 2 (tf_keras, or tf.keras where it is Keras 2); `mlp`, `cnn`, `resnet` and
-`resnet50` take `keras=`, the Keras module whose layers they use, e.g. `keras=keras` (Keras 3,
-`import keras`) builds the same architecture as a Keras 3 model (its initial weights differ:
-each Keras draws its own).
+The builders use tf.keras as TensorFlow makes it (Keras 3 from TensorFlow 2.16 on, Keras 2 with
+`TF_USE_LEGACY_KERAS=1` and on 2.15), so that the model and a `tf.keras.optimizers` optimizer
+are of one Keras; each takes `keras=`, the Keras module whose layers it uses, e.g. `keras=keras`
+(Keras 3, `import keras`) or `keras=tf_keras` (Keras 2) builds the same architecture with that
+Keras (its initial weights differ: each Keras draws its own).
 """
 from __future__ import annotations
 
-from typing import Collection, Optional, Sequence, Union
+from typing import Any, Collection, Optional, Sequence, Union
 
 import tensorflow as tf
 
 from hvdx.arguments import integer, is_integer
-from hvdx import legacy_keras
-
-keras2 = legacy_keras.keras2()  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
 
 __all__ = ["cnn", "mlp", "resnet", "resnet50", "transformer", "vgg19"]
 
 Shape = Sequence[Optional[int]]
 
 
+def _keras(keras=None):
+    """`keras`, or None: tf.keras as TensorFlow makes it."""
+    return keras if keras is not None else tf.keras
+
+
 def _reseed(seed: Optional[int], keras=None) -> None:
     seed = integer(seed, "seed", optional=True)
     if seed is not None:
-        (keras or keras2).utils.set_random_seed(seed)
+        _keras(keras).utils.set_random_seed(seed)
 
 
 def mlp(inputs: int = 64, widths: Sequence[int] = (64,), classes: int = 10, *, activation: Optional[str] = "relu",
         output_activation: Optional[str] = None, name: Optional[str] = None,
-        seed: Optional[int] = None, keras=None) -> keras2.Sequential:
+        seed: Optional[int] = None, keras=None) -> Any:
     """A fully connected network: `inputs` features -> one Dense of each of `widths` with
     `activation` -> `classes` outputs with `output_activation` (None: logits).
 
@@ -53,13 +56,13 @@ def mlp(inputs: int = 64, widths: Sequence[int] = (64,), classes: int = 10, *, a
       activation, output_activation: Keras activations of the hidden and the output layers.
       name: the Sequential's name (None: Keras' `sequential_N`).
       seed: see the module.
-      keras: the Keras module to build with (None: Keras 2; `keras`: Keras 3); see the module.
+      keras: the Keras module to build with (None: tf.keras as TensorFlow makes it); see the module.
 
     Returns:
       A built Sequential: Input, len(widths) + 1 Dense layers; inputs * w1 + w1 + ... +
       w_last * classes + classes parameters.
     """
-    keras = keras or keras2
+    keras = _keras(keras)
     _reseed(seed, keras)
     layers = [keras.Input((inputs,))] + [keras.layers.Dense(w, activation=activation) for w in widths]
     return keras.Sequential(layers + [keras.layers.Dense(classes, activation=output_activation)], name=name)
@@ -70,7 +73,7 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
         pool_after: Collection[int] = (), rescale: Optional[float] = None, dropout: float = 0.0,
         head: str = "average", dense: Sequence[int] = (), dense_dropout: float = 0.0,
         output_activation: Optional[str] = None, name: Optional[str] = None,
-        seed: Optional[int] = None, keras=None) -> keras2.Sequential:
+        seed: Optional[int] = None, keras=None) -> Any:
     """A plain convolutional network, in this order: [Rescaling(rescale)], one Conv2D of each
     of `filters` (each followed by a 2x2 MaxPool2D where its index is in `pool_after`),
     [Dropout(dropout)], the head (GlobalAveragePooling2D for "average", Flatten for
@@ -100,7 +103,7 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
     steps = [int(strides)] * len(filters) if is_integer(strides) else list(strides)
     if len(steps) != len(filters):
         raise ValueError(f"{len(steps)} strides for {len(filters)} convolutions: pass one int or one per convolution")
-    keras = keras or keras2
+    keras = _keras(keras)
     _reseed(seed, keras)
     layers = keras.layers
     stack = [keras.Input(tuple(input_shape))] + ([layers.Rescaling(rescale)] if rescale is not None else [])
@@ -118,7 +121,7 @@ def cnn(input_shape: Shape, filters: Sequence[int], classes: int = 10, *, kernel
 def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (None, None, 3),
            blocks_per_stage: int = 1, bn_momentum: float = 0.99, layer_names: bool = True,
            shortcut_first: bool = True, name: Optional[str] = None, seed: Optional[int] = None,
-           keras=None) -> keras2.Model:
+           keras=None) -> Any:
     """A ResNet of basic blocks (He et al., "Deep Residual Learning for Image Recognition",
     2016, arXiv:1512.03385, sec. 4.2's CIFAR networks): a 3x3 stem of widths[0] filters, then
     one stage per width of `blocks_per_stage` blocks, global average pooling, Dense logits.
@@ -150,7 +153,7 @@ def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (No
     Returns:
       A built functional Model.
     """
-    keras = keras or keras2
+    keras = _keras(keras)
     _reseed(seed, keras)
     layers = keras.layers
 
@@ -180,11 +183,11 @@ def resnet(widths: Sequence[int], classes: int = 10, *, input_shape: Shape = (No
 
 
 def resnet50(classes: int = 1000, *, input_shape: Shape = (None, None, 3), name: str = "resnet50",
-             seed: Optional[int] = None, keras=None) -> keras2.Model:
+             seed: Optional[int] = None, keras=None) -> Any:
     """Keras' ResNet-50 without weights and without its top, average-pooled, under a Dense
     "logits" layer of `classes` (float32 under any dtype policy): 23.6M + 2049 * classes
     parameters. `input_shape`'s default takes any image size; `seed`, `keras`: see the module."""
-    keras = keras or keras2
+    keras = _keras(keras)
     _reseed(seed, keras)
     base = keras.applications.ResNet50(weights=None, include_top=False, input_shape=tuple(input_shape),
                                        pooling="avg")
@@ -193,28 +196,30 @@ def resnet50(classes: int = 1000, *, input_shape: Shape = (None, None, 3), name:
 
 
 def vgg19(classes: int = 1000, *, input_shape: Shape = (224, 224, 3), name: str = "vgg19",
-          seed: Optional[int] = None) -> keras2.Model:
+          seed: Optional[int] = None, keras=None) -> Any:
     """Keras' VGG-19 without weights and without its top, flattened, under two Dense(4096,
     ReLU) and a Dense of `classes` logits (VGG's classifier; `input_shape` fixes its first
-    Dense's size, 143.7M parameters at 224 px); `seed`: see the module."""
-    _reseed(seed)
-    layers = keras2.layers
-    base = keras2.applications.VGG19(weights=None, include_top=False, input_shape=tuple(input_shape))
+    Dense's size, 143.7M parameters at 224 px); `seed`, `keras`: see the module."""
+    keras = _keras(keras)
+    _reseed(seed, keras)
+    layers = keras.layers
+    base = keras.applications.VGG19(weights=None, include_top=False, input_shape=tuple(input_shape))
     x = layers.Flatten()(base.output)
     x = layers.Dense(4096, activation="relu")(layers.Dense(4096, activation="relu")(x))
-    return keras2.Model(base.input, layers.Dense(classes)(x), name=name)
+    return keras.Model(base.input, layers.Dense(classes)(x), name=name)
 
 
 def transformer(vocabulary: int, width: int, blocks: int, heads: int, length: int, *,
-                name: Optional[str] = None, seed: Optional[int] = None) -> keras2.Model:
+                name: Optional[str] = None, seed: Optional[int] = None, keras=None) -> Any:
     """A pre-norm Transformer encoder over int32 token sentences of `length`: an Embedding
     of `vocabulary` x `width`, `blocks` blocks of h += MultiHeadAttention(heads, width //
     heads)(LN(h), LN(h)) and h += Dense(width)(Dense(4 * width, GELU)(LN(h))), then LN and
     Dense logits over the vocabulary at every position. (16000, 512, 3, 8, 64) has 25.8M
-    parameters. `name`: the Model's (None: Keras' `model_N`); `seed`: see the module."""
-    _reseed(seed)
-    layers = keras2.layers
-    tokens = keras2.Input((length,), dtype=tf.int32)
+    parameters. `name`: the Model's (None: Keras' `model_N`); `seed`, `keras`: see the module."""
+    keras = _keras(keras)
+    _reseed(seed, keras)
+    layers = keras.layers
+    tokens = keras.Input((length,), dtype="int32")
     h = layers.Embedding(vocabulary, width)(tokens)
     for _ in range(blocks):
         a = layers.LayerNormalization()(h)
@@ -222,4 +227,4 @@ def transformer(vocabulary: int, width: int, blocks: int, heads: int, length: in
         f = layers.LayerNormalization()(h)
         f = layers.Dense(4 * width, activation="gelu")(f)
         h = h + layers.Dense(width)(f)
-    return keras2.Model(tokens, layers.Dense(vocabulary)(layers.LayerNormalization()(h)), name=name)
+    return keras.Model(tokens, layers.Dense(vocabulary)(layers.LayerNormalization()(h)), name=name)
