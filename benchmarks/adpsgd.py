@@ -57,11 +57,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
     from common import (add_output_arguments, add_topology_arguments, against_baseline, cluster_description,
-                        digits_shards, freeze_start_up, markdown_table, readme_path, run_topologies, time_cells,
-                        update_readme)
+                        digits_shards, freeze_start_up, keras_module, markdown_table, readme_path, run_topologies,
+                        time_cells, update_readme)
 except ImportError:
-    from benchmarks.common import (add_output_arguments, add_topology_arguments, against_baseline,
-                                   cluster_description, digits_shards, freeze_start_up, markdown_table, readme_path,
+    from benchmarks.common import (add_output_arguments, add_topology_arguments, against_baseline, cluster_description,
+                                   digits_shards, freeze_start_up, keras_module, markdown_table, readme_path,
                                    run_topologies, time_cells, update_readme)
 
 METHODS = ["allreduce", "dpsgd", "adpsgd"]
@@ -103,10 +103,7 @@ def train(method: str, scenario: str, args, topo, data, step_seconds: float, rou
 
     from hvdx.adpsgd import ADPSGD
 
-    if method.endswith("_keras3"):
-        import keras
-    else:
-        keras = tf.keras  # Keras 2 (use_keras2 above)
+    keras = keras_module(3 if method.endswith("_keras3") else 2)  # Keras 2: tf.keras here (use_keras2 above)
     x_mine, y_mine, x_eval, y_eval, x_test, y_test = data
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     model = build_model(args.width, args.seed + round_index if args.seeds else args.seed, keras=keras)

@@ -52,11 +52,12 @@ from typing import Dict, List, Optional
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
-    from common import (add_output_arguments, add_topology_arguments, against_baseline, freeze_start_up,
+    from common import (add_output_arguments, add_topology_arguments, against_baseline, freeze_start_up, keras_module,
                         markdown_table, readme_path, run_topologies, time_cells, update_readme)
 except ImportError:
     from benchmarks.common import (add_output_arguments, add_topology_arguments, against_baseline, freeze_start_up,
-                                   markdown_table, readme_path, run_topologies, time_cells, update_readme)
+                                   keras_module, markdown_table, readme_path, run_topologies, time_cells,
+                                   update_readme)
 
 METHODS = ["sync", "asyncminibatch", "assm", "passm", "passm+"]
 LABELS = {"sync": "synchronous (hvd.DistributedGradientTape)", "asyncminibatch": "AsyncMiniBatch",
@@ -96,10 +97,7 @@ def train(name: str, args, topo, data, seed: int) -> dict:
 
     import hvdx
 
-    if name.endswith("_keras3"):
-        import keras
-    else:
-        keras = tf.keras  # Keras 2 (use_keras2 above)
+    keras = keras_module(3 if name.endswith("_keras3") else 2)  # Keras 2: tf.keras here (use_keras2 above)
     x_train, y_train, x_test, y_test = data
     model = build_model(args.width, args.depth, seed, keras=keras)
     opt = keras.optimizers.SGD(args.lr, momentum=args.momentum)

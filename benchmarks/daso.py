@@ -43,10 +43,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:  # run as a script, benchmarks/ is on sys.path; imported by the tests, it is benchmarks.common
     from common import (README, add_output_arguments, add_topology_arguments, cluster_description, digits_shards,
-                        freeze_start_up, markdown_table, run_topologies, update_readme)
+                        freeze_start_up, keras_module, markdown_table, run_topologies, update_readme)
 except ImportError:
     from benchmarks.common import (README, add_output_arguments, add_topology_arguments, cluster_description,
-                                   digits_shards, freeze_start_up, markdown_table, run_topologies, update_readme)
+                                   digits_shards, freeze_start_up, keras_module, markdown_table, run_topologies,
+                                   update_readme)
 
 METHODS = ["horovod", "daso"]
 LABELS = {"horovod": "Horovod DistributedOptimizer", "daso": "hvdx.DASO", "daso_keras3": "hvdx.DASO (Keras 3)"}
@@ -91,10 +92,7 @@ def train(method: str, args, topo, data) -> dict:
 
     from hvdx.daso import DASO, DASOCallback
 
-    if method == "daso_keras3":
-        import keras
-    else:
-        keras = tf.keras  # Keras 2 (use_keras2 above)
+    keras = keras_module(3 if method.endswith("_keras3") else 2)  # Keras 2: tf.keras here (use_keras2 above)
     x_mine, y_mine, x_test, y_test = data
     model = build_model(args.width, seed=args.seed, keras=keras)
     inner = keras.optimizers.SGD(args.lr, momentum=0.9)
