@@ -40,7 +40,7 @@ from hvdx.wrapped import check_not_horovods
 if TYPE_CHECKING:  # the transport opens sockets: imported where a DASO run sets up
     from hvdx.transport.ring import GroupTransport
 
-__all__ = ["DASOMethod", "STATE_KEY", "daso_arguments", "find_daso"]
+__all__ = ["DASOMethod", "find_daso"]
 
 log = logging.getLogger("hvdx.daso")
 HISTORY = 100_000  # actions kept in DASO.history
@@ -102,10 +102,6 @@ class DASOMethod(TrainingMethod):
                                                 max_global_skips, **options)
         wrapper.__init__(self, optimizer, name=name or f"DASO{type(optimizer).__name__}", communication="allreduce",
                          process_set=topo.local_set)
-        self._init_method(topo, schedule, config)
-
-    def _init_method(self, topo: Topology, schedule: Schedule, config: Dict[str, Any]) -> None:
-        """DASO's own state, after the wrapper's constructor (`daso_arguments`' results)."""
         self._daso_config = self._no_dependency(dict(config))
         self._topo = topo
         self.schedule = self._for_topology(schedule)
