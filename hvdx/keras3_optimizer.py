@@ -23,8 +23,8 @@ the residuals as arrays) is `hvdx.wrapper_core.WrapperCore`; this module holds w
   applies the aggregate with momentum 0, which its step reads, as a Python number, while the
   wrapper traces it. Only Keras 3's SGD can be so corrected; another optimizer with a
   momentum is refused with momentum correction.
-- The traits the strategies' defaults read (`keras3_traits`): Keras 3's SGD and Adam family
-  described from their classes, as `hvdx.comm.traits.traits_of` does for tf.keras's.
+- The traits the strategies' defaults read: `hvdx.comm.traits.traits_of`, which describes
+  either Keras' SGD and Adam family from their classes.
 - Saving: registered as a Keras 3 serializable ("hvdx>DistributedOptimizer"); `get_config`
   pins the strategy as on the Keras 2 path; a `.keras` archive keeps the wrapped optimizer's
   variables (under `inner_optimizer`: a wrapped LossScaleOptimizer's dynamic scale too) and
@@ -76,7 +76,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import horovod.tensorflow as hvd
 import keras
@@ -85,37 +85,19 @@ import tensorflow as tf
 from hvdx import comm
 from hvdx.accumulation import aggregate_passes
 from hvdx.aggregator import AUTO_BUCKET_BYTES, GradientAggregator
-from hvdx.comm.traits import OptimizerTraits, plain_number, traits_of
+from hvdx.comm.traits import plain_number, traits_of
 from hvdx import wrapper_core
 from hvdx.wrapper_core import (WrapperCore, aggregate_and_observe, arguments_from_config, check_name,
                                is_keras3_optimizer, residual_state, restore_residuals)
 
-__all__ = ["DistributedOptimizer", "keras3_traits", "subclass_for"]
+__all__ = ["DistributedOptimizer", "subclass_for"]
 
 if int(keras.__version__.split(".")[0]) < 3:
     raise ImportError(f"hvdx.keras3_optimizer is the Keras 3 adapter; the keras package here is {keras.__version__} "
                       "(TensorFlow 2.15's Keras 2): wrap tf.keras optimizers with hvdx.DistributedOptimizer")
 
-#: Keras 3's optimizers with Adam's per-coordinate moments (subclasses included).
-_ADAM_FAMILY: Tuple[type, ...] = tuple(cls for cls in (getattr(keras.optimizers, name, None) for name in (
-    "Adam", "AdamW", "Adamax", "Nadam")) if isinstance(cls, type))
 _EXAMPLE = "keras.optimizers.SGD(lr, momentum=0.9)"
 
-
-
-def keras3_traits(optimizer: Any) -> OptimizerTraits:
-    """The `OptimizerTraits` of a Keras 3 optimizer: its own declaration (`hvdx_traits`, read by
-    `traits_of`), else Keras 3's SGD (that class itself: a subclass may change the update) with
-    its momentum and Nesterov flag, the Adam family as adaptive, else none."""
-    if getattr(type(optimizer), "hvdx_traits", None) is not None:
-        return traits_of(optimizer)
-    name = type(optimizer).__name__
-    if type(optimizer) is keras.optimizers.SGD:
-        return OptimizerTraits(name=name, momentum=plain_number(optimizer.momentum),
-                               nesterov=bool(optimizer.nesterov))
-    if isinstance(optimizer, _ADAM_FAMILY):
-        return OptimizerTraits(name=name, adaptive=True)
-    return OptimizerTraits(name=name)
 
 
 def subclass_for(wrapper: type, wrapped: type) -> type:
@@ -247,7 +229,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
             with tf.init_scope():
                 self._nonfinite_steps = tf.Variable(0, dtype=tf.int64, trainable=False, name="hvdx_nonfinite_steps")
         self._core = WrapperCore(
-            stepping, keras3_traits(stepping), example=_EXAMPLE, device_dense=device_dense,
+            stepping, traits_of(stepping), example=_EXAMPLE, device_dense=device_dense,
             device_sparse=device_sparse, compression=compression, sparse_as_dense=sparse_as_dense,
             gradient_predivide_factor=gradient_predivide_factor, op=op,
             backward_passes_per_step=backward_passes_per_step,
@@ -297,7 +279,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
           ValueError: as the constructor, for the new strategy (momentum correction with an
             optimizer whose momentum the wrapper cannot set to 0).
         """
-        self._core.switch(communication, keras3_traits(self._stepping))
+        self._core.switch(communication, traits_of(self._stepping))
         self._check_momentum_correction()
 
     @property
@@ -318,7 +300,7 @@ class DistributedOptimizer(keras.optimizers.Optimizer):
         (hvdx's Keras 3 LARS)."""
         stepping = self._stepping
         if getattr(type(stepping), "hvdx_traits", None) is not None:
-            return keras3_traits(stepping).momentum is not None
+            return traits_of(stepping).momentum is not None
         return isinstance(stepping, keras.optimizers.SGD) and plain_number(stepping.momentum) is not None
 
     def _check_momentum_correction(self) -> None:

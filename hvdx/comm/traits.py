@@ -7,15 +7,15 @@ A strategy decides the convergence aids it applies by default for an optimizer
     traits_of(tf.keras.optimizers.Adam())                   # OptimizerTraits(name='Adam', adaptive=True)
 
 An optimizer declares its own traits with a method or class attribute `hvdx_traits`
-(hvdx's LARS and LAMB do); Keras' built-in optimizers are described here from their
-classes; any other optimizer has none (`OptimizerTraits(name=...)`: no aid by default).
+(hvdx's LARS and LAMB do); the built-in optimizers of either Keras (Keras 2's, tf_keras
+included, and Keras 3's) are described here from their classes; any other optimizer has none
+(`OptimizerTraits(name=...)`: no aid by default).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-import tensorflow as tf
 
 from hvdx import legacy_keras
 from hvdx.arguments import is_real, real
@@ -35,7 +35,7 @@ def _classes(namespace: Any, names: Tuple[str, ...]) -> Tuple[type, ...]:
 
 try:  # Keras 2: tf.keras where it is, else tf_keras (hvdx.legacy_keras)
     _keras2 = legacy_keras.keras2()
-except legacy_keras.Keras2Missing:  # Keras 3 alone: no Keras 2 optimizer can be given (keras3_traits reads Keras 3's)
+except legacy_keras.Keras2Missing:  # Keras 3 alone: no Keras 2 optimizer can be given
     _keras2 = None
 
 #: Keras 2's optimizers with Adam's per-coordinate moments (subclasses included): Adam,
@@ -84,9 +84,9 @@ def plain_number(value: Any) -> Optional[float]:
 
 def traits_of(optimizer: Any) -> OptimizerTraits:
     """The traits of `optimizer`: its own declaration (`hvdx_traits()`, or a class attribute
-    `hvdx_traits` holding an OptimizerTraits), else Keras' SGD (that class itself: a
-    subclass may change the update) and the Adam family (`ADAM_FAMILY`) described from
-    their classes, else none.
+    `hvdx_traits` holding an OptimizerTraits), else the SGD of its Keras (that class itself: a
+    subclass may change the update) and that Keras' Adam family (Keras 2's: `ADAM_FAMILY`)
+    described from their classes, else none.
 
     Raises:
       TypeError: a declaration that is not an OptimizerTraits.
@@ -99,9 +99,19 @@ def traits_of(optimizer: Any) -> OptimizerTraits:
             raise TypeError(f"{name}.hvdx_traits must be (or return) an hvdx.comm.traits.OptimizerTraits, got "
                             f"{traits!r}")
         return traits
-    if _keras2 is not None and type(optimizer) is _keras2.optimizers.SGD:
+    sgd, adam_family = _keras3_classes() if legacy_keras.is_keras3_object(optimizer) else (
+        _keras2.optimizers.SGD if _keras2 is not None else None, ADAM_FAMILY)
+    if type(optimizer) is sgd:
         return OptimizerTraits(name=name, momentum=plain_number(optimizer.momentum),
                                nesterov=bool(optimizer.nesterov))
-    if isinstance(optimizer, ADAM_FAMILY):
+    if isinstance(optimizer, adam_family):
         return OptimizerTraits(name=name, adaptive=True)
     return OptimizerTraits(name=name)
+
+
+def _keras3_classes() -> Tuple[type, Tuple[type, ...]]:
+    """Keras 3's SGD and its Adam family (subclasses included), for a Keras 3 optimizer (Keras 3
+    is loaded then)."""
+    import keras
+
+    return keras.optimizers.SGD, _classes(keras.optimizers, ("Adam", "AdamW", "Adamax", "Nadam"))
