@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 from typing import Any, List, Optional, Sequence, Union
 
 import horovod.tensorflow as hvd
@@ -54,8 +55,40 @@ def _is_legacy(optimizer) -> bool:
     return isinstance(optimizer, keras2.optimizers.legacy.Optimizer)
 
 
+class EitherKeras(type):
+    """The metaclass of the Keras 2 wrapper classes whose constructor makes their Keras 3
+    counterpart for a Keras 3 optimizer (`__new__`): `isinstance(obj, cls)` holds for the
+    counterpart's instances too, so `isinstance(opt, hvdx.DistributedOptimizer)` answers the same
+    under either Keras. A class names its counterpart in `_keras3_counterpart` ("module:Class",
+    imported only for a Keras 3 object); the classes made per wrapped class name none."""
+
+    def __instancecheck__(cls, obj: Any) -> bool:
+        if super().__instancecheck__(obj):
+            return True
+        counterpart = cls._keras3_class() if legacy_keras.is_keras3_object(obj) else None
+        return counterpart is not None and isinstance(obj, counterpart)
+
+    def _from_config_class(cls, config: dict) -> Optional[type]:
+        """The Keras 3 counterpart that rebuilds `config` (a wrapper's get_config()): where its
+        optimizer is not a Keras 2 one (tf_keras' new optimizers record is_legacy_optimizer,
+        its legacy ones are keras.optimizers.legacy's; Keras 3's do neither) and tf.keras is
+        Keras 3 (no object to follow: hvdx.legacy_keras's rule). None: this class rebuilds it."""
+        inner = config.get("optimizer") if isinstance(config.get("optimizer"), dict) else {}
+        keras2_made = ("is_legacy_optimizer" in (inner.get("config") or {})
+                       or str(inner.get("module", "")).endswith(".legacy"))
+        return None if keras2_made or not legacy_keras.tf_keras_is_keras3() else cls._keras3_class()
+
+    def _keras3_class(cls) -> Optional[type]:
+        """The Keras 3 counterpart this class names (imported), or None."""
+        where = vars(cls).get("_keras3_counterpart")
+        if where is None:
+            return None
+        module, name = where.split(":")
+        return getattr(importlib.import_module(module), name)
+
+
 @keras2.utils.register_keras_serializable(package="hvdx")
-class DistributedOptimizer(keras2.optimizers.Optimizer):
+class DistributedOptimizer(keras2.optimizers.Optimizer, metaclass=EitherKeras):
     """Wraps a tf.keras optimizer so that gradients are aggregated over all ranks before
     the wrapped optimizer applies them. Like Horovod's, the wrapper is an instance of the
     wrapped optimizer's class (of a new-style Keras optimizer's; hvdx.wrapped).
@@ -111,6 +144,7 @@ class DistributedOptimizer(keras2.optimizers.Optimizer):
     """
 
     _HAS_AGGREGATE_GRAD = True
+    _keras3_counterpart = "hvdx.keras3_optimizer:DistributedOptimizer"
     averages_gradients_every_step = True  # hvdx.wrapped.SYNCHRONOUS_MARKER: asynchronous methods refuse it
 
     def __new__(cls, optimizer=None, *args, **kwargs):
@@ -394,6 +428,11 @@ class DistributedOptimizer(keras2.optimizers.Optimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Rebuilds a wrapper from `get_config()`; a Keras 3 optimizer's config where tf.keras is
+        Keras 3 rebuilds the Keras 3 wrapper (`EitherKeras._from_config_class`)."""
+        counterpart = cls._from_config_class(config)
+        if counterpart is not None:
+            return counterpart.from_config(config, custom_objects=custom_objects)
         # never mutate the caller's dict (Keras' deserialize would): arguments_from_config copies
         optimizer = keras2.optimizers.deserialize(copy.deepcopy(config["optimizer"]), custom_objects=custom_objects)
         return cls(optimizer, **arguments_from_config(config))

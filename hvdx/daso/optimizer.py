@@ -81,6 +81,8 @@ class DASO(DASOMethod, DistributedOptimizer):
     `reset(topology)`; `stats()` (`stats` is also the `SyncStats` itself).
     """
 
+    _keras3_counterpart = "hvdx.daso.keras3_optimizer:DASO"
+
     def __new__(cls, optimizer=None, *args, **kwargs):
         if is_keras3_optimizer(optimizer) and vars(cls).get("_hvdx_wrapper", cls) is DASO:
             # A Keras 3 optimizer makes the Keras 3 class (not an instance of this one: Python
@@ -118,6 +120,9 @@ class DASO(DASOMethod, DistributedOptimizer):
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        counterpart = cls._from_config_class(config)  # a Keras 3 DASO's config
+        if counterpart is not None:
+            return counterpart.from_config(config, custom_objects=custom_objects)
         config = dict(config)
         optimizer = keras2.optimizers.deserialize(config.pop("optimizer"), custom_objects=custom_objects)
         return cls(optimizer, **config)
