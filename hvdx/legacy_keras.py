@@ -23,10 +23,10 @@ from __future__ import annotations
 import os
 import sys
 from types import ModuleType
-from typing import Tuple
+from typing import Dict, Tuple
 
 __all__ = ["ENV", "KERAS3_SINCE", "Keras2Missing", "is_keras3_object", "keras2", "keras_of", "keras_package",
-           "tf_keras_is_keras3", "use_keras2"]
+           "keras2_env", "tf_keras_is_keras3", "use_keras2"]
 
 ENV = "TF_USE_LEGACY_KERAS"
 KERAS3_SINCE = (2, 16)   # the first TensorFlow whose tf.keras is Keras 3 by default
@@ -72,17 +72,29 @@ def use_keras2(script: str = "this script") -> None:
                                f"with tf.keras as Keras 3: call use_keras2() before `import tensorflow`, or run it "
                                f"with {ENV}=1")
         return
-    version = _installed_version("tensorflow")
-    if version < KERAS3_SINCE:
-        return
-    if os.environ.get(ENV, "1") not in _ON:
+    if os.environ.get(ENV, "1") not in _ON and _installed_version("tensorflow") >= KERAS3_SINCE:
         raise RuntimeError(f"{script} is written for Keras 2 as tf.keras, and ${ENV} is set to "
                            f"{os.environ[ENV]!r}: unset it or set it to 1")
+    os.environ.update(keras2_env(script))
+
+
+def keras2_env(script: str = "a script written for Keras 2") -> Dict[str, str]:
+    """The environment entries that make tf.keras Keras 2 in a process started with them (a
+    script written for Keras 2 launched from a Keras 3 process): {ENV: "1"} from TensorFlow
+    2.16 on, {} before (tf.keras is Keras 2 there). Imports no TensorFlow. `script`: named
+    in the error.
+
+    Raises:
+        Keras2Missing: TensorFlow >= 2.16 without the tf_keras package.
+    """
+    version = _installed_version("tensorflow")
+    if version < KERAS3_SINCE:
+        return {}
     if _installed_version("tf_keras") == (0, 0):
         raise Keras2Missing(f"{script} is written for Keras 2 as tf.keras, which TensorFlow "
                             f"{'.'.join(map(str, version))} takes from the tf_keras package: "
                             f"`pip install tf-keras~={'.'.join(map(str, version))}.0`")
-    os.environ[ENV] = "1"
+    return {ENV: "1"}
 
 
 def _tensorflow() -> ModuleType:
