@@ -25,7 +25,8 @@ from __future__ import annotations
 
 from hvdx.legacy_keras import use_keras2  # noqa: E402
 
-use_keras2(__file__)  # written for Keras 2 as tf.keras: set before TensorFlow's import
+if __name__ == "__main__":  # written for Keras 2 as tf.keras; imported, it leaves the importer's Keras
+    use_keras2(__file__)  # before TensorFlow's import
 
 import argparse
 import json
