@@ -1,9 +1,10 @@
 """Session-wide guards and the multi-rank suite.
 
-- tf.keras is Keras 2 in the tests' processes ($TF_USE_LEGACY_KERAS=1 from TensorFlow 2.16 on, set here before
-  anything imports TensorFlow; the rank scripts they launch inherit it): the tests written
-  with tf.keras are Keras 2 tests. Keras 3 tests use `import keras` (Keras 3 beside it), or
-  launch with tf.keras left to TensorFlow (the suite's "keras3:2x2" topology).
+- tf.keras is what TensorFlow makes it in the tests' process, as in a user's: Keras 3 from
+  TensorFlow 2.16 on, unless the one who runs the tests sets $TF_USE_LEGACY_KERAS=1. Tests of
+  hvdx's Keras 2 code in this process take Keras 2 from `hvdx.legacy_keras.keras2()` (tf_keras
+  beside Keras 3); the rank scripts (`harness.test_env`) run with tf.keras as Keras 2 (the Keras
+  2 checks), but for the "keras3:" topologies and the launches that remove the variable.
 - No test may write into the checkout, nor leave files in the machine's temporary directory:
   the session's processes (the ranks it launches, TensorFlow's autograph files) get their own
   ($TMPDIR, set here before anything creates a temporary file), removed when the session passes
@@ -24,10 +25,6 @@ import shutil
 import subprocess
 import tempfile
 import time
-
-from hvdx.legacy_keras import use_keras2  # noqa: E402  (imports no TensorFlow)
-
-use_keras2("the test suite")  # TF_USE_LEGACY_KERAS=1 before TensorFlow's import, where TensorFlow reads it
 
 SESSION_TMP = tempfile.mkdtemp(prefix="hvdx-tests-")
 os.environ["TMPDIR"] = SESSION_TMP  # inherited by every process the session starts
@@ -90,7 +87,10 @@ def _launch_ahead() -> bool:
 def pytest_collection_modifyitems(config, items):
     """The tests that launch nothing first, then those that launch ranks themselves, then the
     suite's (their launches run while the others do); a test that may launch its topology
-    may take that launch's time beyond its own timeout."""
+    may take that launch's time beyond its own timeout. Where tf.keras is Keras 3 here, the
+    tests marked keras2 that run in this process are skipped (`make test` runs them after, in
+    a process with tf.keras as Keras 2)."""
+    _skip_keras2_tests(items)
     if _launch_ahead():
         items.sort(key=_phase)  # stable: collection order within each
     if not config.pluginmanager.hasplugin("timeout"):
@@ -106,6 +106,20 @@ def pytest_collection_modifyitems(config, items):
         if wanted is not None and item.get_closest_marker("timeout") is None:
             launch = suite.budget(c for c in checks if c.topology == wanted.topology)
             item.add_marker(pytest.mark.timeout(default + launch))
+
+
+def _skip_keras2_tests(items) -> None:
+    marked = [item for item in items
+              if item.get_closest_marker("keras2") is not None and item.get_closest_marker("multirank") is None]
+    if not marked:
+        return
+    from hvdx import legacy_keras
+
+    if legacy_keras.tf_keras_is_keras3():
+        skip = pytest.mark.skip(reason="Keras 2 as tf.keras in the tests' process: `make test` runs it with "
+                                       "TF_USE_LEGACY_KERAS=1 after (tests/keras2_pass.sh)")
+        for item in marked:
+            item.add_marker(skip)
 
 
 def _phase(item: pytest.Item) -> int:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import psutil
 import pytest
 
+from hvdx import legacy_keras
 from hvdx.runner import NODE_NAMES, cluster_command, horovodrun_command, host_list, hosts, kill_tree, run  # noqa: F401
 from hvdx.runner.netns import unavailable
 
@@ -113,9 +114,11 @@ TEST_CYCLE_TIME_MS = "10"
 
 def test_env(result_dir: str = ".") -> Dict[str, str]:
     """The environment of a rank script: results to `result_dir`, hvdx's tests importable,
-    Horovod's cycle time for many ranks on few cores (TEST_CYCLE_TIME_MS) unless set."""
+    Horovod's cycle time for many ranks on few cores (TEST_CYCLE_TIME_MS) unless set, tf.keras
+    as Keras 2 (legacy_keras.keras2_env(): the rank scripts written with tf.keras are the Keras 2
+    checks; a Keras 3 launch removes the variable, as the "keras3:" topologies do)."""
     env = dict(os.environ, HVDX_RESULT_DIR=result_dir, PYTHONUNBUFFERED="1",
-               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT))
+               TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=str(ROOT), **legacy_keras.keras2_env())
     env.setdefault("HOROVOD_CYCLE_TIME", TEST_CYCLE_TIME_MS)
     return env
 

@@ -118,7 +118,7 @@ def _fit(one_rank, **options):
     import hvdx
     tf.keras.utils.set_random_seed(0)
     model = tf.keras.Sequential([tf.keras.Input((8,)), tf.keras.layers.Dense(4), tf.keras.layers.Dense(2)])
-    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), **options)
+    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1, name="sgd"), **options)  # Keras 3 numbers names
     model.compile(opt, "mse")
     rng = np.random.default_rng(1)
     model.fit(rng.standard_normal((32, 8)).astype(np.float32), rng.standard_normal((32, 2)).astype(np.float32),

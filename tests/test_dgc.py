@@ -307,6 +307,7 @@ def test_communication_policy_goes_dense_then_sparse_then_2dtar_on_a_plateau(one
         hvdx.callbacks.CommunicationPolicy([("allreduce", 3), ("hitopk", 2), ("hierarchical", None)])
 
 
+@pytest.mark.keras2  # Keras 2's legacy optimizers
 def test_momentum_correction_with_a_momentum_the_wrapper_cannot_zero_is_refused(one_rank):
     """A legacy SGD keeps its momentum as a hyper-parameter the wrapper does not hold: its
     momentum would be applied on top of the strategy's velocity (twice)."""

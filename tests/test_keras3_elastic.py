@@ -1,5 +1,5 @@
 """hvdx.elastic's Keras states over a Keras 3 model (hvdx/keras3_elastic.py), on one rank of
-the default stack, where `import keras` is Keras 3 while tf.keras is tf_keras (Keras 2).
+the default stack, where `import keras` is Keras 3 and tf_keras (Keras 2) is beside it.
 
 The state's class follows the model given (a Keras 2 model keeps Horovod's Keras 2 path); a
 commit saves the model's and the optimizer's variables (hvdx's Keras 3 wrapper: the wrapped
@@ -17,7 +17,7 @@ import pytest
 import tensorflow as tf
 
 import hvdx
-from hvdx import elastic
+from hvdx import elastic, legacy_keras
 from hvdx.variables import tf_variable
 from tests import harness
 from tests.harness import HAS_KERAS3
@@ -65,8 +65,8 @@ def test_the_state_follows_the_model_given(one_rank, name):
     assert type(state).__name__ == name and keras3_elastic.keras3_state(cls) is type(state)
     from hvdx.zoo import mlp
 
-    keras2 = mlp(8, (4,), seed=0)  # tf.keras here: Keras 2, Horovod's path as it was
-    keras2.compile(optimizer=tf.keras.optimizers.SGD(0.1), loss="mse")
+    keras2 = mlp(8, (4,), seed=0, keras=legacy_keras.keras2())  # Keras 2: Horovod's path as it was
+    keras2.compile(optimizer=legacy_keras.keras2().optimizers.SGD(0.1), loss="mse")
     assert type(cls(keras2, epoch=0)) is cls
 
 
@@ -152,7 +152,7 @@ def test_a_reset_drops_the_keras3_step_and_the_next_fit_traces_it_again(one_rank
 
 
 def test_horovods_elastic_callbacks_commit_and_count_in_a_keras3_fit(one_rank):
-    """Horovod's Keras elastic callbacks are tf.keras's (Keras 2 here): Keras 3's `fit` calls
+    """Horovod's Keras elastic callbacks (tf.keras's classes): Keras 3's `fit` calls
     them by name, a commit after every batch and at every epoch's end, the batch and epoch
     counted in the state (as where tf.keras is Keras 3: the 2x2 elastic test)."""
     model = compiled(wrapped_sgd())

@@ -1,5 +1,5 @@
 """hvdx's LARS and LAMB as Keras 3 optimizers (hvdx/optimizers/keras3.py), on the default stack,
-where `import keras` is Keras 3 while tf.keras is tf_keras (Keras 2): both Keras' classes in one
+where `import keras` is Keras 3 and tf_keras (Keras 2) beside it: both Keras' classes in one
 process, the same rules (hvdx/optimizers/lars.py, lamb.py on layerwise.py).
 
 On one rank: the Keras 3 classes give the Keras 2 classes' weights on the same weights and
@@ -215,7 +215,8 @@ def test_config_round_trip_keeps_every_option(one_rank, rule):
     for key, value in EVERY_OPTION[rule].items():
         assert config[key] == pytest.approx(value) if isinstance(value, float) else config[key] == value, key
     assert keras.saving.get_registered_name(cls) == f"hvdx>Keras3{rule}"
-    assert keras2.LARS is not keras3.LARS and tf.keras.utils.get_registered_name(getattr(keras2, rule)) == f"hvdx>{rule}"
+    assert keras2.LARS is not keras3.LARS
+    assert legacy_keras.keras2().utils.get_registered_name(getattr(keras2, rule)) == f"hvdx>{rule}"
     serialized = json.loads(json.dumps(keras.optimizers.serialize(optimizer)))
     restored = keras.optimizers.deserialize(serialized)
     assert type(restored) is cls and restored.get_config() == config
@@ -309,11 +310,13 @@ def test_both_keras_classes_take_the_same_arguments_and_an_integer_rate(rule):
 
 
 def test_hvdx_optimizers_follows_tf_keras():
-    """In this process tf.keras is Keras 2 (TF_USE_LEGACY_KERAS=1): the Keras 2 classes; with
-    tf.keras left to TensorFlow (Keras 3), the Keras 3 ones, and a tf.keras model trains with them."""
+    """Where tf.keras is Keras 2 (TF_USE_LEGACY_KERAS=1), the Keras 2 classes; with tf.keras left
+    to TensorFlow (Keras 3, as in this process unless the variable is set), the Keras 3 ones, and
+    a tf.keras model trains with them."""
     import hvdx.optimizers
 
-    assert hvdx.optimizers.LARS is keras2.LARS and hvdx.optimizers.LAMB is keras2.LAMB
+    follows = keras3 if legacy_keras.tf_keras_is_keras3() else keras2
+    assert hvdx.optimizers.LARS is follows.LARS and hvdx.optimizers.LAMB is follows.LAMB
     code = ("import numpy as np, tensorflow as tf\n"
             "import hvdx, hvdx.optimizers\n"
             "hvdx.init()\n"

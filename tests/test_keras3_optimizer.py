@@ -1,5 +1,5 @@
 """hvdx.DistributedOptimizer around a Keras 3 optimizer (hvdx/keras3_optimizer.py), on the
-default stack, where `import keras` is Keras 3 while tf.keras is tf_keras (Keras 2): both
+default stack, where `import keras` is Keras 3 and tf_keras (Keras 2) is beside it: both
 Keras in one process, the path chosen by the optimizer given.
 
 On one rank averaging is the identity, so a Keras 3 model trained by `fit` through the wrapper
@@ -154,7 +154,8 @@ def test_the_wrapper_passes_for_the_wrapped_optimizer(one_rank):
     opt = hvdx.DistributedOptimizer(inner, communication="hierarchical")
     assert isinstance(opt, keras.optimizers.SGD) and isinstance(opt, keras.optimizers.Optimizer)
     assert isinstance(opt, keras3_optimizer.DistributedOptimizer) and type(opt).__name__ == "DistributedOptimizer"
-    assert not isinstance(opt, hvdx.DistributedOptimizer)  # that class is the Keras 2 wrapper's
+    assert isinstance(opt, hvdx.DistributedOptimizer)  # the class users name answers for either Keras' wrapper
+    assert not isinstance(opt, legacy_keras.keras2().optimizers.Optimizer)
     assert opt.inner_optimizer is inner and opt.iterations is inner.iterations
     assert float(opt.learning_rate.numpy()) == pytest.approx(0.1) and opt.momentum == 0.9 and opt.nesterov is False
     opt.learning_rate = 0.05
@@ -165,9 +166,9 @@ def test_the_wrapper_passes_for_the_wrapped_optimizer(one_rank):
     assert isinstance(adam, keras.optimizers.Adam) and not isinstance(adam, keras.optimizers.SGD)
     assert adam.beta_1 == 0.9
     assert hvdx.wrapped.is_synchronous(opt)  # asynchronous methods refuse it
-    # a tf.keras optimizer still takes the Keras 2 path
-    keras2 = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
-    assert isinstance(keras2, hvdx.DistributedOptimizer) and isinstance(keras2, tf.keras.optimizers.SGD)
+    # a Keras 2 optimizer still takes the Keras 2 path
+    keras2 = hvdx.DistributedOptimizer(legacy_keras.keras2().optimizers.SGD(0.1))
+    assert isinstance(keras2, hvdx.DistributedOptimizer) and isinstance(keras2, legacy_keras.keras2().optimizers.SGD)
 
 
 @pytest.mark.parametrize("communication,options", [("allreduce", {"backward_passes_per_step": 2}),
@@ -244,8 +245,8 @@ def test_mixes_and_unsupported_optimizers_fail_saying_what_to_do(one_rank):
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(ValueError, match=r"jit_compile=False"):
         model.fit(*data(), batch_size=16, epochs=1, verbose=0)
-    # a tf.keras optimizer given a Keras 3 model's variables: the mix, named with its fix
-    keras2 = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1))
+    # a Keras 2 optimizer given a Keras 3 model's variables: the mix, named with its fix
+    keras2 = hvdx.DistributedOptimizer(legacy_keras.keras2().optimizers.SGD(0.1))
     variables = make_model().trainable_variables
     with pytest.raises(ValueError, match=r"is a Keras 3 one.*keras.optimizers.SGD\(\.\.\.\)"):
         keras2.apply_gradients(zip([tf.zeros_like(v) for v in variables], variables))

@@ -30,9 +30,28 @@ def test_tf_keras_is_keras3_from_216_unless_routed_to_tf_keras(version, module, 
     assert legacy_keras.tf_keras_is_keras3(fake_tf(version, module)) is keras3
 
 
-def test_keras2_is_tf_keras_in_this_suite():
-    """The suite's processes have tf.keras as Keras 2 (tests/conftest.py): keras2() is tf.keras."""
-    assert legacy_keras.keras2() is tf.keras
+def test_tf_keras_in_this_suite_is_tensorflows_choice_and_keras2_is_keras_2_either_way():
+    """The suite's process has tf.keras as TensorFlow makes it (tests/conftest.py): keras2() is
+    tf.keras where that is Keras 2, else the tf_keras package beside it."""
+    if legacy_keras.tf_keras_is_keras3():
+        import tf_keras
+
+        assert legacy_keras.keras2() is tf_keras and legacy_keras.keras_package(tf) == "keras"
+    else:
+        assert legacy_keras.keras2() is tf.keras
+
+
+def test_keras2_env_is_what_a_keras2_child_process_needs():
+    """From TensorFlow 2.16 on, {TF_USE_LEGACY_KERAS: "1"}; before, nothing (tf.keras is Keras 2)."""
+    env = legacy_keras.keras2_env()
+    if tuple(int(p) for p in tf.__version__.split(".")[:2]) >= legacy_keras.KERAS3_SINCE:
+        assert env == {legacy_keras.ENV: "1"}
+    else:
+        assert env == {}
+    with pytest.MonkeyPatch.context() as patched:  # TensorFlow 2.21 without tf_keras: the package to install
+        patched.setattr(legacy_keras, "_installed_version", lambda package: (2, 21) if package == "tensorflow" else (0, 0))
+        with pytest.raises(legacy_keras.Keras2Missing, match=r"pip install tf-keras~=2\.21\.0"):
+            legacy_keras.keras2_env()
 
 
 def test_keras2_names_the_package_to_install_where_there_is_none(monkeypatch):

@@ -10,6 +10,7 @@ of training, then training goes on and every rank ends with the same model.
 from __future__ import annotations
 
 import json
+import types
 
 import numpy as np
 import pytest
@@ -74,13 +75,20 @@ def test_each_method_keeps_its_keras_glue_and_the_driver_knows_none():
     for name in ("BroadcastGlobalVariablesCallback", "CommunicationPolicy", "SwitchCommunication",
                  "check_same_steps", "switch"):
         assert getattr(hvdx.callbacks, name) is not None
-    assert hvdx.keras.callbacks.BroadcastGlobalVariablesCallback is hvdx.callbacks.BroadcastGlobalVariablesCallback
+    # Horovod's namespace holds tf.keras's callback (Keras 3's where tf.keras is Keras 3); hvdx.callbacks'
+    # follows the model it is given
+    from hvdx import legacy_keras
+    from hvdx.keras import keras3_callbacks
+
+    expected = keras3_callbacks if legacy_keras.tf_keras_is_keras3() else hvdx.callbacks
+    assert hvdx.keras.callbacks.BroadcastGlobalVariablesCallback is expected.BroadcastGlobalVariablesCallback
 
 
 def test_a_synchronous_optimizer_is_known_by_its_marker_not_its_name(one_rank):
-    import tensorflow as tf
-
     import hvdx
+    from hvdx import legacy_keras
+
+    tf = types.SimpleNamespace(keras=legacy_keras.keras2())  # a Keras 2 subclass of DASO takes Keras 2's
 
     class Renamed(hvdx.DASO):  # a subclass of DASO under another name: still synchronous inside the node
         pass
@@ -280,11 +288,14 @@ def test_the_driver_finds_daso_in_the_optimizer_and_drives_it(one_rank):
 
     import hvdx
     from hvdx.callbacks import TrainingMethodCallback
+    from hvdx import legacy_keras
+
     model = _model()
-    daso = hvdx.DASO(tf.keras.optimizers.SGD(0.1), total_epochs=3, warmup_epochs=1, cooldown_epochs=1,
-                     max_global_skips=2)
-    model.compile(tf.keras.mixed_precision.LossScaleOptimizer(daso),
-                  tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    scaled = tf.keras.mixed_precision.LossScaleOptimizer
+    keras3 = legacy_keras.tf_keras_is_keras3()  # Keras 3's loss scaler goes inside hvdx's wrappers, Keras 2's outside
+    daso = hvdx.DASO(scaled(tf.keras.optimizers.SGD(0.1)) if keras3 else tf.keras.optimizers.SGD(0.1), total_epochs=3,
+                     warmup_epochs=1, cooldown_epochs=1, max_global_skips=2)
+    model.compile(daso if keras3 else scaled(daso), tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     x, y = _data()
     driver = TrainingMethodCallback()
     history = model.fit(x, y, batch_size=32, epochs=3, verbose=0, callbacks=[driver])

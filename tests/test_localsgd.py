@@ -178,13 +178,14 @@ def test_a_keras3_model_trains_in_fit_with_an_outer_optimizer_of_either_keras(on
     import keras
     import tensorflow as tf
 
+    from hvdx import legacy_keras
     from hvdx.callbacks import TrainingMethodCallback
     from hvdx.localsgd import LocalSGD
     rng = np.random.default_rng(0)
     x = rng.random((256, 16), np.float32)
     y = (x[:, :4].argmax(1)).astype(np.int64)
     for outer, anchor_kind in ((keras.optimizers.SGD(0.8, momentum=0.5), keras.Variable),
-                               (tf.keras.optimizers.SGD(0.8, momentum=0.5), tf.Variable)):
+                               (legacy_keras.keras2().optimizers.SGD(0.8, momentum=0.5), tf.Variable)):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"), keras.layers.Dense(4)])
         model.compile(keras.optimizers.SGD(0.1, momentum=0.9),
@@ -219,10 +220,11 @@ def test_a_keras3_model_that_runs_several_steps_per_call_is_refused(one_rank):
 @keras3
 def test_the_outer_optimizer_may_be_of_either_keras_and_nothing_else(one_rank):
     import keras
-    import tensorflow as tf
 
+    from hvdx import legacy_keras
     from hvdx.localsgd import check_outer_optimizer
-    for optimizer in (keras.optimizers.SGD(0.7), tf.keras.optimizers.SGD(0.7), tf.keras.optimizers.legacy.SGD(0.7)):
+    keras2 = legacy_keras.keras2()
+    for optimizer in (keras.optimizers.SGD(0.7), keras2.optimizers.SGD(0.7), keras2.optimizers.legacy.SGD(0.7)):
         assert check_outer_optimizer(optimizer) is optimizer
     for bad in ("sgd", keras.layers.Dense(2), None):
         with pytest.raises(ValueError, match=r"outer_optimizer must be a Keras optimizer \(e.g. keras.optimizers.SGD"):

@@ -71,11 +71,12 @@ def test_a_keras3_optimizer_steps_through_the_same_schedule():
     as Keras 2's schedule gives, and the Keras 3 class goes through Keras 3's config."""
     import keras
 
+    from hvdx import legacy_keras
     from hvdx.phases import schedule_class
-    ours = schedule_class(keras)
-    assert issubclass(ours, keras.optimizers.schedules.LearningRateSchedule) and ours is not PhaseSchedule
+    ours, theirs = schedule_class(keras), schedule_class(legacy_keras.keras2())
+    assert issubclass(ours, keras.optimizers.schedules.LearningRateSchedule) and ours is not theirs
     args = (4.0, 1.0, 3, 2.0, [10, 20], [2, 1], [1.0, 0.5])
-    keras3, keras2 = ours(*args), PhaseSchedule(*args)
+    keras3, keras2 = ours(*args), theirs(*args)
     variable = keras.Variable(np.zeros(2, np.float32))
     sgd = keras.optimizers.SGD(keras3)
     for step in range(40):

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import hvdx
 import hvdx.tensorflow
-from hvdx import comm
+from hvdx import comm, legacy_keras
 from hvdx.comm import choice as choice_module
 from hvdx.comm.choice import StrategyChoice
 from hvdx.comm.sparse import TopKStrategy
@@ -32,9 +32,11 @@ class Declared(tf.keras.optimizers.SGD):
 def test_traits_are_declared_or_described_from_keras_classes():
     assert traits_of(tf.keras.optimizers.SGD(0.1, momentum=0.9)) == OptimizerTraits(name="SGD", momentum=0.9)
     assert traits_of(tf.keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)).nesterov
+    assert traits_of(legacy_keras.keras2().optimizers.SGD(0.1, momentum=0.9)).momentum == 0.9  # Keras 2's too
     # the legacy SGD's momentum is a hyper-parameter the wrapper cannot set to 0 in its step
-    assert traits_of(tf.keras.optimizers.legacy.SGD(0.1, momentum=0.9)).momentum is None
-    for adam in (tf.keras.optimizers.Adam(), tf.keras.optimizers.AdamW(), tf.keras.optimizers.legacy.Nadam()):
+    legacy = legacy_keras.keras2().optimizers.legacy  # Keras 2's (tf_keras beside Keras 3)
+    assert traits_of(legacy.SGD(0.1, momentum=0.9)).momentum is None
+    for adam in (tf.keras.optimizers.Adam(), tf.keras.optimizers.AdamW(), legacy.Nadam()):
         assert traits_of(adam).adaptive and traits_of(adam).momentum is None
     assert traits_of(tf.keras.optimizers.RMSprop(momentum=0.5)) == OptimizerTraits(name="RMSprop")
     assert traits_of(LARS(momentum=0.9)) == OptimizerTraits(name="LARS", momentum=0.9, trust_ratio="gradient")

@@ -56,6 +56,17 @@ def test_without_a_seed_the_global_random_state_decides():
     assert bits(zoo.mlp(8, (4,))) == bits(a)
 
 
+def out_shape(layer) -> tuple:
+    """A layer's (or model's) output shape as a tuple, under either Keras."""
+    outputs = getattr(layer, "outputs", None)  # a model's (Keras 3's Sequential has no .output until called)
+    return tuple((outputs[0] if outputs else layer.output).shape)
+
+
+def weight_name(weight) -> str:
+    """A weight's name with its layer's ("stem_bn/gamma"): Keras 3's path, Keras 2's name."""
+    return getattr(weight, "path", weight.name)
+
+
 def types(model):
     return [type(layer).__name__ for layer in model.layers]
 
@@ -66,9 +77,9 @@ def test_mlp_is_dense_layers_of_the_widths_with_their_activations():
     assert types(model) == ["Dense", "Dense", "Dense"]
     assert [w.shape for w in model.weights] == [(64, 8), (8,), (8, 600), (600,), (600, 10), (10,)]
     assert [layer.activation.__name__ for layer in model.layers] == ["relu", "relu", "linear"]
-    assert model.output_shape == (None, 10)
+    assert out_shape(model) == (None, 10)
     soft = zoo.mlp(1024, (16, 16), output_activation="softmax", seed=0)
-    assert soft.layers[-1].activation.__name__ == "softmax" and soft.input_shape == (None, 1024)
+    assert soft.layers[-1].activation.__name__ == "softmax" and tuple(soft.inputs[0].shape) == (None, 1024)
     tanh = zoo.mlp(6, (8,), 3, activation="tanh", seed=0)
     assert [layer.activation.__name__ for layer in tanh.layers] == ["tanh", "linear"]
     assert types(zoo.mlp(8, (), 4, seed=0)) == ["Dense"]  # a linear model
@@ -81,21 +92,21 @@ def test_mlp_follows_the_global_dtype_policy():
     finally:
         tf.keras.mixed_precision.set_global_policy("float32")
     assert {layer.compute_dtype for layer in model.layers} == {"float16"}
-    assert {w.dtype for w in model.weights} == {tf.float32}
+    assert {tf.as_dtype(w.dtype) for w in model.weights} == {tf.float32}
 
 
 def test_cnn_stacks_convolutions_pools_dropouts_and_its_head_in_order():
     model = zoo.cnn((28, 28, 1), (8, 16), pool_after=(1,), dropout=0.25, head="flatten", dense=(32,),
                     dense_dropout=0.5, output_activation="softmax", seed=0)
     assert types(model) == ["Conv2D", "Conv2D", "MaxPooling2D", "Dropout", "Flatten", "Dense", "Dropout", "Dense"]
-    assert [layer.output_shape for layer in model.layers[:5]] == [
+    assert [out_shape(layer) for layer in model.layers[:5]] == [
         (None, 26, 26, 8), (None, 24, 24, 16), (None, 12, 12, 16), (None, 12, 12, 16), (None, 2304)]
     assert [layer.rate for layer in model.layers if isinstance(layer, tf.keras.layers.Dropout)] == [0.25, 0.5]
     assert model.layers[-1].activation.__name__ == "softmax"
 
     strided = zoo.cnn((32, 32, 3), (16, 32, 64), strides=2, rescale=1 / 255.0, seed=0)
     assert types(strided) == ["Rescaling", "Conv2D", "Conv2D", "Conv2D", "GlobalAveragePooling2D", "Dense"]
-    assert [layer.output_shape[1] for layer in strided.layers[1:4]] == [15, 7, 3]  # "valid" padding, stride 2
+    assert [out_shape(layer)[1] for layer in strided.layers[1:4]] == [15, 7, 3]  # "valid" padding, stride 2
 
     any_size = zoo.cnn((None, None, 3), (8, 16), strides=(1, 2), padding="same", name="tiny_cnn", seed=0)
     assert any_size.name == "tiny_cnn" and [c.strides for c in any_size.layers[:2]] == [(1, 1), (2, 2)]
@@ -120,9 +131,9 @@ def test_resnet_is_stages_of_basic_blocks_with_projections_where_the_shape_chang
     assert set(n for n in layers if n.endswith("_proj_conv")) == {"stage1_block0_proj_conv", "stage2_block0_proj_conv"}
     assert layers["stage1_block0_a_conv"].strides == (2, 2) and layers["stage1_block1_a_conv"].strides == (1, 1)
     assert layers["stage1_block0_proj_conv"].kernel_size == (1, 1)
-    assert [layers[f"stage{s}_block1_out"].output_shape for s in range(3)] == [
+    assert [out_shape(layers[f"stage{s}_block1_out"]) for s in range(3)] == [
         (None, 32, 32, 8), (None, 16, 16, 16), (None, 8, 8, 32)]
-    assert model.output_shape == (None, 10)
+    assert out_shape(model) == (None, 10)
 
 
 def test_resnet_names_its_layers_or_leaves_keras_names():
@@ -131,19 +142,19 @@ def test_resnet_names_its_layers_or_leaves_keras_names():
     assert [layer.name for layer in named.layers[1:4]] == ["stem_conv", "stem_bn", "stem_relu"]
     assert {"stage1_proj_conv", "stage1_proj_bn", "stage1_add", "stage1_out", "pool", "logits"} <= {
         layer.name for layer in named.layers}
-    assert any(w.name.startswith("stem_bn/") for w in named.weights)
+    assert any(weight_name(w).startswith("stem_bn/") for w in named.weights)
     plain = zoo.resnet((8, 16), 5, layer_names=False, seed=0)
     assert not {"stem_conv", "logits"} & {layer.name for layer in plain.layers}
-    assert any("batch_normalization" in w.name for w in plain.weights)
+    assert any("batch_normalization" in weight_name(w) for w in plain.weights)
     assert bits(named) == bits(plain)  # the names change nothing else
 
 
 def test_resnet_shortcut_order_changes_the_weights_order_not_the_function():
     first = zoo.resnet((8, 16), seed=0)
     last = zoo.resnet((8, 16), shortcut_first=False, seed=0)
-    assert [w.name for w in first.weights] != [w.name for w in last.weights]
-    assert sorted(zip([w.name for w in first.weights], bits(first))) == \
-        sorted(zip([w.name for w in last.weights], bits(last)))
+    assert [weight_name(w) for w in first.weights] != [weight_name(w) for w in last.weights]
+    assert sorted(zip([weight_name(w) for w in first.weights], bits(first))) == \
+        sorted(zip([weight_name(w) for w in last.weights], bits(last)))
     x = np.random.default_rng(0).standard_normal((2, 12, 12, 3)).astype(np.float32)
     np.testing.assert_array_equal(first(x).numpy(), last(x).numpy())
 
@@ -170,7 +181,7 @@ def test_resnet50_and_vgg19_put_their_heads_on_keras_bases():
 def test_transformer_maps_token_sentences_to_logits_per_position():
     model = zoo.transformer(1000, 32, 2, 4, 16, seed=0)
     assert model.input.dtype == tf.int32 and model.input_shape == (None, 16)
-    assert model.output_shape == (None, 16, 1000)
+    assert out_shape(model) == (None, 16, 1000)
     assert types(model).count("MultiHeadAttention") == 2 and types(model).count("LayerNormalization") == 5
     attention = next(layer for layer in model.layers if isinstance(layer, tf.keras.layers.MultiHeadAttention))
     assert attention.get_config()["num_heads"] == 4 and attention.get_config()["key_dim"] == 8
