@@ -1,6 +1,6 @@
 // Registrations of the node-local shared-memory collectives (csrc/kernels/node_shm.h): an
 // all-to-all with equal splits on every rank and an all-gather of per-rank row counts, over
-// the ranks of one node, through a segment hvdx/comm/node_shm.py maps in each of them.
+// the ranks of one node, through a segment hvdx/node/shm_engine.py maps in each of them.
 #include "absl/status/status.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -35,7 +35,7 @@ REGISTER_OP("HvdxNodeAlltoall")
 Node-local all-to-all through shared memory: slice j of `tensor` (splits[j] elements, the
 same splits on every rank of the node) goes to local rank j; `received` holds every rank's
 slice `rank`, in rank order (as hvd.alltoall over the node's process set).
-address: the mapped segment (hvdx.comm.node_shm); channel: its communicator; rank: this
+address: the mapped segment (hvdx.node.shm_engine); channel: its communicator; rank: this
 process's local rank; collective_name: checked against the other ranks' at each call.
 )doc");
 
