@@ -19,7 +19,7 @@ hvdx's own transport (`hvdx.transport.ring`, on a thread of its own, so the inne
 while it travels; Horovod's TF collectives would block). On a 2-tier job it is hierarchical:
 an exact node-local sum of the outer gradients (the node is one DiLoCo replica), then, for
 each local rank's 1/n slice, the sum across nodes in its cross set, 32-bit, or 8- / 4-bit
-with a float32 scale per chunk (`hvdx.comm.lowbit.quantize`; all-gathered, as integers of
+with a float32 scale per chunk (`hvdx.comm.wire.quantize`; all-gathered, as integers of
 several nodes cannot be summed on the wire, and summed in one order on every member), then
 a node all-gather of the slices. Every rank ends each exchange with the same bits, so the
 anchors (and the outer optimizer's state) stay identical on every rank.
@@ -40,7 +40,7 @@ import tensorflow as tf
 
 from hvdx.arguments import integer, real
 from hvdx.comm.base import check_hierarchical
-from hvdx.comm.lowbit import DEFAULT_CHUNK, check_bits, check_chunk, dequantize, quantize
+from hvdx.comm.wire import DEFAULT_CHUNK, check_bits, check_chunk, dequantize, quantize
 from hvdx.localsgd import LocalSGD
 from hvdx.topology import Topology, topology as current_topology
 from hvdx.transport.base import TransportError

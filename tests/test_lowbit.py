@@ -8,7 +8,8 @@ import tensorflow as tf
 
 import hvdx
 from hvdx import comm
-from hvdx.comm.lowbit import LowBit, dequantize, quantize
+from hvdx.comm.lowbit import LowBit
+from hvdx.comm.wire import dequantize, quantize
 from tests import suite
 
 

@@ -1,10 +1,12 @@
 """The sparse strategies' wire format (hvdx.comm.wire): every index type in every wire
-type round-trips, and float16 packets carry values beyond float16's range."""
+type round-trips, float16 packets carry values beyond float16's range, and quantized packets
+(8- and 4-bit values) round-trip to what their senders decoded."""
 import numpy as np
 import pytest
 import tensorflow as tf
 
 from hvdx.comm import wire
+from tests import suite
 
 
 @pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64])
@@ -58,3 +60,100 @@ def test_float16_upscaling_keeps_small_values_out_of_subnormals():
     assert ez.numpy() == 0 and not np.any(zeros.numpy())
     huge, eh = wire.to_wire(tf.constant([1e30, -2.0, np.inf]), tf.float16, upscale=True)
     assert np.isfinite(eh.numpy()) and np.isinf(huge.numpy()[2]) and np.isfinite(huge.numpy()[:2]).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64])
+def test_quantized_packets_of_senders_with_different_k_round_trip(bits, index_dtype):
+    """Top-k values as integer codes (`value_bits`): the indices come back exactly, the values
+    as the sender decoded them (what it keeps out of its residual), each within half a step
+    of its chunk's scale; senders may send different numbers of pairs."""
+    rng = np.random.default_rng(1)
+    ks = [1, 7, 256, 257, 1000]
+    values = [rng.standard_normal(k).astype(np.float32) * 10 for k in ks]
+    indices = [rng.integers(0, 2 ** 33 if index_dtype == tf.int64 else 2 ** 30, k) for k in ks]
+    packed = [wire.pack_quantized(tf.constant(v), tf.constant(i, index_dtype), bits) for v, i in zip(values, indices)]
+    assert [int(p.shape[0]) for p, _ in packed] == [wire.quantized_packet_length(k, index_dtype, bits) for k in ks]
+    got_values, got_indices = wire.unpack_quantized(tf.concat([p for p, _ in packed], 0), ks, index_dtype, bits)
+    np.testing.assert_array_equal(got_indices.numpy(), np.concatenate(indices))
+    np.testing.assert_array_equal(got_values.numpy(), np.concatenate([d.numpy() for _, d in packed]))
+    level = 2 ** (bits - 1) - 1
+    for v, (_, decoded), k in zip(values, packed, ks):
+        chunk, _ = wire.value_chunking(k)
+        scales = np.repeat([np.abs(v[j:j + chunk]).max() / level for j in range(0, k, chunk)], chunk)[:k]
+        assert np.all(np.abs(decoded.numpy() - v) <= scales / 2 + 1e-6)
+    same = [wire.pack_quantized(tf.constant(values[1]), tf.constant(indices[1], index_dtype), bits)[0]] * 3
+    again, _ = wire.unpack_quantized(tf.concat(same, 0), 7, index_dtype, bits, senders=3)
+    np.testing.assert_array_equal(again.numpy(), np.tile(packed[1][1].numpy(), 3))
+
+
+def test_value_chunks_are_even_and_pad_under_two_values_each():
+    for k in (1, 2, 255, 256, 257, 511, 4097, 84_000):
+        chunk, padded = wire.value_chunking(k)
+        assert chunk % 2 == 0 and chunk <= wire.VALUE_CHUNK and padded % chunk == 0
+        assert 0 <= padded - k < 2 * (padded // chunk)
+    # 8-bit values and int32 indices: 5 bytes a pair and a scale per chunk, against float32's 8
+    assert wire.quantized_packet_length(1000, tf.int32, 8) == 1000 + 4 * 4 + 4000
+
+
+# -- the sparse strategies with value_bits, one rank (2 nodes x 2 ranks: tests/multirank/check_comm.py) --
+
+@pytest.fixture(scope="module")
+def one_rank():
+    import hvdx
+
+    return hvdx.init()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("strategy_name", ["hitopk", "sparse_allgather"])
+@pytest.mark.parametrize("traced", [False, True])
+def test_quantized_top_k_values_keep_what_the_codes_rounded_away_in_the_residual(one_rank, strategy_name, bits,
+                                                                                 traced):
+    """Error feedback (shi2021 eq. 5) over the codes: after T steps on one rank, the outputs
+    plus the residual sum to the gradients, the residual holding the unsent entries and the
+    codes' rounding of the sent ones."""
+    from hvdx import comm
+
+    strategy = comm.get(strategy_name, density=0.05, value_bits=bits, dense_below=0)
+    call = tf.function(lambda g: strategy(g, "b")) if traced else (lambda g: strategy(g, "b"))
+    rng = np.random.default_rng(3)
+    grads = [rng.standard_normal(1000).astype(np.float32) for _ in range(6)]
+    sent = [call(tf.constant(g)).numpy() for g in grads]
+    assert all(np.count_nonzero(s) <= 50 for s in sent)  # k = 50 pairs a step
+    np.testing.assert_allclose(sum(sent) + strategy.variables["b"].numpy(), sum(grads), atol=1e-4)
+    exact = comm.get(strategy_name, density=0.05, dense_below=0)
+    first = exact(tf.constant(grads[0]), "b").numpy()
+    assert np.array_equal(first != 0, sent[0] != 0) and not np.array_equal(first, sent[0])  # same pairs, rounded
+    np.testing.assert_allclose(sent[0], first, atol=np.abs(first).max() / (2 ** (bits - 1) - 1))
+
+
+def test_value_bits_is_an_option_of_the_optimizer_and_refused_beside_another_wire_dtype(one_rank):
+    import hvdx
+    from hvdx import comm
+
+    opt = hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk", value_bits=4)
+    config = opt.get_config()
+    assert config["value_bits"] == 4 and type(opt).from_config(config).communication.value_bits == 4
+    assert "value_bits=4" in repr(opt.communication)
+    assert "value_bits" not in hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="hitopk"
+                                                         ).get_config()  # None: its quiet default
+    with pytest.raises(ValueError, match="value_bits=8 and wire_dtype=float16 both say how the values travel"):
+        comm.HiTopK(value_bits=8, wire_dtype=tf.float16)
+    for bad in (2, 8.5, "8", True):
+        with pytest.raises(ValueError, match="bits"):
+            comm.SparseAllgather(value_bits=bad)
+    with pytest.raises(ValueError):
+        hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.1), communication="allreduce", value_bits=8)
+
+
+@suite.runs(suite.check("compressors.compressors", "2x2", timeout=300))
+def test_hitopk_with_8_bit_values_trains_on_two_nodes_with_the_training_path_guarantees(ranks):
+    """Every rank of 2 nodes x 2 ranks, HiTopK with value_bits=8: model.fit under
+    mixed_float16 with backward_passes_per_step=2 keeps identical weights, lowers the loss,
+    and a checkpoint per rank restores its residuals."""
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, data in ranks.items():
+        fit = data["fit"]["hitopk_value_bits8"]
+        assert fit["same_weights"] and fit["finite"] and fit["restored"] and fit["nonzero_residuals"] > 0, (rank, fit)
+        assert fit["loss"][-1] < 0.6 * fit["loss"][0], (rank, fit)

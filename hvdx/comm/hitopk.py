@@ -34,7 +34,9 @@ class HiTopK(TopKStrategy):
     Set `record_times = True` to keep each step's wall time (eager mode, a barrier of all
     ranks before each step) in `last_times`.
 
-    Args: those of `TopKStrategy` (density, num_samplings, wire_dtype, DGC's aids), and
+    Args: those of `TopKStrategy` (density, num_samplings, wire_dtype, DGC's aids; value_bits
+      quantizes step 3's values, across nodes, while step 4 forwards them decoded in float32
+      inside the node, so no second rounding escapes the residuals), and
       node_engine: what runs steps 1 and 4 inside the node: "horovod" (default, over the
         node's process set) or "shm" (hvdx's shared-memory segment per node,
         `hvdx.node.shm_engine`; set up collectively on the first trace). "shm" pays under Gloo,
@@ -92,7 +94,7 @@ class HiTopK(TopKStrategy):
         node_k = [topo.num_nodes * self.k_sent(start, length) for start, length in slices]
         values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype),
                                          node_k if len(set(node_k)) > 1 else node_k[0],
-                                         topo.local_set, f"hvdx.hitopk.ag2.{name}", self.node_engine)
+                                         topo.local_set, f"hvdx.hitopk.ag2.{name}", self.node_engine, quantized=False)
         # Averaging the m n k pairs rather than the d-vector saves a pass over d elements.
         values = values / tf.cast(topo.size, values.dtype)
         padded = slices[-1][0] + slices[-1][1]

@@ -21,74 +21,13 @@ from typing import Any, Optional, Tuple
 import horovod.tensorflow as hvd
 import tensorflow as tf
 
-from hvdx.arguments import integer
 from hvdx.comm.base import Aggregated, Strategy, check_hierarchical
 from hvdx.comm.memory import ResidualMemory
 from hvdx.comm.registry import register
+from hvdx.comm.wire import DEFAULT_CHUNK, check_bits, check_chunk, dequantize, quantize
 from hvdx.node.collectives import node_allgather, node_reduce_scatter, node_slices
 
-__all__ = ["BITS", "DEFAULT_CHUNK", "LowBit", "check_bits", "check_chunk", "dequantize", "quantize"]
-
-#: The widths a value may take on the wire.
-BITS = (8, 4)
-#: Elements per scale when none is given: the scale's 4 bytes add 0.4 % to 8-bit chunks.
-DEFAULT_CHUNK = 1024
-
-
-def check_bits(bits: Any, *, optional: bool = False) -> Optional[int]:
-    """`bits` as an int of BITS (or None where `optional`: float32 on the wire); ValueError
-    otherwise."""
-    if optional and bits is None:
-        return None
-    allowed = f"{'None (float32), ' if optional else ''}one of {BITS}"
-    value = integer(bits, "bits", 1, expected=allowed)
-    if value not in BITS:
-        raise ValueError(f"bits must be {allowed}, got {bits!r}")
-    return value
-
-
-def check_chunk(chunk: Any) -> int:
-    """`chunk` (elements per float32 scale) as an even int >= 2; ValueError otherwise."""
-    value = integer(chunk, "chunk", 2, expected="an even int >= 2 (elements per scale)")
-    if value % 2:
-        raise ValueError(f"chunk must be an even int >= 2 (elements per scale), got {chunk!r}")
-    return value
-
-
-def _levels(bits: int) -> int:
-    return 2 ** (bits - 1) - 1
-
-
-def quantize(x: tf.Tensor, bits: int, chunk: int) -> Tuple[tf.Tensor, tf.Tensor]:
-    """(the packed bytes, the dequantized values) of a 1-D float32 `x` of a length that is a
-    multiple of `chunk`: per chunk s = max|x| / L, q = round(x / s) (0 where s is 0), bytes
-    = the q as int8 (8 bits) or two 4-bit codes q + 8 to a byte (4 bits), then the scales'
-    float32 bytes. A non-finite x makes its chunk's scale non-finite."""
-    rows = tf.reshape(x, [-1, chunk])
-    level = float(_levels(bits))
-    scale = tf.reduce_max(tf.abs(rows), axis=1) / level
-    q = tf.clip_by_value(tf.round(tf.math.divide_no_nan(rows, scale[:, None])), -level, level)
-    dequantized = tf.reshape(q * scale[:, None], [-1])
-    if bits == 8:
-        codes = tf.bitcast(tf.cast(tf.reshape(q, [-1]), tf.int8), tf.uint8)
-    else:
-        nibbles = tf.reshape(tf.cast(q + 8.0, tf.uint8), [-1, 2])
-        codes = nibbles[:, 0] * 16 + nibbles[:, 1]
-    scales = tf.reshape(tf.bitcast(scale, tf.uint8), [-1])
-    return tf.concat([codes, scales], axis=0), dequantized
-
-
-def dequantize(packed: tf.Tensor, length: int, bits: int, chunk: int) -> tf.Tensor:
-    """The `length` float32 values of `quantize`'s bytes (`length` a multiple of `chunk`)."""
-    code_bytes = length if bits == 8 else length // 2
-    codes, scales = packed[:code_bytes], packed[code_bytes:]
-    if bits == 8:
-        q = tf.cast(tf.bitcast(codes, tf.int8), tf.float32)
-    else:
-        q = tf.cast(tf.reshape(tf.stack([codes // 16, codes % 16], axis=1), [-1]), tf.float32) - 8.0
-    scale = tf.bitcast(tf.reshape(scales, [-1, 4]), tf.float32)
-    return tf.reshape(tf.reshape(q, [-1, chunk]) * scale[:, None], [-1])
-
+__all__ = ["LowBit"]
 
 @register("lowbit", aliases=("int8",))
 class LowBit(Strategy):

@@ -79,15 +79,19 @@ class TopKStrategy(Strategy):
     """Base of NaiveAG and HiTopK: error feedback + MSTopK + (value, index) all-gather."""
 
     lossy = True
-    options = ("density", "num_samplings", "wire_dtype", "dense_below", *AIDS)
-    quiet_defaults = {**AIDS, "dense_below": DENSE_BELOW}
+    options = ("density", "num_samplings", "wire_dtype", "value_bits", "dense_below", *AIDS)
+    quiet_defaults = {**AIDS, "dense_below": DENSE_BELOW, "value_bits": None}
 
     def __init__(self, density: float = DEFAULT_DENSITY, num_samplings: int = 30,
                  wire_dtype: tf.DType = tf.float32, topo: Optional[Topology] = None,
-                 index_dtype: Optional[tf.DType] = None, *, dense_below: int = DENSE_BELOW, momentum: float = 0.0,
+                 index_dtype: Optional[tf.DType] = None, *, value_bits: Optional[int] = None,
+                 dense_below: int = DENSE_BELOW, momentum: float = 0.0,
                  momentum_masking: bool = True, clip_norm: Optional[float] = None, warmup_steps: int = 0,
                  warmup_density: float = 0.25, residual_decay: float = 1.0) -> None:
-        """Args: density, num_samplings (MSTopK), wire_dtype, dense_below (a bucket's
+        """Args: density, num_samplings (MSTopK), wire_dtype, value_bits (None: values travel
+        in wire_dtype; 8 or 4: as integer codes with a float32 scale per chunk of at most
+        `wire.VALUE_CHUNK` values, `wire.pack_quantized`, across the strategy's slow exchange;
+        the codes' rounding stays in the residual, as the float16 wire's does), dense_below (a bucket's
         gradients of fewer elements are sent whole every step: their residual stays zero
         and, with momentum correction, their velocity is kept, i.e. momentum SGD; 0: off;
         only where the strategy is given the bucket's pieces, `aggregate_pieces`), and DGC's
@@ -106,6 +110,10 @@ class TopKStrategy(Strategy):
         self.dense_below = int(dense_below)
         self._whole: List[Tuple[int, int]] = []  # the pieces sent whole while a bucket's call is built
         self.wire_dtype = wire.check_dtype(wire_dtype)
+        self.value_bits = wire.check_bits(value_bits, optional=True)
+        if self.value_bits is not None and self.wire_dtype != tf.float32:
+            raise ValueError(f"value_bits={self.value_bits} and wire_dtype={self.wire_dtype.name} both say how the "
+                             f"values travel: give one of them")
         dgc.check_aids(momentum, momentum_masking, clip_norm, warmup_steps, warmup_density, residual_decay,
                        self.density)
         self.momentum = float(momentum)
@@ -329,7 +337,8 @@ class TopKStrategy(Strategy):
             values = tf.concat([values, whole_values], axis=0)
             indices = tf.concat([indices, tf.constant(whole, indices.dtype)], axis=0)
             k += len(whole)
-        sent = wire.decode_sent(values, self.wire_dtype)
+        sent = (wire.decode_sent(values, self.wire_dtype) if self.value_bits is None
+                else wire.pack_quantized(values, indices, self.value_bits)[1])
         # What was not sent stays: unselected entries whole, and the wire's rounding at the
         # selected ones (at the entries sent whole, which candidates holds as zeros: their
         # value less what was sent). sparse_accumulate updates candidates in place (nothing
@@ -352,19 +361,25 @@ class TopKStrategy(Strategy):
         return values, indices, k, updates
 
     def _exchange(self, values: tf.Tensor, indices: tf.Tensor, k: Union[int, Sequence[int]],
-                  process_set: hvd.ProcessSet, name: str, node_engine: str = "horovod") -> Tuple[tf.Tensor, tf.Tensor]:
+                  process_set: hvd.ProcessSet, name: str, node_engine: str = "horovod",
+                  quantized: bool = True) -> Tuple[tf.Tensor, tf.Tensor]:
         """All-gather of every member's pairs: k per member, or one k per member in order.
         node_engine "shm": `process_set` is the node's, gathered through its shared-memory
-        segment (`hvdx.node.collectives.node_allgather`)."""
-        packed = wire.pack(values, indices, self.wire_dtype)
+        segment (`hvdx.node.collectives.node_allgather`). quantized: the values go as
+        `value_bits` codes where that is set (False: in wire_dtype, for pairs already decoded)."""
+        bits = self.value_bits if quantized else None
+        packed = wire.pack(values, indices, self.wire_dtype) if bits is None else \
+            wire.pack_quantized(values, indices, bits)[0]
         if node_engine == "shm":
             topo = self.topology
             if process_set is not topo.local_set:
                 raise ValueError("node_engine='shm' gathers inside the node only (topo.local_set)")
             gathered = node_allgather(packed, topo, name, node_engine)
+        else:
+            gathered = hvd.allgather(packed, process_set=process_set, name=name)
+        if bits is None:
             return wire.unpack(gathered, k, indices.dtype)
-        gathered = hvd.allgather(packed, process_set=process_set, name=name)
-        return wire.unpack(gathered, k, indices.dtype)
+        return wire.unpack_quantized(gathered, k, indices.dtype, bits, senders=process_set.size())
 
     @staticmethod
     def _finite(values: tf.Tensor) -> tf.Tensor:

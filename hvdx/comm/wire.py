@@ -1,6 +1,8 @@
-"""The wire formats: the dtypes values may travel in, the float16 power-of-two scaling, and
-the (value, index) packets of the sparse strategies. DASO's blocking average uses the same
-dtypes and the same float16 scaling (`hvdx.daso.sync`).
+"""The wire formats: the dtypes values may travel in, the float16 power-of-two scaling, the
+(value, index) packets of the sparse strategies, and the low-bit integer codes with a float32
+scale per chunk (`quantize`; LowBit's, streaming DiLoCo's, and the sparse strategies' values
+with `value_bits`). DASO's blocking average uses the same dtypes and the same float16 scaling
+(`hvdx.daso.sync`).
 
 A packet is one 1-D tensor per sender: its k values in the wire dtype, then its k indices'
 bits reinterpreted as that dtype (int32 or int64; an int64 index takes two float32 or four
@@ -10,17 +12,24 @@ multiplied by 2**-e before the cast so that the largest finite |value| is at mos
 training), and by 2**e on arrival. Powers of two are exact, so the only error is float16's
 rounding, which the sender keeps in its residual (it subtracts what the receivers decode,
 `decode_sent`). Inf and NaN stay what they are, so the loss scaler still sees them.
+
+A quantized packet (`pack_quantized`) is bytes: the k values as 8- or 4-bit codes with a
+float32 scale per chunk of at most VALUE_CHUNK values (`value_chunking`: the chunks of one
+packet equal, padded with zeros), then the indices' bytes. Integers of several senders cannot
+be summed without overflow: such packets travel by all-gather, as every packet here does.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence, Tuple, Union
+import math
+from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
-from hvdx.arguments import is_integer
+from hvdx.arguments import integer, is_integer
 
-__all__ = ["WIRE_DTYPES", "check_dtype", "decode_sent", "float16_exponent", "pack", "packet_length", "to_wire",
-           "unpack"]
+__all__ = ["BITS", "DEFAULT_CHUNK", "VALUE_CHUNK", "WIRE_DTYPES", "check_bits", "check_chunk", "check_dtype",
+           "decode_sent", "dequantize", "float16_exponent", "pack", "pack_quantized", "packet_length",
+           "quantize", "quantized_packet_length", "to_wire", "unpack", "unpack_quantized", "value_chunking"]
 
 #: The dtypes values may travel in.
 WIRE_DTYPES = (tf.float32, tf.float16, tf.bfloat16)
@@ -113,3 +122,115 @@ def unpack(gathered: tf.Tensor, k: Union[int, Sequence[int]], index_dtype: tf.DT
         index_bits = tf.reshape(index_bits, [-1, k, per_index])
     indices = tf.bitcast(index_bits, index_dtype)
     return tf.reshape(values, [-1]), tf.reshape(indices, [-1])
+
+
+#: The widths a value may take on the wire.
+BITS = (8, 4)
+#: Elements per scale when none is given: the scale's 4 bytes add 0.4 % to 8-bit chunks.
+DEFAULT_CHUNK = 1024
+
+
+def check_bits(bits: Any, *, optional: bool = False) -> Optional[int]:
+    """`bits` as an int of BITS (or None where `optional`: float32 on the wire); ValueError
+    otherwise."""
+    if optional and bits is None:
+        return None
+    allowed = f"{'None (float32), ' if optional else ''}one of {BITS}"
+    value = integer(bits, "bits", 1, expected=allowed)
+    if value not in BITS:
+        raise ValueError(f"bits must be {allowed}, got {bits!r}")
+    return value
+
+
+def check_chunk(chunk: Any) -> int:
+    """`chunk` (elements per float32 scale) as an even int >= 2; ValueError otherwise."""
+    value = integer(chunk, "chunk", 2, expected="an even int >= 2 (elements per scale)")
+    if value % 2:
+        raise ValueError(f"chunk must be an even int >= 2 (elements per scale), got {chunk!r}")
+    return value
+
+
+def _levels(bits: int) -> int:
+    return 2 ** (bits - 1) - 1
+
+
+def quantize(x: tf.Tensor, bits: int, chunk: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(the packed bytes, the dequantized values) of a 1-D float32 `x` of a length that is a
+    multiple of `chunk`: per chunk s = max|x| / L, q = round(x / s) (0 where s is 0), bytes
+    = the q as int8 (8 bits) or two 4-bit codes q + 8 to a byte (4 bits), then the scales'
+    float32 bytes. A non-finite x makes its chunk's scale non-finite."""
+    rows = tf.reshape(x, [-1, chunk])
+    level = float(_levels(bits))
+    scale = tf.reduce_max(tf.abs(rows), axis=1) / level
+    q = tf.clip_by_value(tf.round(tf.math.divide_no_nan(rows, scale[:, None])), -level, level)
+    dequantized = tf.reshape(q * scale[:, None], [-1])
+    if bits == 8:
+        codes = tf.bitcast(tf.cast(tf.reshape(q, [-1]), tf.int8), tf.uint8)
+    else:
+        nibbles = tf.reshape(tf.cast(q + 8.0, tf.uint8), [-1, 2])
+        codes = nibbles[:, 0] * 16 + nibbles[:, 1]
+    scales = tf.reshape(tf.bitcast(scale, tf.uint8), [-1])
+    return tf.concat([codes, scales], axis=0), dequantized
+
+
+def dequantize(packed: tf.Tensor, length: int, bits: int, chunk: int) -> tf.Tensor:
+    """The `length` float32 values of `quantize`'s bytes (`length` a multiple of `chunk`)."""
+    code_bytes = length if bits == 8 else length // 2
+    codes, scales = packed[:code_bytes], packed[code_bytes:]
+    if bits == 8:
+        q = tf.cast(tf.bitcast(codes, tf.int8), tf.float32)
+    else:
+        q = tf.cast(tf.reshape(tf.stack([codes // 16, codes % 16], axis=1), [-1]), tf.float32) - 8.0
+    scale = tf.bitcast(tf.reshape(scales, [-1, 4]), tf.float32)
+    return tf.reshape(tf.reshape(q, [-1, chunk]) * scale[:, None], [-1])
+
+
+#: The most values of a quantized packet that share one scale (`value_chunking`).
+VALUE_CHUNK = 256
+
+
+def value_chunking(k: int) -> Tuple[int, int]:
+    """(chunk, padded length) of a quantized packet of k values: ceil(k / VALUE_CHUNK) equal
+    chunks of an even length (the 4-bit codes go two to a byte), so the padding is under two
+    values per chunk."""
+    chunks = max(1, math.ceil(k / VALUE_CHUNK))
+    chunk = math.ceil(k / chunks)
+    chunk += chunk % 2
+    return chunk, chunk * chunks
+
+
+def quantized_packet_length(k: int, index_dtype: tf.DType, bits: int) -> int:
+    """Bytes of one sender's quantized packet of k pairs."""
+    chunk, padded = value_chunking(k)
+    return (padded if bits == 8 else padded // 2) + 4 * (padded // chunk) + k * index_dtype.size
+
+
+def pack_quantized(values: tf.Tensor, indices: tf.Tensor, bits: int) -> Tuple[tf.Tensor, tf.Tensor]:
+    """(one 1-D uint8 packet: the k values' codes and scales, then the indices' bytes; the
+    float32 values the receivers will decode, which the sender keeps out of its residual)."""
+    k = int(values.shape[0])
+    chunk, padded = value_chunking(k)
+    values = tf.cast(values, tf.float32)
+    codes, decoded = quantize(tf.pad(values, [[0, padded - k]]) if padded != k else values, bits, chunk)
+    index_bytes = tf.reshape(tf.bitcast(indices, tf.uint8), [-1])
+    return tf.concat([codes, index_bytes], axis=0), decoded[:k]
+
+
+def unpack_quantized(gathered: tf.Tensor, k: Union[int, Sequence[int]], index_dtype: tf.DType, bits: int,
+                     senders: Optional[int] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+    """Inverse of `pack_quantized` for the concatenation of every sender's packet: (float32
+    values, indices of `index_dtype`), senders in order. `k`: pairs per packet (then `senders`
+    packets, or as many as `gathered` holds), or one count per sender."""
+    if is_integer(k):
+        count = senders if senders is not None else int(gathered.shape[0]) // quantized_packet_length(
+            int(k), index_dtype, bits)
+        k = [int(k)] * count
+    lengths = [quantized_packet_length(kj, index_dtype, bits) for kj in k]
+    values: List[tf.Tensor] = []
+    indices: List[tf.Tensor] = []
+    for packet, kj in zip(tf.split(gathered, lengths), k):
+        chunk, padded = value_chunking(kj)
+        code_bytes = (padded if bits == 8 else padded // 2) + 4 * (padded // chunk)
+        values.append(dequantize(packet[:code_bytes], padded, bits, chunk)[:kj])
+        indices.append(tf.bitcast(tf.reshape(packet[code_bytes:], [kj, index_dtype.size]), index_dtype))
+    return tf.concat(values, 0), tf.concat(indices, 0)

@@ -148,6 +148,28 @@ def check_wire_fp16(topo, d: int) -> None:
     assert np.abs(half.variables["w16"].numpy()).max() < 1e-2  # only rounding errors kept
 
 
+def check_quantized_values(topo, d: int) -> None:
+    """Top-k values as 8- and 4-bit codes across the slow exchange (`value_bits`), density 1:
+    the average is within the codes' rounding of the exact one (HiTopK rounds each node's sum,
+    NaiveAG each rank's gradient, at most half a step of a scale of max|x| / L), and each
+    rank's residual holds what its codes rounded away (none sent: the output is zero)."""
+    rng = np.random.default_rng(topo.rank + 7)
+    grads = tf.constant(rng.standard_normal(d), tf.float32)
+    exact = comm.HiTopK(density=1.0)(grads, name="q32").numpy()
+    largest = float(hvd.allreduce(tf.reduce_max(tf.abs(grads)), op=hvd.Max, name="q.max"))
+    for cls, rounded in ((comm.HiTopK, topo.local_size * largest), (comm.SparseAllgather, largest)):
+        for bits in (8, 4):
+            strategy = cls(density=1.0, value_bits=bits)
+            name = f"q{bits}{cls.__name__}"
+            got = strategy(grads, name=name).numpy()
+            step = rounded / (2 ** (bits - 1) - 1)  # the largest scale any code had
+            senders = topo.num_nodes if cls is comm.HiTopK else topo.size
+            np.testing.assert_allclose(got, exact, atol=senders * step / 2 / topo.size + 1e-6,
+                                       err_msg=f"{cls.__name__} {bits} bits")
+            residual = strategy.variables[name].numpy()
+            assert 0 < np.abs(residual).max() <= step / 2 + 1e-6, (cls.__name__, bits)
+
+
 def check_bad_input() -> None:
     for bad in (0, -0.1, 1.5, "0.1", True):
         try:
@@ -174,6 +196,7 @@ def check_strategies(topo) -> dict:
         check_hitopk_simulation(topo, d, density=0.05, steps=3)
         check_naiveag_simulation(topo, d, density=0.05, steps=3)
     check_wire_fp16(topo, 999)
+    check_quantized_values(topo, 999)
     return {"topology": str(topo)}
 
 

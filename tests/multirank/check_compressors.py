@@ -1,5 +1,5 @@
 """PowerSGD and the low-bit compressor on every rank of an m x n job (tests/test_powersgd.py,
-tests/test_lowbit.py):
+tests/test_lowbit.py, tests/test_wire.py):
 
 - PowerSGD: an average of rank <= r comes back exact, hierarchical (node sum, factors
   across nodes, node gather; also a bucket of fewer matrices than local ranks), flat, and
@@ -8,7 +8,7 @@ tests/test_lowbit.py):
   the same on every rank.
 - LowBit: the hierarchical 8-bit average is within half a quantization step per node of
   the exact mean; flat, outputs plus residuals are the gradients.
-- Both: model.fit under mixed_float16 with backward_passes_per_step=2 on the digits keeps
+- Both, and HiTopK with 8-bit values (`value_bits`, tests/test_wire.py): model.fit under mixed_float16 with backward_passes_per_step=2 on the digits keeps
   identical weights on every rank and lowers the loss; a checkpoint written on each rank
   restores that rank's residuals (and the shared Q).
 """
@@ -106,16 +106,18 @@ def _state(opt) -> dict:
             for name, v in memory.variables_by_name.items()}
 
 
-def check_fit_and_checkpoint(topo, communication: str) -> dict:
-    """model.fit under mixed_float16, backward_passes_per_step=2; a checkpoint per rank."""
+def check_fit_and_checkpoint(topo, communication: str, **options) -> dict:
+    """model.fit under mixed_float16, backward_passes_per_step=2; a checkpoint per rank.
+    `options`: the strategy's (HiTopK's value_bits)."""
     tf.keras.mixed_precision.set_global_policy("mixed_float16")
-    folder = tempfile.mkdtemp(prefix=f"hvdx-{communication}-r{topo.rank}-")
+    label = communication + "".join(f"_{k}{v}" for k, v in options.items())
+    folder = tempfile.mkdtemp(prefix=f"hvdx-{label}-r{topo.rank}-")
     try:
         x, y = digits(topo.rank, topo.size)
 
         def make():
             return hvdx.DistributedOptimizer(tf.keras.optimizers.SGD(0.05, momentum=0.9), communication=communication,
-                                             backward_passes_per_step=2)
+                                             backward_passes_per_step=2, **options)
 
         model, opt = digits_model(), make()
         model.compile(opt, loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -129,7 +131,7 @@ def check_fit_and_checkpoint(topo, communication: str) -> dict:
         tf.train.Checkpoint(model=fresh, optimizer=again).read(path)
         restored = _state(again)
         return {"loss": [float(v) for v in history.history["loss"]],
-                "same_weights": same_on_every_rank(weights, f"{communication}.w"),
+                "same_weights": same_on_every_rank(weights, f"{label}.w"),
                 "finite": bool(all(np.isfinite(w).all() for w in weights)),
                 "nonzero_residuals": int(sum(np.count_nonzero(v) for k, v in state.items() if "_q" not in k)),
                 "restored": sorted(state) == sorted(restored) and all(
@@ -143,7 +145,8 @@ def check_fit_and_checkpoint(topo, communication: str) -> dict:
 
 def check_compressors(topo) -> dict:
     return {"powersgd": check_powersgd_exact_and_feedback(topo), "lowbit": check_lowbit_bound_and_feedback(topo),
-            "fit": {name: check_fit_and_checkpoint(topo, name) for name in ("powersgd", "lowbit")}}
+            "fit": {**{name: check_fit_and_checkpoint(topo, name) for name in ("powersgd", "lowbit")},
+                    "hitopk_value_bits8": check_fit_and_checkpoint(topo, "hitopk", value_bits=8)}}
 
 
 CHECKS = {"compressors": check_compressors}
