@@ -68,8 +68,9 @@ STRATEGIES = ["allreduce", "hierarchical", "sparse_allgather", "hitopk"]
 OPTIMIZERS = ["none", "horovod", *STRATEGIES, "hierarchical_fused", "hitopk_fused"]
 #: The compressors beside top-k (issue 66), not in the default set: PowerSGD at its default
 #: rank (hierarchical on 2 tiers, its default; "powersgd_flat": over all ranks at once), and
-#: the low-bit wire at 8 and 4 bits ("lowbit4").
-COMPRESSORS = ["powersgd", "powersgd_flat", "lowbit", "lowbit4"]
+#: the low-bit wire at 8 and 4 bits ("lowbit4"), HiTopK with its values as 8-bit codes
+#: ("hitopk_bits8": `value_bits=8`).
+COMPRESSORS = ["powersgd", "powersgd_flat", "lowbit", "lowbit4", "hitopk_bits8"]
 ALL_KEYS = [*OPTIMIZERS, "hierarchical_sized", "hierarchical_all", *COMPRESSORS]
 LABELS = {"none": "no communication (floor)", "horovod": "Horovod DistributedOptimizer",
           "allreduce": "hvdx allreduce", "hierarchical": "hvdx hierarchical (2DTAR)",
@@ -77,7 +78,8 @@ LABELS = {"none": "no communication (floor)", "horovod": "Horovod DistributedOpt
           "hierarchical_fused": "hvdx hierarchical, one fused buffer", "hitopk_fused": "hvdx hitopk, one fused buffer",
           "hierarchical_sized": "hvdx hierarchical, buckets < 4 MiB flat",
           "hierarchical_all": "hvdx hierarchical, 2DTAR on every bucket",
-          "powersgd": "hvdx powersgd (rank 4)", "powersgd_flat": "hvdx powersgd (rank 4), flat", "lowbit": "hvdx lowbit (8 bits)", "lowbit4": "hvdx lowbit (4 bits)"}
+          "powersgd": "hvdx powersgd (rank 4)", "powersgd_flat": "hvdx powersgd (rank 4), flat", "lowbit": "hvdx lowbit (8 bits)", "lowbit4": "hvdx lowbit (4 bits)",
+          "hitopk_bits8": "hvdx hitopk, 8-bit values"}
 #: Every key a run may have, in table order: each optimizer under Keras 2, then Keras 3 (--keras).
 ROW_KEYS = common.keras_keys(ALL_KEYS, (2, 3))
 #: The issue's goals, per-round ratio medians of Horovod's step time over hvdx's (MLP, 2x2).
@@ -144,6 +146,8 @@ def make_optimizer(key: str, args: argparse.Namespace, keras=None):
         return hvdx.DistributedOptimizer(
             inner, communication=hvdx.comm.Hierarchical(flat_below=flat_below, node_engine=node_engine), **options)
     strategy, fused = (key[:-len("_fused")], True) if key.endswith("_fused") else (key, False)
+    if strategy == "hitopk_bits8":
+        strategy, dense = "hitopk", dict(dense, value_bits=8)
     options = {"density": args.density, **dense} if strategy in ("sparse_allgather", "hitopk") else dict(dense)
     if strategy == "lowbit4":
         strategy, options["bits"] = "lowbit", 4
@@ -152,7 +156,7 @@ def make_optimizer(key: str, args: argparse.Namespace, keras=None):
     if fused or args.bucket_bytes is not None:
         options["bucket_bytes"] = None if fused else args.bucket_bytes or None
     if node_engine != "horovod" and strategy in ("hierarchical", "hitopk"):
-        extra = {"density": options.pop("density")} if "density" in options else {}
+        extra = {option: options.pop(option) for option in ("density", "value_bits") if option in options}
         return hvdx.DistributedOptimizer(
             inner, communication=hvdx.comm.get(strategy, node_engine=node_engine, **extra), **options)
     return hvdx.DistributedOptimizer(inner, communication=strategy, **options)
