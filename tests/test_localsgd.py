@@ -165,7 +165,7 @@ def test_fit_through_the_one_callback_trains_and_counts(one_rank):
         np.testing.assert_array_equal(v.numpy(), a.numpy())
 
 
-# -- Keras 3 (in this process beside tf.keras as Keras 2; a Keras 3 user's job: tests/test_keras3.py) ------
+# -- Keras 3 beside Keras 2 (tf_keras) in this process; a Keras 3 user's job: tests/test_keras3.py ------
 keras3 = harness.KERAS3
 
 
