@@ -82,9 +82,13 @@ def test_quantized_packets_of_senders_with_different_k_round_trip(bits, index_dt
         chunk, _ = wire.value_chunking(k)
         scales = np.repeat([np.abs(v[j:j + chunk]).max() / level for j in range(0, k, chunk)], chunk)[:k]
         assert np.all(np.abs(decoded.numpy() - v) <= scales / 2 + 1e-6)
-    same = [wire.pack_quantized(tf.constant(values[1]), tf.constant(indices[1], index_dtype), bits)[0]] * 3
-    again, _ = wire.unpack_quantized(tf.concat(same, 0), 7, index_dtype, bits, senders=3)
-    np.testing.assert_array_equal(again.numpy(), np.tile(packed[1][1].numpy(), 3))
+    # senders of equal k (a cross set's) are decoded together: each still gets its own scales
+    equal = [(rng.standard_normal(257) * 10 ** j).astype(np.float32) for j in range(3)]
+    at = [rng.integers(0, 1000, 257) for _ in equal]
+    made = [wire.pack_quantized(tf.constant(v), tf.constant(i, index_dtype), bits) for v, i in zip(equal, at)]
+    again, where = wire.unpack_quantized(tf.concat([p for p, _ in made], 0), 257, index_dtype, bits, senders=3)
+    np.testing.assert_array_equal(again.numpy(), np.concatenate([d.numpy() for _, d in made]))
+    np.testing.assert_array_equal(where.numpy(), np.concatenate(at))
 
 
 def test_value_chunks_are_even_and_pad_under_two_values_each():

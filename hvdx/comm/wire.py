@@ -225,6 +225,8 @@ def unpack_quantized(gathered: tf.Tensor, k: Union[int, Sequence[int]], index_dt
         count = senders if senders is not None else int(gathered.shape[0]) // quantized_packet_length(
             int(k), index_dtype, bits)
         k = [int(k)] * count
+    if len(set(k)) == 1:  # equal packets (a cross set's): one decode of them all
+        return _unpack_equal(gathered, len(k), int(k[0]), index_dtype, bits)
     lengths = [quantized_packet_length(kj, index_dtype, bits) for kj in k]
     values: List[tf.Tensor] = []
     indices: List[tf.Tensor] = []
@@ -234,3 +236,19 @@ def unpack_quantized(gathered: tf.Tensor, k: Union[int, Sequence[int]], index_dt
         values.append(dequantize(packet[:code_bytes], padded, bits, chunk)[:kj])
         indices.append(tf.bitcast(tf.reshape(packet[code_bytes:], [kj, index_dtype.size]), index_dtype))
     return tf.concat(values, 0), tf.concat(indices, 0)
+
+
+def _unpack_equal(gathered: tf.Tensor, senders: int, k: int, index_dtype: tf.DType, bits: int
+                  ) -> Tuple[tf.Tensor, tf.Tensor]:
+    """`unpack_quantized` of `senders` packets of k pairs each: their codes and scales side by
+    side are one `quantize` output of senders x padded values (each packet's chunks are whole)."""
+    chunk, padded = value_chunking(k)
+    code_bytes = padded if bits == 8 else padded // 2
+    scale_bytes = 4 * (padded // chunk)
+    packets = tf.reshape(gathered, [senders, quantized_packet_length(k, index_dtype, bits)])
+    codes = tf.reshape(packets[:, :code_bytes], [-1])
+    scales = tf.reshape(packets[:, code_bytes:code_bytes + scale_bytes], [-1])
+    values = tf.reshape(dequantize(tf.concat([codes, scales], 0), senders * padded, bits, chunk), [senders, padded])
+    indices = tf.bitcast(tf.reshape(packets[:, code_bytes + scale_bytes:], [senders, k, index_dtype.size]), index_dtype)
+    return tf.reshape(values[:, :k], [-1]), tf.reshape(indices, [-1])
+
