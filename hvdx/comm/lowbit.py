@@ -29,6 +29,7 @@ from hvdx.node.collectives import node_allgather, node_reduce_scatter, node_slic
 
 __all__ = ["LowBit"]
 
+
 @register("lowbit", aliases=("int8",))
 class LowBit(Strategy):
     """8- or 4-bit quantization with a per-chunk scale and error feedback; hierarchical on a

@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-
 from hvdx import legacy_keras
 from hvdx.arguments import is_real, real
 

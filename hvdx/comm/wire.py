@@ -21,7 +21,7 @@ be summed without overflow: such packets travel by all-gather, as every packet h
 from __future__ import annotations
 
 import math
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -199,10 +199,16 @@ def value_chunking(k: int) -> Tuple[int, int]:
     return chunk, chunk * chunks
 
 
+def _value_bytes(k: int, bits: int) -> Tuple[int, int, int, int]:
+    """(chunk, padded length, code bytes, scale bytes) of a quantized packet's k values."""
+    chunk, padded = value_chunking(k)
+    return chunk, padded, padded if bits == 8 else padded // 2, 4 * (padded // chunk)
+
+
 def quantized_packet_length(k: int, index_dtype: tf.DType, bits: int) -> int:
     """Bytes of one sender's quantized packet of k pairs."""
-    chunk, padded = value_chunking(k)
-    return (padded if bits == 8 else padded // 2) + 4 * (padded // chunk) + k * index_dtype.size
+    _, _, code_bytes, scale_bytes = _value_bytes(k, bits)
+    return code_bytes + scale_bytes + k * index_dtype.size
 
 
 def pack_quantized(values: tf.Tensor, indices: tf.Tensor, bits: int) -> Tuple[tf.Tensor, tf.Tensor]:
@@ -228,27 +234,18 @@ def unpack_quantized(gathered: tf.Tensor, k: Union[int, Sequence[int]], index_dt
     if len(set(k)) == 1:  # equal packets (a cross set's): one decode of them all
         return _unpack_equal(gathered, len(k), int(k[0]), index_dtype, bits)
     lengths = [quantized_packet_length(kj, index_dtype, bits) for kj in k]
-    values: List[tf.Tensor] = []
-    indices: List[tf.Tensor] = []
-    for packet, kj in zip(tf.split(gathered, lengths), k):
-        chunk, padded = value_chunking(kj)
-        code_bytes = (padded if bits == 8 else padded // 2) + 4 * (padded // chunk)
-        values.append(dequantize(packet[:code_bytes], padded, bits, chunk)[:kj])
-        indices.append(tf.bitcast(tf.reshape(packet[code_bytes:], [kj, index_dtype.size]), index_dtype))
-    return tf.concat(values, 0), tf.concat(indices, 0)
+    pairs = [_unpack_equal(packet, 1, kj, index_dtype, bits) for packet, kj in zip(tf.split(gathered, lengths), k)]
+    return tf.concat([v for v, _ in pairs], 0), tf.concat([i for _, i in pairs], 0)
 
 
 def _unpack_equal(gathered: tf.Tensor, senders: int, k: int, index_dtype: tf.DType, bits: int
                   ) -> Tuple[tf.Tensor, tf.Tensor]:
     """`unpack_quantized` of `senders` packets of k pairs each: their codes and scales side by
     side are one `quantize` output of senders x padded values (each packet's chunks are whole)."""
-    chunk, padded = value_chunking(k)
-    code_bytes = padded if bits == 8 else padded // 2
-    scale_bytes = 4 * (padded // chunk)
+    chunk, padded, code_bytes, scale_bytes = _value_bytes(k, bits)
     packets = tf.reshape(gathered, [senders, quantized_packet_length(k, index_dtype, bits)])
     codes = tf.reshape(packets[:, :code_bytes], [-1])
     scales = tf.reshape(packets[:, code_bytes:code_bytes + scale_bytes], [-1])
     values = tf.reshape(dequantize(tf.concat([codes, scales], 0), senders * padded, bits, chunk), [senders, padded])
     indices = tf.bitcast(tf.reshape(packets[:, code_bytes + scale_bytes:], [senders, k, index_dtype.size]), index_dtype)
     return tf.reshape(values[:, :k], [-1]), tf.reshape(indices, [-1])
-
