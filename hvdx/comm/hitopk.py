@@ -80,21 +80,24 @@ class HiTopK(TopKStrategy):
         parts = timeline.span(parts, label, name, "reduce_scatter", "end")
         clock.lap("reduce_scatter")  # (the n parts are added to the residual in the next step)
         parts = timeline.span(parts, label, name, "mstopk + error feedback", "begin")
-        values, indices, k, updates = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name,
-                                                   residual_scale, stored=self.residual_length(d), offset=offset)
-        values, indices = timeline.span([values, indices], label, name, "mstopk + error feedback", "end")
+        chosen = self._select([tf.ensure_shape(p, [slice_length]) for p in parts], name, residual_scale,
+                              stored=self.residual_length(d), offset=offset)
+        sent = [chosen.values, chosen.indices] + ([] if chosen.packet is None else [chosen.packet])
+        sent = timeline.span(sent, label, name, "mstopk + error feedback", "end")
         clock.lap("mstopk")
         # The cross set's members hold the same slice (same k); the node's hold slices of
-        # different lengths (the last is shorter), so each sends its own m k pairs.
-        values, indices = timeline.span([values, indices], label, name, "inter_allgather", "begin")
-        values, indices = self._exchange(values, indices, k, topo.cross_set, f"hvdx.hitopk.ag.{name}")
+        # different lengths (the last is shorter), so each sends its own m k pairs. With
+        # value_bits only this slow exchange carries codes; the node's forwards their decoded values.
+        sent = timeline.span(sent, label, name, "inter_allgather", "begin")
+        values, indices = self._exchange(sent[0], sent[1], chosen.k, topo.cross_set, f"hvdx.hitopk.ag.{name}",
+                                         packet=sent[2] if len(sent) > 2 else None)
         values, indices = timeline.span([values, indices], label, name, "inter_allgather", "end")
         clock.lap("inter_allgather")
         values, indices = timeline.span([values, indices], label, name, "intra_allgather + accumulate", "begin")
         node_k = [topo.num_nodes * self.k_sent(start, length) for start, length in slices]
         values, indices = self._exchange(values, indices + tf.cast(offset, indices.dtype),
                                          node_k if len(set(node_k)) > 1 else node_k[0],
-                                         topo.local_set, f"hvdx.hitopk.ag2.{name}", self.node_engine, quantized=False)
+                                         topo.local_set, f"hvdx.hitopk.ag2.{name}", self.node_engine)
         # Averaging the m n k pairs rather than the d-vector saves a pass over d elements.
         values = values / tf.cast(topo.size, values.dtype)
         padded = slices[-1][0] + slices[-1][1]
@@ -106,7 +109,7 @@ class HiTopK(TopKStrategy):
         if self.record_times:
             self.last_times = clock.times
         mine = (total[offset:offset + slice_length] if offset + slice_length <= d else total[offset:], offset)
-        return Aggregated(total, updates, local_slice=mine, finite=self._finite(values))
+        return Aggregated(total, chosen.updates, local_slice=mine, finite=self._finite(values))
 
 
 class _StepClock:

@@ -23,7 +23,8 @@ class SparseAllgather(TopKStrategy):
     def _sparse_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         topo = self.topology
         d = int(buffer.shape[0])
-        values, indices, k, updates = self._select([buffer], name, residual_scale)
-        values, indices = self._exchange(values, indices, k, hvd.global_process_set, f"hvdx.naiveag.ag.{name}")
+        chosen = self._select([buffer], name, residual_scale)
+        values, indices = self._exchange(chosen.values, chosen.indices, chosen.k, hvd.global_process_set,
+                                         f"hvdx.naiveag.ag.{name}", packet=chosen.packet)
         values = values / tf.cast(topo.size, values.dtype)
-        return Aggregated(ops.sparse_accumulate(values, indices, d), updates, finite=self._finite(values))
+        return Aggregated(ops.sparse_accumulate(values, indices, d), chosen.updates, finite=self._finite(values))

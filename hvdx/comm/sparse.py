@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import horovod.tensorflow as hvd
 import tensorflow as tf
@@ -74,6 +74,17 @@ ADAM_WARMUP_DENSITY = 1.0
 LAMB_WARMUP_STEPS = 100
 LAMB_WARMUP_DENSITY = 0.25
 
+
+
+class Selection(NamedTuple):
+    """`TopKStrategy._select`'s result: the k (value, index) pairs (values as selected,
+    before any rounding), k, the residual updates, and where `value_bits` is set the pairs'
+    quantized packet (`wire.pack_quantized`), else None."""
+    values: tf.Tensor
+    indices: tf.Tensor
+    k: int
+    updates: List[Update]
+    packet: Optional[tf.Tensor]
 
 class TopKStrategy(Strategy):
     """Base of NaiveAG and HiTopK: error feedback + MSTopK + (value, index) all-gather."""
@@ -302,9 +313,10 @@ class TopKStrategy(Strategy):
         raise NotImplementedError
 
     def _select(self, grads: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor],
-                stored: Optional[int] = None, offset: int = 0) -> Tuple[tf.Tensor, tf.Tensor, int, List[Update]]:
-        """Error feedback around MSTopK: (values, indices, k, residual updates) for
-        acc = sum(grads) + residual; the new residual is acc with the sent values taken out.
+                stored: Optional[int] = None, offset: int = 0) -> Selection:
+        """Error feedback around MSTopK: the `Selection` for acc = sum(grads) + residual; the
+        new residual is acc with the sent values taken out (with `value_bits`, their codes'
+        decoded values: the packet that is sent is the one made here, quantized once).
         The pairs are MSTopK's k(length) of the entries not sent whole, then every entry sent
         whole (`whole_indices`; k counts both). `stored`: the residual's length where it
         exceeds the grads' (its tail stays zero); `offset`: where the grads sit in the bucket."""
@@ -337,8 +349,11 @@ class TopKStrategy(Strategy):
             values = tf.concat([values, whole_values], axis=0)
             indices = tf.concat([indices, tf.constant(whole, indices.dtype)], axis=0)
             k += len(whole)
-        sent = (wire.decode_sent(values, self.wire_dtype) if self.value_bits is None
-                else wire.pack_quantized(values, indices, self.value_bits)[1])
+        packet = None
+        if self.value_bits is None:
+            sent = wire.decode_sent(values, self.wire_dtype)
+        else:
+            packet, sent = wire.pack_quantized(values, indices, self.value_bits)
         # What was not sent stays: unselected entries whole, and the wire's rounding at the
         # selected ones (at the entries sent whole, which candidates holds as zeros: their
         # value less what was sent). sparse_accumulate updates candidates in place (nothing
@@ -358,18 +373,18 @@ class TopKStrategy(Strategy):
                     velocity = tf.pad(velocity, [[0, stored - length]])
                 updates += self._velocities.updates(name, velocity, residual_scale)
         self.last_indices = indices
-        return values, indices, k, updates
+        return Selection(values, indices, k, updates, packet)
 
     def _exchange(self, values: tf.Tensor, indices: tf.Tensor, k: Union[int, Sequence[int]],
                   process_set: hvd.ProcessSet, name: str, node_engine: str = "horovod",
-                  quantized: bool = True) -> Tuple[tf.Tensor, tf.Tensor]:
+                  packet: Optional[tf.Tensor] = None) -> Tuple[tf.Tensor, tf.Tensor]:
         """All-gather of every member's pairs: k per member, or one k per member in order.
         node_engine "shm": `process_set` is the node's, gathered through its shared-memory
-        segment (`hvdx.node.collectives.node_allgather`). quantized: the values go as
-        `value_bits` codes where that is set (False: in wire_dtype, for pairs already decoded)."""
-        bits = self.value_bits if quantized else None
-        packed = wire.pack(values, indices, self.wire_dtype) if bits is None else \
-            wire.pack_quantized(values, indices, bits)[0]
+        segment (`hvdx.node.collectives.node_allgather`). packet: the pairs as `_select` packed
+        them with `value_bits` (sent as they are); None: `values` and `indices` go in wire_dtype.
+        Returns (float32 values, indices) of every member, members in order."""
+        bits = None if packet is None else self.value_bits
+        packed = wire.pack(values, indices, self.wire_dtype) if packet is None else packet
         if node_engine == "shm":
             topo = self.topology
             if process_set is not topo.local_set:
