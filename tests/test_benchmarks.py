@@ -561,3 +561,29 @@ def test_recipe_keras_takes_medians_per_phase_and_keras3_over_keras2(tmp_path):
     text = readme.read_text()
     assert "<!-- recipe_keras:begin -->" in text and "| Keras 3 (TensorFlow's tf.keras) | 3x24@32 | HiTopK |" in text
     assert "| 1.20 |" in text and (tmp_path / "recipe_keras.png").stat().st_size > 5_000
+
+
+def test_link_rates_puts_each_rates_run_side_by_side_and_names_the_first_to_target(tmp_path):
+    from benchmarks import link_rates
+
+    def run(name, bps, horovod, streaming4):
+        seeds = {m: {"seconds_to_target": times, "mean": acc, "gap_points": gap, "speedup_vs_horovod": speedup,
+                     "mean_seconds_to_target": sum(t for t in times if t) / sum(1 for t in times if t)}
+                 for m, (times, acc, gap, speedup) in (("horovod", horovod), ("streaming4", streaming4))}
+        (tmp_path / f"{name}.json").write_text(json.dumps({
+            "network": {"rate_bps": bps}, "arguments": {"steps": 100},
+            "seeds": {"mlp": seeds}, "summary": {"mlp": {m: {"target": 0.9} for m in seeds}}}))
+
+    run("slow", 20e6, ([200.0, 300.0], 0.93, 0.0, 1.0), ([4.0, None], 0.91, -2.0, 50.0))  # paired seeds: 200 / 4
+    run("fast", 1e9, ([8.0, 10.0], 0.93, 0.0, 1.0), ([4.0, 5.0], 0.92, -1.0, 2.0))
+    runs = link_rates.load_runs(tmp_path, ["slow", "fast"])
+    assert [r["name"] for r in runs] == ["fast", "slow"]  # fastest link first
+    text = link_rates.tabulate(runs, "mlp")
+    assert "| 1 Gbit/s | streaming4 | 4.5 | 2/2 | 2.00x | 0.920 | -1.0 | 100 |" in text
+    assert "| 20 Mbit/s | streaming4 | 4.0 | 1/2 | 50.00x | 0.910 | -2.0 | 100 |" in text
+    assert "- 1 Gbit/s (`fast`): **streaming4** first to 0.9, 2.00x sooner than Horovod" in text
+    assert "20 Mbit/s (`slow`)" not in text  # one seed never reached it: no winner named there
+    link_rates.plot(runs, "mlp", tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    with pytest.raises(SystemExit, match="--name missing"):
+        link_rates.load_runs(tmp_path, ["missing"])
