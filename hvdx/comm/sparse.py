@@ -75,7 +75,6 @@ LAMB_WARMUP_STEPS = 100
 LAMB_WARMUP_DENSITY = 0.25
 
 
-
 class Selection(NamedTuple):
     """`TopKStrategy._select`'s result: the k (value, index) pairs (values as selected,
     before any rounding), k, the residual updates, and where `value_bits` is set the pairs'
@@ -85,6 +84,7 @@ class Selection(NamedTuple):
     k: int
     updates: List[Update]
     packet: Optional[tf.Tensor]
+
 
 class TopKStrategy(Strategy):
     """Base of NaiveAG and HiTopK: error feedback + MSTopK + (value, index) all-gather."""
