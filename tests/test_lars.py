@@ -305,18 +305,17 @@ def test_every_parallel_mode_gives_the_same_weights_on_2x2(ranks):
     assert modes["horovod_pto_vs_hvdx_replicated"] < 1e-4
 
 
-# 8 epochs. Test accuracy on the four ranks after 8 (2026-11-27): SGD 0.962-0.967 and LARS
-# 0.951-0.964 on TensorFlow 2.15, SGD 0.967-0.980 and LARS 0.960-0.967 on 2.21. After 6 the
-# bar had no margin: SGD 0.853-0.911 and LARS 0.860-0.869 on 2.15; on 2.21 (other initial
-# weights, the same numbers run after run) SGD 0.842 on rank 0 and LARS 0.831 against SGD's
-# 0.907 on rank 2. Earlier, per epoch on 2.15: SGD 0.27-0.30, 0.52-0.56, 0.63-0.70, 0.88-0.90,
-# 0.76-0.82, 0.85-0.91 and LARS 0.26-0.32, 0.58-0.64, 0.71-0.74, 0.81-0.85, 0.86-0.92, 0.86-0.87.
+# 8 epochs, the rate decayed linearly to 0. Test accuracy on the four ranks (TensorFlow 2.21,
+# 2026-12-07), seeds 0-5: SGD 0.964-0.993 and LARS 0.967-0.993, LARS at most 1.6 points under
+# SGD on any rank. At a constant rate 0.1 the end point was noise: at seed 0 LARS 0.938-0.953
+# against SGD 0.964-0.982 on this machine and 0.916-0.936 against 0.951-0.987 on CI's (failed),
+# and over seeds 1-5 LARS up to 13 points under SGD on a rank.
 @suite.runs(suite.check("lars.digits", "2x2", epochs=8, timeout=400))
 def test_resnet_with_lars_and_hitopk_trains_like_momentum_sgd(ranks):
     for r in sorted(ranks):  # each rank evaluates with its own batch-norm statistics
         accuracy = ranks[r]
         print(f"rank {r}: digits test accuracy {accuracy}")
-        assert accuracy["sgd"] > 0.85
+        assert accuracy["sgd"] > 0.9
         assert accuracy["lars"] >= accuracy["sgd"] - 0.05
 
 

@@ -11,7 +11,7 @@
   node only: every node's weights follow eq. 11 on its own node's averaged gradients in
   every mode (the norms shared inside the node, not over all ranks); "slices" refused;
 - "digits": a ResNet-style CNN trains on the digits with LARS + DistributedOptimizer
-  (HiTopK) to the accuracy band of momentum SGD.
+  (HiTopK) to the accuracy band of momentum SGD, both on a linearly decayed rate.
 """
 import horovod.tensorflow as hvd
 import horovod.tensorflow.keras as hvd_keras
@@ -204,15 +204,20 @@ def resnet(seed: int = 0) -> tf.keras.Model:
                       seed=seed)
 
 
-def check_digits(topo, epochs: int = 6) -> dict:
+def check_digits(topo, epochs: int = 8, seed: int = 0) -> dict:
+    """Test accuracy on this rank (its own batch-norm statistics) of the ResNet trained with
+    momentum SGD and with LARS, each under HiTopK, the learning rate decayed linearly from 0.1
+    to 0 over the `epochs` (at a constant rate the last steps' noise decided the accuracy:
+    LARS from about even with SGD to 13 points under it, by seed)."""
     x_train, x_test, y_train, y_test = digit_images()
     per_rank = len(x_train) // topo.size
     x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
     accuracy = {}
     for name in ("sgd", "lars"):
-        model = resnet()
-        inner = (tf.keras.optimizers.SGD(0.1, momentum=0.9) if name == "sgd" else
-                 LARS(0.1, momentum=0.9, eeta=0.05, weight_decay=5e-4, exclude_from_weight_decay=EXCLUDE,
+        model = resnet(seed)
+        lr = tf.keras.optimizers.schedules.PolynomialDecay(0.1, epochs * -(-per_rank // 16), 0.0)
+        inner = (tf.keras.optimizers.SGD(lr, momentum=0.9) if name == "sgd" else
+                 LARS(lr, momentum=0.9, eeta=0.05, weight_decay=5e-4, exclude_from_weight_decay=EXCLUDE,
                       exclude_from_layer_adaptation=[], parallel="slices"))
         # like for like: both apply their own momentum to HiTopK's aggregate, LARS its trust
         # ratio after the aggregation, on the strategy's slices (the sparse aids, DGC's
