@@ -171,7 +171,8 @@ def pytest_runtest_protocol(item, nextitem):
     item.config.stash.setdefault(COST, {})[item.nodeid] = (time.monotonic() - wall, _cpu(item.config) - cpu)
 
 
-def _cost_summary(terminalreporter, config, top: int = 25) -> None:
+def _cost_summary(terminalreporter, config) -> None:
+    top = int(os.environ.get("HVDX_COST_TOP", "25"))  # the costliest files and tests listed
     costs = config.stash.get(COST, {})
     if not costs:
         return
