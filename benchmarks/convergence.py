@@ -29,7 +29,8 @@ The compressors beside top-k (issue 66), at their defaults: `powersgd` (rank 4),
 (8 bits), `lowbit4` (4 bits).
 The local methods (issue 68), each rank stepping its task's optimizer alone between
 synchronisations of --sync-every steps: `localsgd` (hvdx.localsgd.LocalSGD: DiLoCo, blocking,
-float32), `streaming` (hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step
+float32), `localsgd_avg` (the same with outer SGD at rate 1 and no momentum: the outer step is
+the ranks' average, Local SGD's model averaging), `streaming` (hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step
 of overlap, float32 across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients).
 Their accuracy is the anchor's (the global model every rank holds the same, DiLoCo's outer
 model), taken outside the timed part; a chunk's time includes the wait for the exchanges still
@@ -192,16 +193,21 @@ def inner_optimizer(task: str, size: int, optimizer: str = "task", keras=None):
 
 
 #: The local methods: their class's keywords beside --sync-every (and --fragments).
-LOCAL_METHODS = {"localsgd": {}, "streaming": {"overlap": 1}, "streaming8": {"overlap": 1, "bits": 8},
-                 "streaming4": {"overlap": 1, "bits": 4}}
+LOCAL_METHODS = {"localsgd": {}, "localsgd_avg": {}, "streaming": {"overlap": 1},
+                 "streaming8": {"overlap": 1, "bits": 8}, "streaming4": {"overlap": 1, "bits": 4}}
 
 
 def local_method(method: str, args: argparse.Namespace):
     """The TrainingMethod of a local method's name (LOCAL_METHODS), not started."""
-    if method == "localsgd":
+    if method in ("localsgd", "localsgd_avg"):
+        import tensorflow as tf
+
         from hvdx.localsgd import LocalSGD
 
-        return LocalSGD(sync_every=args.sync_every, sync_every_epoch=False)
+        # localsgd_avg: the outer step is the ranks' average itself (outer SGD at rate 1, no
+        # momentum: Local SGD's model averaging); localsgd: DiLoCo's Nesterov 0.7 / 0.9
+        outer = tf.keras.optimizers.SGD(1.0) if method == "localsgd_avg" else None
+        return LocalSGD(sync_every=args.sync_every, outer_optimizer=outer, sync_every_epoch=False)
     from hvdx.streaming_diloco import StreamingDiLoCo
 
     return StreamingDiLoCo(sync_every=args.sync_every, fragments=args.fragments, sync_every_epoch=False,

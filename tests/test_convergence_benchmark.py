@@ -87,7 +87,10 @@ def test_local_method_names_build_their_methods_and_evaluation_sees_the_anchor()
     from benchmarks import convergence
 
     args = convergence.main.__globals__["argparse"].Namespace(sync_every=10, fragments=2)
-    assert type(convergence.local_method("localsgd", args)).__name__ == "LocalSGD"
+    diloco, averaging = convergence.local_method("localsgd", args), convergence.local_method("localsgd_avg", args)
+    assert type(diloco).__name__ == type(averaging).__name__ == "LocalSGD"
+    assert diloco.outer_optimizer.get_config()["nesterov"] and float(diloco.outer_optimizer.learning_rate) == pytest.approx(0.7)
+    assert float(averaging.outer_optimizer.learning_rate) == 1.0 and float(averaging.outer_optimizer.momentum) == 0.0
     streaming4 = convergence.local_method("streaming4", args)
     assert (streaming4.sync_every, streaming4.fragments, streaming4.overlap, streaming4.bits) == (10, 2, 1, 4)
     assert convergence.local_method("streaming", args).bits is None
