@@ -78,7 +78,9 @@ class LocalSGD(TrainingMethod):
       sync_every: local steps between two synchronisations (DiLoCo's H; Lin et al.'s H).
       outer_optimizer: a plain Keras optimizer (of either Keras, whatever the model's) applied
         to the pseudo-gradients (default `default_outer_optimizer()`); `SGD(1.0)` makes each
-        synchronisation a plain average of the ranks' models.
+        synchronisation a plain average of the ranks' models: take it over an inner
+        optimizer with momentum, under which DiLoCo's Nesterov outer step diverged
+        (docs/streaming_diloco.md#which-method-for-which-link).
       sync_every_epoch: also synchronise at each epoch's end when local steps are pending
         (True: validation and checkpoints see one model on every rank; the window of that
         outer step is shorter). False: only every `sync_every` steps, counted across epochs.
