@@ -30,8 +30,9 @@ The compressors beside top-k (issue 66), at their defaults: `powersgd` (rank 4),
 The local methods (issue 68), each rank stepping its task's optimizer alone between
 synchronisations of --sync-every steps: `localsgd` (hvdx.localsgd.LocalSGD: DiLoCo, blocking,
 float32), `localsgd_avg` (the same with outer SGD at rate 1 and no momentum: the outer step is
-the ranks' average, Local SGD's model averaging), `streaming` (hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step
-of overlap, float32 across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients).
+the ranks' average, Local SGD's model averaging), `streaming`
+(hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step of overlap, float32
+across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients).
 Their accuracy is the anchor's (the global model every rank holds the same, DiLoCo's outer
 model), taken outside the timed part; a chunk's time includes the wait for the exchanges still
 in flight at its end, so no exchange hides in an evaluation.

@@ -290,8 +290,7 @@ def test_horovods_elastic_example_runs_on_when_a_node_comes_back(tmp_path):
     ended the job: the new processes were in the warm-up's first stage, the survivors in its
     last (`TopKStrategy.agree_state` takes the largest). (A strategy that rebuilds its process
     sets at the node's return, 2DTAR: the DAWNBench test below, which switches to it before.)"""
-    communication = "hitopk"
-    job, record = _elastic_digits(tmp_path, communication, "remove,add,horovod")
+    job, record = _elastic_digits(tmp_path, "hitopk", "remove,add,horovod")
     assert record["sizes"] == [4, 2, 4], record
     assert record["spreads"] == [0.0, 0.0, 0.0] and record["final_spread"] == 0.0, record
     assert record["size"] == 4 and record["accuracy"] > 0.8, record  # it learns (chance: 0.1)

@@ -212,10 +212,10 @@ def check_digits(topo, epochs: int = 8, seed: int = 0) -> dict:
     x_train, x_test, y_train, y_test = digit_images()
     per_rank = len(x_train) // topo.size
     x_mine, y_mine = x_train[topo.rank::topo.size][:per_rank], y_train[topo.rank::topo.size][:per_rank]
-    accuracy = {}
+    batch, accuracy = 16, {}
     for name in ("sgd", "lars"):
         model = resnet(seed)
-        lr = tf.keras.optimizers.schedules.PolynomialDecay(0.1, epochs * -(-per_rank // 16), 0.0)
+        lr = tf.keras.optimizers.schedules.PolynomialDecay(0.1, epochs * -(-per_rank // batch), 0.0)
         inner = (tf.keras.optimizers.SGD(lr, momentum=0.9) if name == "sgd" else
                  LARS(lr, momentum=0.9, eeta=0.05, weight_decay=5e-4, exclude_from_weight_decay=EXCLUDE,
                       exclude_from_layer_adaptation=[], parallel="slices"))
@@ -227,7 +227,7 @@ def check_digits(topo, epochs: int = 8, seed: int = 0) -> dict:
                                               **({} if name == "sgd" else {"local_trust_ratio": False}))
         model.compile(optimizer=optimizer, metrics=["accuracy"],
                       loss=tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x_mine, y_mine, batch_size=16, epochs=epochs, verbose=0,
+        model.fit(x_mine, y_mine, batch_size=batch, epochs=epochs, verbose=0,
                   callbacks=[hvdx.callbacks.BroadcastGlobalVariablesCallback(0)])
         accuracy[name] = float(model.evaluate(x_test, y_test, verbose=0)[1])
         same_on_every_rank(weights_of(model), f"digits.{name}")
