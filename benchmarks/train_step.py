@@ -349,7 +349,23 @@ CATEGORIES = [  # (category, test on (name with scopes, op type)); the first mat
 ]
 
 
+def keras2_name(name: str) -> str:
+    """An op's name in Keras 2's form: Keras 3's train function is one StatefulPartitionedCall
+    whose scopes are numbered (mlp_1/, sgd_1/) and whose loss is under compile_loss/."""
+    parts = name.removeprefix("StatefulPartitionedCall/").split("/")
+    if parts[0] == "compile_loss":
+        parts = parts[1:]
+    i = 1 if parts[0] == "gradient_tape" and len(parts) > 1 else 0
+    if i and parts[i] == "compile_loss":
+        del parts[i]
+    scope = re.fullmatch(r"(sgd|%s)(?:_\d+)?" % "|".join(MODELS), parts[i])
+    if scope:
+        parts[i] = "SGD" if scope.group(1) == "sgd" else scope.group(1)
+    return "/".join(parts)
+
+
 def categorize(name: str, op_type: str) -> str:
+    name = keras2_name(name)
     for category, test in CATEGORIES:
         if test(name, op_type):
             return category
@@ -380,8 +396,14 @@ def op_times(logdir: str) -> Dict[str, float]:
                     category = categorize(name, op_type)
                     totals[category] += event.duration_ps * 1e-12
                     names[f"{category} | {label}"] += event.duration_ps * 1e-12
-    if os.environ.get("HVDX_PROFILE_OPS"):
-        print("op times:\n" + "\n".join(f"  {v * 1e3:8.1f} ms  {k}" for k, v in names.most_common(40)), flush=True)
+    if os.environ.get("HVDX_PROFILE_OPS"):  # the ops behind the categories, and time per op type
+        top = int(os.environ["HVDX_PROFILE_OPS"])
+        by_type: Dict[str, float] = collections.Counter()
+        for key, seconds in names.items():
+            by_type[key.rsplit(":", 1)[1]] += seconds
+        print("op times:\n" + "\n".join(f"  {v * 1e3:8.1f} ms  {k}" for k, v in names.most_common(top))
+              + "\nby op type:\n" + "\n".join(f"  {v * 1e3:8.1f} ms  {k}" for k, v in by_type.most_common(top)),
+              flush=True)
     return dict(totals)
 
 
