@@ -32,10 +32,16 @@ synchronisations of --sync-every steps: `localsgd` (hvdx.localsgd.LocalSGD: DiLo
 float32), `localsgd_avg` (the same with outer SGD at rate 1 and no momentum: the outer step is
 the ranks' average, Local SGD's model averaging), `streaming`
 (hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step of overlap, float32
-across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients).
-Their accuracy is the anchor's (the global model every rank holds the same, DiLoCo's outer
-model), taken outside the timed part; a chunk's time includes the wait for the exchanges still
-in flight at its end, so no exchange hides in an evaluation.
+across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients); `daso`
+(hvdx.DASO over the task's optimizer: node-local gradient averaging every step, global
+parameter averaging blocking in the first and last chunk and every B steps, overlapped, in
+between) and `adpsgd` (hvdx.adpsgd.ADPSGD on the exponential graph, the ranks' models
+averaged at each evaluation). Each evaluation ends one of the methods' epochs
+(`begin_epoch` / `end_epoch`: DASO drains, AD-PSGD averages, inside the timed part). Their
+accuracy is the anchor's for LocalSGD and streaming DiLoCo (the global model every rank holds
+the same, DiLoCo's outer model), rank 0's model for DASO and AD-PSGD (the same on every rank
+after the epoch's end), taken outside the timed part; a chunk's time includes the wait for the
+exchanges still in flight at its end, so no exchange hides in an evaluation.
 `--seeds N` repeats everything with N seeds (--seed, --seed + 1, ...): the table gives the
 mean and the range of the final accuracy. `--lr-warmup-steps N` ramps every method's learning
 rate as Horovod's `LearningRateWarmupCallback` does (from rate / ranks to the rate over N
@@ -193,13 +199,28 @@ def inner_optimizer(task: str, size: int, optimizer: str = "task", keras=None):
     return keras.optimizers.SGD(0.025 * size, momentum=0.9)
 
 
-#: The local methods: their class's keywords beside --sync-every (and --fragments).
+#: The local methods: their class's keywords beside --sync-every (and --fragments); DASO and
+#: AD-PSGD take theirs in `local_method`.
 LOCAL_METHODS = {"localsgd": {}, "localsgd_avg": {}, "streaming": {"overlap": 1},
-                 "streaming8": {"overlap": 1, "bits": 8}, "streaming4": {"overlap": 1, "bits": 4}}
+                 "streaming8": {"overlap": 1, "bits": 8}, "streaming4": {"overlap": 1, "bits": 4},
+                 "daso": {}, "adpsgd": {}}
 
 
-def local_method(method: str, args: argparse.Namespace):
-    """The TrainingMethod of a local method's name (LOCAL_METHODS), not started."""
+def local_method(method: str, args: argparse.Namespace, optimizer: Any = None, chunks: int = 1):
+    """The TrainingMethod of a local method's name (LOCAL_METHODS), not started. `optimizer`:
+    the task's (DASO wraps it, and is the model's optimizer); `chunks`: the evaluations of
+    the run, DASO's epochs (one blocking, the cycling ones, one blocking)."""
+    if method == "daso":
+        from hvdx.daso import DASO
+
+        return DASO(optimizer, total_epochs=max(3, chunks), warmup_epochs=1, cooldown_epochs=1)
+    if method == "adpsgd":
+        from hvdx.adpsgd import ADPSGD
+
+        # the average of every rank's model at each evaluation (what ADPSGDCallback's
+        # average_every_epoch gives a user), counted in the training time
+        return ADPSGD(topology="exponential", average_every_epoch=True, timeout=300.0,
+                      name=f"conv.adpsgd.{args.seed}")
     if method in ("localsgd", "localsgd_avg"):
         import tensorflow as tf
 
@@ -337,11 +358,12 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
         keras.utils.set_random_seed(args.seed)  # the same initial weights (of one Keras) and batches for every method
         model = build_model(task, args, keras)
         inner = inner_optimizer(task, hvd.size(), args.optimizer, keras)
-        local = local_method(method, args) if method in LOCAL_METHODS else None
+        chunks = -(-(args.steps - 1) // args.eval_every)
+        local = local_method(method, args, inner, chunks) if method in LOCAL_METHODS else None
         if method == "horovod":
             optimizer = hvd_keras.DistributedOptimizer(inner)
-        elif local is not None:
-            optimizer, options = inner, {}
+        elif local is not None:  # DASO is the model's optimizer; the others step the task's
+            optimizer, options = (local if method == "daso" else inner), {}
         else:
             options = method_options(method, task, args)
             if not hasattr(inner, "momentum"):
@@ -371,6 +393,8 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             iterator, train = iter(data), model.train_function
             if local is not None:
                 local.start(model, inner)  # collective: rank 0's model, the anchor, the transport
+                if method == "daso":
+                    local.after_step()  # the build step's synchronisation (DASO needs one after every step)
         # the optimizer whose rate --lr-warmup-steps ramps: the one that applies the gradients
         runs[key] = {"model": model, "iterator": iterator, "train": train,
                      "optimizer": inner if tape else model.optimizer,
@@ -381,6 +405,9 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
             n = min(args.eval_every, args.steps - run["done"])
             hvdx.barrier()
             start = time.perf_counter()
+            if run["local"] is not None and run["local"].begin_epoch(chunk):  # a chunk is an epoch
+                run["model"].make_train_function(force=True)
+                run["train"] = run["model"].train_function
             for i in range(n):
                 if args.lr_warmup_steps or args.lr_decay_power:
                     run["optimizer"].learning_rate.assign(
@@ -391,13 +418,15 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
                     logs = run["train"](run["iterator"])
                 if run["local"] is not None:
                     run["local"].after_step()
-            float(logs["loss"])  # waits for the last step
+            loss = float(logs["loss"])  # waits for the last step
             if run["local"] is not None:  # and for the exchanges in flight (applied at their step)
                 for item in getattr(run["local"], "inflight", ()):
                     item.future.result()
+                run["local"].end_epoch(chunk, {"loss": loss})  # DASO drains, AD-PSGD averages
             run["clock"] += common.slowest(time.perf_counter() - start, f"conv.{task}.{method}.{args.seed}.{chunk}")
             run["done"] += n
-            with (AnchorView(run["local"]) if run["local"] is not None else contextlib.nullcontext()):
+            anchored = getattr(run["local"], "anchor", None) is not None  # LocalSGD, streaming DiLoCo
+            with (AnchorView(run["local"]) if anchored else contextlib.nullcontext()):
                 _, accuracy = run["model"].evaluate(x_test, y_test, batch_size=256, verbose=0)
             run["steps"].append(run["done"])
             run["accuracy"].append(float(accuracy))

@@ -12,24 +12,31 @@ from tests import harness
 @pytest.mark.slow
 @pytest.mark.multirank
 def test_convergence_benchmark_writes_json_plot_and_table_with_keras3_beside_keras2(tmp_path):
-    """Horovod's step, hvdx's allreduce and HiTopK with its aids, each of hvdx's also on the
-    task's Keras 3 model (--keras 2,3, issue 64), taking turns: the curves, the summary
-    against Horovod's, HiTopK against allreduce of the same Keras, the plot and the README
-    section."""
+    """Horovod's step, hvdx's allreduce, HiTopK with its aids and the methods beside the step
+    (streaming DiLoCo, DASO, AD-PSGD: issue 68), each of hvdx's also on the task's Keras 3
+    model (--keras 2,3, issue 64), taking turns: the curves, the summary against Horovod's,
+    HiTopK against allreduce of the same Keras, the plot and the README section."""
     readme = tmp_path / "README.md"
     aided = "hitopk+mc+clip+warmup"
+    local = ["streaming4", "daso", "adpsgd"]
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "convergence.py"), "--smoke", "--local",
-                           "--tasks", "resnet", "--methods", f"horovod,allreduce,{aided}", "--keras", "2,3",
+                           "--tasks", "resnet", "--methods", ",".join(["horovod", "allreduce", aided, *local]),
+                           "--keras", "2,3",
                            "--out", str(tmp_path), "--readme", str(readme)],
                           capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "convergence.json").read_text())
     assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
     runs = result["tasks"]["resnet"]
-    assert sorted(runs) == ["allreduce", "allreduce@keras3", aided, f"{aided}@keras3", "horovod"]
+    assert sorted(runs) == sorted(["allreduce", "allreduce@keras3", aided, f"{aided}@keras3", "horovod",
+                                   *local, *(f"{m}@keras3" for m in local)])
     for run in runs.values():
         assert run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"])
         assert run["seconds"][1] > run["seconds"][0] > 0
+    stats = result["by_seed"]["1234"]["resnet"]
+    assert stats["daso"]["stats"]["blocking"]["count"] >= 1  # DASO's first and last chunks block
+    assert stats["adpsgd@keras3"]["stats"]["steps"] >= 4     # the gossip took every local step
+    assert stats["streaming4"]["stats"]["bytes_sent"]["cross"] > 0
     assert result["summary"]["resnet"]["horovod"]["gap_points"] == 0
     assert [(r["keras"], r["method"]) for r in result["vs_allreduce"]] == [(2, aided), (3, aided)]
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
