@@ -352,13 +352,13 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
     x_train, y_train, x_test, y_test = digits(task)
     mine = np.arange(hvd.rank(), len(x_train), hvd.size())
     runs: Dict[str, Dict[str, Any]] = {}
+    chunks = -(-(args.steps - 1) // args.eval_every)  # the evaluations after the first step
     for key in common.keras_keys(args.methods or METHODS[task], getattr(args, "keras", (2,))):
         method, version = common.split_keras(key)
         keras = common.keras_module(version)  # Keras 2 (tf.keras here) or Keras 3
         keras.utils.set_random_seed(args.seed)  # the same initial weights (of one Keras) and batches for every method
         model = build_model(task, args, keras)
         inner = inner_optimizer(task, hvd.size(), args.optimizer, keras)
-        chunks = -(-(args.steps - 1) // args.eval_every)
         local = local_method(method, args, inner, chunks) if method in LOCAL_METHODS else None
         if method == "horovod":
             optimizer = hvd_keras.DistributedOptimizer(inner)
@@ -400,7 +400,7 @@ def run_task(task: str, args: argparse.Namespace) -> Dict[str, Any]:
                      "optimizer": inner if tape else model.optimizer,
                      "local": local, "steps": [], "accuracy": [], "seconds": [], "clock": 0.0, "done": 1,
                      "rate": float(np.asarray(inner.learning_rate))}
-    for chunk in range(-(-(args.steps - 1) // args.eval_every)):
+    for chunk in range(chunks):
         for method, run in runs.items():
             n = min(args.eval_every, args.steps - run["done"])
             hvdx.barrier()
