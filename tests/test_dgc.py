@@ -2,6 +2,8 @@
 rules: each checked against a NumPy reference on one rank here, and on 2 nodes x 2 ranks
 with HiTopK's node slices in tests/multirank/check_dgc.py (Keras training with every aid,
 mixed precision, backward_passes_per_step and checkpoints included)."""
+import re
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -101,6 +103,43 @@ def test_sparse_strategy_with_every_aid_equals_the_numpy_rule(one_rank, cls, tra
     np.testing.assert_allclose(strategy.variables["b"].numpy(), v, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(strategy.velocities["b"].numpy(), u, rtol=2e-5, atol=1e-6)
     assert int(strategy.memory.counter("b").numpy()) == steps
+
+
+@pytest.mark.parametrize("cls", [comm.HiTopK, comm.SparseAllgather])
+def test_a_warmup_stage_denser_than_pairs_pay_for_is_averaged_dense_with_top_ks_result(one_rank, cls):
+    """Adam's default warm-up starts at density 1, where (value, index) pairs carry twice the
+    buffer's bytes (and more on more nodes): such a stage (`dense_from`: 0.5 for float32 pairs
+    on one or two nodes) is one dense all-reduce, with the result of sending every entry
+    (output, residual zero, velocity masked); the later stages follow DGC's rule."""
+    d, steps = 400, 10
+    rng = np.random.default_rng(5)
+    grads = [(rng.permutation(np.arange(1, d + 1)) * rng.choice([-1, 1], d) / d).astype(np.float32)
+             for _ in range(steps)]
+    strategy = cls(density=0.02, momentum=0.9, warmup_steps=8, warmup_density=1.0)
+    assert strategy.dense_from() == 0.5 and strategy.warmup.densities()[:2] == pytest.approx([1.0, 0.376], abs=1e-3)
+    call = tf.function(lambda g: strategy(g, "b"))
+    sent, v, u = reference_dgc(grads, strategy.warmup.density, 0.9, 1.0, None)
+    for step, g in enumerate(grads):
+        got = call(tf.constant(g)).numpy()
+        np.testing.assert_allclose(got, sent[step], rtol=2e-5, atol=1e-6, err_msg=f"step {step}")
+        if step == 0:
+            assert not strategy.variables["b"].numpy().any() and not strategy.velocities["b"].numpy().any()
+    np.testing.assert_allclose(strategy.variables["b"].numpy(), v, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(strategy.velocities["b"].numpy(), u, rtol=2e-5, atol=1e-6)
+    # the warm-up's five branches: the dense stage's all-reduces, the sparse ones' do not
+    library = call.get_concrete_function(tf.constant(grads[0])).graph.as_graph_def().library.function
+    branches = {f.signature.name: {node.op for node in f.node_def} for f in library
+                if re.search(r"density_warmup_indexed_case_branch\d", f.signature.name)}
+    assert sorted("HorovodAllreduce" in ops for ops in branches.values()) == [False] * 4 + [True], branches
+
+
+def test_dense_from_is_where_the_pairs_outweigh_a_dense_all_reduce(one_rank):
+    """rho (b_v + b_i) (M - 1) >= 2 (M - 1) / M * 4 bytes: float16 values or 4-bit codes make
+    the pairs lighter, so only denser stages go dense."""
+    assert comm.HiTopK().dense_from() == 0.5
+    assert comm.HiTopK(wire_dtype=tf.float16).dense_from() == pytest.approx(8 / (2 * 6))
+    assert comm.SparseAllgather(value_bits=4).dense_from() == pytest.approx(8 / (2 * 4.5))
+    assert comm.HiTopK(index_dtype=tf.int64).dense_from() == pytest.approx(8 / (2 * 12))
 
 
 @pytest.mark.parametrize("cls", [comm.HiTopK, comm.SparseAllgather])
@@ -278,12 +317,16 @@ def test_aids_are_rejected_with_a_dense_strategy_and_momentum_correction_needs_m
 @suite.runs(suite.check("dgc.aids", "2x2", timeout=300))
 def test_aids_on_two_nodes_follow_the_rule_and_keep_the_training_path_guarantees(ranks):
     """Every rank: HiTopK with every aid equals a NumPy simulation on the node slices, a
-    small gradient sent whole is the exact mean also across two ranks' slices; Keras
+    small gradient sent whole is the exact mean also across two ranks' slices, the warm-up's
+    dense stages are the exact mean with nothing held back; Keras
     training with every aid under mixed precision and backward_passes_per_step keeps
     identical weights on every rank, and its residuals and velocities per rank through a
     checkpoint."""
     for rank, data in ranks.items():
         assert data["simulation_steps"] == 6 and data["dense_below_steps"] == 3, rank
+        assert data["dense_warmup"] == [["HiTopK", 1029, [True], True], ["HiTopK", 37, [True], True],
+                                        ["SparseAllgather", 1029, [True, True], None],
+                                        ["SparseAllgather", 37, [True, True], None]], rank
         assert data["weights_spread"] == 0.0, rank
         assert data["finite"], rank
         assert data["restored_own_velocity"], rank

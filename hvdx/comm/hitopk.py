@@ -4,13 +4,14 @@ from __future__ import annotations
 import time
 from typing import Dict, Optional
 
+import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import ops, timeline
 from hvdx.comm.base import Aggregated
 from hvdx.comm.registry import register
 from hvdx.comm.sparse import TopKStrategy
-from hvdx.node.collectives import check_engine, node_reduce_scatter_parts, node_slices
+from hvdx.node.collectives import check_engine, node_allgather, node_reduce_scatter_parts, node_slices
 from hvdx.topology import barrier
 
 __all__ = ["HiTopK"]
@@ -30,7 +31,8 @@ class HiTopK(TopKStrategy):
        into the d-vector (lines 15-22), divided by the number of ranks.
     The node's slices are those of `node_slices` (aligned, the last one shorter; no copy
     of the buffer), and k = density * slice length on each, plus the slice's entries of the
-    gradients sent whole (`dense_below`).
+    gradients sent whole (`dense_below`). A density warm-up's stages at `dense_from` or above
+    (0.5 on two nodes with float32 pairs: an Adam's dense start) go through 2DTAR instead.
     Set `record_times = True` to keep each step's wall time (eager mode, a barrier of all
     ranks before each step) in `last_times`.
 
@@ -66,6 +68,30 @@ class HiTopK(TopKStrategy):
         """The longest node slice of a d-element buffer (`node_slices`): every rank keeps a
         residual of that length (the shorter last slice leaves its tail at zero)."""
         return node_slices(d, self.topology.local_size)[0][1]
+
+    def gather_members(self) -> int:
+        """The pairs cross the slow links in the cross sets: one member per node."""
+        return self.topology.num_nodes
+
+    def _dense_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None
+                         ) -> Aggregated:
+        """A warm-up stage at `dense_from` or above, by 2DTAR with error feedback: the node's
+        reduce-scatter (step 1), the residual added to this rank's slice, a float32 all-reduce
+        of the slice in the cross set, the node's all-gather of the averaged slices."""
+        topo = self.topology
+        d = int(buffer.shape[0])
+        slices = node_slices(d, topo.local_size)
+        offset, slice_length = slices[topo.local_set.rank()]
+        parts = node_reduce_scatter_parts(buffer, topo, f"hvdx.hitopk.rs.{name}", self.node_engine)
+        acc, velocity = self._accumulate([tf.ensure_shape(p, [slice_length]) for p in parts], name, residual_scale,
+                                         self.residual_length(d))
+        summed = hvd.allreduce(acc, op=hvd.Sum, process_set=topo.cross_set, name=f"hvdx.hitopk.dense.{name}")
+        averaged = summed / tf.cast(topo.size, summed.dtype)
+        gathered = node_allgather(averaged, topo, f"hvdx.hitopk.dense.ag.{name}", self.node_engine)
+        total = tf.reshape(gathered[:d], [d])  # [:d]: a small buffer's padding
+        mine = (total[offset:offset + slice_length] if offset + slice_length <= d else total[offset:], offset)
+        updates = self._dense_updates(name, acc, velocity, offset, self.residual_length(d), residual_scale)
+        return Aggregated(total, updates, local_slice=mine, finite=self._finite(total))
 
     def _sparse_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         topo = self.topology

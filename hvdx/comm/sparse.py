@@ -9,7 +9,8 @@ Deep Gradient Compression's convergence aids (`hvdx.comm.dgc`) are options of ev
 strategy: `momentum` (momentum correction), `momentum_masking`, `clip_norm` (local
 gradient clipping), `warmup_steps` / `warmup_density` (density warm-up) and
 `residual_decay`. They are applied here, around the selection, so each strategy only
-says how its pairs travel (`_sparse_aggregate`). So is `dense_below`: a bucket's gradients
+says how its pairs travel (`_sparse_aggregate`), and how it averages densely the warm-up's
+stages whose pairs would cost more than the dense buffer (`dense_from`, `_dense_aggregate`). So is `dense_below`: a bucket's gradients
 of fewer elements (biases, batch norm, small layers) are sent whole every step, beside the
 top-k of the rest, in the same exchange.
 
@@ -272,7 +273,8 @@ class TopKStrategy(Strategy):
     def _aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None) -> Aggregated:
         """Local clipping of this rank's buffer, then the strategy's `_sparse_aggregate`, at the
         density of the warm-up's stage (one branch per stage, chosen by the buffer's step
-        counter, identical on every rank)."""
+        counter, identical on every rank); a warm-up stage at `dense_from` or above is
+        `_dense_aggregate`'s instead (the target density's always sparse)."""
         if self.clip_norm is not None:
             with tf.name_scope("local_clip"):
                 buffer = dgc.local_clip(buffer, self.clip_norm, self.topology.size, residual_scale)
@@ -282,13 +284,15 @@ class TopKStrategy(Strategy):
             result = self._sparse_aggregate(buffer, name, residual_scale)
             return dataclasses.replace(result, updates=result.updates + [(counter, counter + 1)])
         densities = warmup.densities()
+        dense = [density >= self.dense_from() for density in densities[:-1]] + [False]
         built = []
 
-        def branch(density: float):
+        def branch(stage: int):
             def build():
-                self._density_now = density
+                self._density_now = densities[stage]
                 try:
-                    result = self._sparse_aggregate(buffer, name, residual_scale)
+                    aggregate = self._dense_aggregate if dense[stage] else self._sparse_aggregate
+                    result = aggregate(buffer, name, residual_scale)
                 finally:
                     self._density_now = None
                 built.append(result)
@@ -297,9 +301,10 @@ class TopKStrategy(Strategy):
             return build
 
         if tf.executing_eagerly():
-            output, finite, local, values = branch(densities[warmup.stage(int(counter.numpy()))])()
+            output, finite, local, values = branch(warmup.stage(int(counter.numpy())))()
         else:
-            output, finite, local, values = tf.switch_case(warmup.stage(counter), [branch(d) for d in densities],
+            output, finite, local, values = tf.switch_case(warmup.stage(counter), [branch(i) for i, _ in
+                                                                                   enumerate(densities)],
                                                            name="density_warmup")
         first = built[0]
         updates = [(variable, value) for (variable, _), value in zip(first.updates, values)]
@@ -321,17 +326,8 @@ class TopKStrategy(Strategy):
         whole (`whole_indices`; k counts both). `stored`: the residual's length where it
         exceeds the grads' (its tail stays zero); `offset`: where the grads sit in the bucket."""
         length = int(grads[0].shape[0])
-        if grads[0].dtype != tf.float32:
-            raise ValueError(f"{type(self).__name__} aggregates float32 buffers, got {grads[0].dtype.name}")
         stored = length if stored is None else stored
-        with tf.name_scope("error_feedback"):
-            residual = self._memory.read(name, stored, tf.float32, residual_scale)
-            residual = residual if stored == length else residual[:length]
-            velocity = None
-            if self.momentum:  # DGC: momentum correction
-                velocity = self._velocities.read(name, stored, tf.float32, residual_scale)
-                velocity = velocity if stored == length else velocity[:length]
-            acc, velocity = dgc.accumulate(grads, residual, velocity, self.momentum, self.residual_decay)
+        acc, velocity = self._accumulate(grads, name, residual_scale, stored)
         k = self.k(length)
         whole = self.whole_indices(offset, length)
         candidates = acc
@@ -363,17 +359,82 @@ class TopKStrategy(Strategy):
             if whole:
                 taken = tf.concat([taken[:k - len(whole)], whole_values - sent[k - len(whole):]], axis=0)
             new_residual = ops.sparse_accumulate(taken, indices, length, out=candidates)
-            if stored != length:
-                new_residual = tf.pad(new_residual, [[0, stored - length]])
-            updates = self._memory.updates(name, new_residual, residual_scale)
-            if velocity is not None:
-                if self.momentum_masking:  # not the entries sent whole: their momentum runs on, also
-                    velocity = dgc.mask_velocity(velocity, selected, whole)  # where MSTopK filled up with their zeros
-                if stored != length:
-                    velocity = tf.pad(velocity, [[0, stored - length]])
-                updates += self._velocities.updates(name, velocity, residual_scale)
+            if velocity is not None and self.momentum_masking:  # not the entries sent whole: their momentum
+                velocity = dgc.mask_velocity(velocity, selected, whole)  # runs on, also where MSTopK filled up with their zeros
+            updates = self._state_updates(name, new_residual, velocity, stored, residual_scale)
         self.last_indices = indices
         return Selection(values, indices, k, updates, packet)
+
+    def _accumulate(self, grads: List[tf.Tensor], name: str, residual_scale: Optional[tf.Tensor], stored: int
+                    ) -> Tuple[tf.Tensor, Optional[tf.Tensor]]:
+        """Error feedback's accumulation (with DGC's momentum correction): (acc, velocity) =
+        `dgc.accumulate` of `grads` with this rank's residual (and velocity) of buffer `name`,
+        both read at their `stored` length and cut to the grads'. ValueError: not float32."""
+        length = int(grads[0].shape[0])
+        if grads[0].dtype != tf.float32:
+            raise ValueError(f"{type(self).__name__} aggregates float32 buffers, got {grads[0].dtype.name}")
+        with tf.name_scope("error_feedback"):
+            residual = self._memory.read(name, stored, tf.float32, residual_scale)
+            residual = residual if stored == length else residual[:length]
+            velocity = None
+            if self.momentum:  # DGC: momentum correction
+                velocity = self._velocities.read(name, stored, tf.float32, residual_scale)
+                velocity = velocity if stored == length else velocity[:length]
+            return dgc.accumulate(grads, residual, velocity, self.momentum, self.residual_decay)
+
+    def _state_updates(self, name: str, residual: tf.Tensor, velocity: Optional[tf.Tensor], stored: int,
+                       residual_scale: Optional[tf.Tensor]) -> List[Update]:
+        """The writes of buffer `name`'s new residual (and velocity), zero-padded to `stored`:
+        the same variables, in the same order, whichever path made them."""
+        pad = stored - int(residual.shape[0])
+        updates = self._memory.updates(name, tf.pad(residual, [[0, pad]]) if pad else residual, residual_scale)
+        if velocity is not None:
+            updates += self._velocities.updates(name, tf.pad(velocity, [[0, pad]]) if pad else velocity,
+                                                residual_scale)
+        return updates
+
+    def dense_from(self) -> float:
+        """The lowest warm-up density whose stage is averaged dense (`_dense_aggregate`), not
+        sparse: where the pairs, all-gathered over the M members of the strategy's slow
+        exchange (`gather_members`), carry at least the bytes of a ring all-reduce of the same
+        entries in float32: rho (b_v + b_i) (M - 1) >= 2 (M - 1) / M * 4, i.e.
+        rho >= 8 / (M (b_v + b_i)), with M at least 2 (b_v, b_i: a pair's value and index
+        bytes on the wire). 0.5 for float32 pairs between two members."""
+        value = self.value_bits / 8 if self.value_bits is not None else self.wire_dtype.size
+        index = (self.index_dtype or tf.int32).size
+        return min(1.0, 8.0 / (max(2, self.gather_members()) * (value + index)))
+
+    def gather_members(self) -> int:
+        """How many members all-gather the pairs over the slow links (every rank here)."""
+        return self.topology.size
+
+    def _dense_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None
+                         ) -> Aggregated:
+        """A warm-up stage at `dense_from` or above: every entry of acc = buffer + residual
+        (error feedback, momentum correction) averaged by one float32 all-reduce of every
+        rank. As top-k of all entries would: the residual becomes zero, and with masking the
+        velocity too (but at the entries sent whole, `dense_below`, whose momentum runs on)."""
+        d = int(buffer.shape[0])
+        acc, velocity = self._accumulate([buffer], name, residual_scale, self.residual_length(d))
+        total = hvd.allreduce(acc, op=hvd.Sum, process_set=hvd.global_process_set, name=f"hvdx.{self.key}.dense.{name}")
+        output = total / tf.cast(self.topology.size, total.dtype)
+        updates = self._dense_updates(name, acc, velocity, 0, self.residual_length(d), residual_scale)
+        return Aggregated(output, updates, finite=self._finite(output))
+
+    def _dense_updates(self, name: str, acc: tf.Tensor, velocity: Optional[tf.Tensor], offset: int, stored: int,
+                       residual_scale: Optional[tf.Tensor]) -> List[Update]:
+        """`_dense_aggregate`'s state writes (residual and velocity of `stored` elements) for an
+        accumulated `acc` of elements [offset, offset + len(acc)) of the bucket, every one sent."""
+        length = int(acc.shape[0])
+        if velocity is not None and self.momentum_masking:
+            whole = self.whole_indices(offset, length)
+            if whole:
+                at = tf.constant(whole, tf.int64)[:, None]
+                velocity = tf.scatter_nd(at, tf.gather_nd(velocity, at), [length])
+            else:
+                velocity = tf.zeros_like(velocity)
+        with tf.name_scope("error_feedback"):
+            return self._state_updates(name, tf.zeros_like(acc), velocity, stored, residual_scale)
 
     def _exchange(self, values: tf.Tensor, indices: tf.Tensor, k: Union[int, Sequence[int]],
                   process_set: hvd.ProcessSet, name: str, node_engine: str = "horovod",

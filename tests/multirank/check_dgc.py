@@ -5,6 +5,8 @@
   node's summed slice is the gradient whose velocity is kept), step by step, velocities
   and residuals included. Factors are powers of two and buffers multiples of 1/8, so every
   sum is exact and MSTopK's selection can be compared index by index.
+- The warm-up's stages too dense for pairs to pay (`dense_from`) average exactly and leave
+  no residual or velocity, HiTopK's and NaiveAG's, traced.
 - model.fit under mixed_float16 with every aid on (momentum correction from the wrapped
   SGD, local clipping, warm-up, decay) and backward_passes_per_step=2: every rank ends
   with the same weights, all finite; a checkpoint written on each rank restores that
@@ -93,8 +95,34 @@ def check_dense_below(topo, steps: int = 3) -> int:
     return steps
 
 
+def check_dense_warmup(topo) -> list:
+    """The warm-up's dense stages (`dense_from`) inside a traced step, both sparse strategies,
+    an aligned and a padded buffer: at density 1 (HiTopK, 2DTAR) and at 0.47 (NaiveAG, whose
+    pairs go to all four ranks: dense from 0.25) the output is the exact mean of the ranks'
+    gradients and every residual and velocity is zero; HiTopK's 0.47 stage is sparse again
+    (a residual kept). Returns (strategy, d, dense steps exact, sparse step kept) per case."""
+    out = []
+    for cls in (comm.HiTopK, comm.SparseAllgather):
+        for d in (64 * 16 + 5, 37):
+            strategy = cls(density=0.05, momentum=0.5, warmup_steps=4, warmup_density=1.0)
+            call = tf.function(lambda g, s=strategy: s(g, "w"))
+            exact, kept = [], None
+            for step in range(2):
+                grads = np.random.default_rng(100 * step + topo.rank).integers(-8000, 8000, d) / 8
+                everyone = gather_rows(tf.constant(grads, tf.float32), f"dw.{cls.__name__}.{d}.{step}")
+                got = call(tf.constant(grads, tf.float32)).numpy()
+                state = np.concatenate([strategy.variables["w"].numpy(), strategy.velocities["w"].numpy()])
+                if strategy.warmup.density(step) >= strategy.dense_from():
+                    exact.append(bool(np.allclose(got, everyone.mean(axis=0), rtol=1e-6) and not state.any()))
+                else:
+                    kept = bool(strategy.variables["w"].numpy().any())
+            out.append([cls.__name__, d, exact, kept])
+    return out
+
+
 def check_aids(topo) -> dict:
-    out = {"simulation_steps": check_simulation(topo), "dense_below_steps": check_dense_below(topo)}
+    out = {"simulation_steps": check_simulation(topo), "dense_below_steps": check_dense_below(topo),
+           "dense_warmup": check_dense_warmup(topo)}
     tf.keras.mixed_precision.set_global_policy("mixed_float16")
     folder = tempfile.mkdtemp(prefix=f"hvdx-dgc-r{topo.rank}-")
     try:
