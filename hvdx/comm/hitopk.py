@@ -82,6 +82,7 @@ class HiTopK(TopKStrategy):
         d = int(buffer.shape[0])
         slices = node_slices(d, topo.local_size)
         offset, slice_length = slices[topo.local_set.rank()]
+        (buffer,) = timeline.span([buffer], self.progress_label, name, "dense warm-up (2DTAR)", "begin")
         parts = node_reduce_scatter_parts(buffer, topo, f"hvdx.hitopk.rs.{name}", self.node_engine)
         acc, velocity = self._accumulate([tf.ensure_shape(p, [slice_length]) for p in parts], name, residual_scale,
                                          self.residual_length(d))
@@ -89,6 +90,7 @@ class HiTopK(TopKStrategy):
         averaged = summed / tf.cast(topo.size, summed.dtype)
         gathered = node_allgather(averaged, topo, f"hvdx.hitopk.dense.ag.{name}", self.node_engine)
         total = tf.reshape(gathered[:d], [d])  # [:d]: a small buffer's padding
+        (total,) = timeline.span([total], self.progress_label, name, "dense warm-up (2DTAR)", "end")
         mine = (total[offset:offset + slice_length] if offset + slice_length <= d else total[offset:], offset)
         updates = self._dense_updates(name, acc, velocity, offset, self.residual_length(d), residual_scale)
         return Aggregated(total, updates, local_slice=mine, finite=self._finite(total))
