@@ -15,7 +15,6 @@
 import shutil
 import tempfile
 
-import horovod.tensorflow as hvd
 import numpy as np
 import tensorflow as tf
 
