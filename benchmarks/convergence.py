@@ -32,7 +32,8 @@ synchronisations of --sync-every steps: `localsgd` (hvdx.localsgd.LocalSGD: DiLo
 float32), `localsgd_avg` (the same with outer SGD at rate 1 and no momentum: the outer step is
 the ranks' average, Local SGD's model averaging), `streaming`
 (hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step of overlap, float32
-across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients); `daso`
+across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients), `streaming4_avg`
+(4-bit with `localsgd_avg`'s outer SGD at rate 1); `daso`
 (hvdx.DASO over the task's optimizer: node-local gradient averaging every step, global
 parameter averaging blocking in the first and last chunk and every B steps, overlapped, in
 between) and `adpsgd` (hvdx.adpsgd.ADPSGD on the exponential graph, the ranks' models
@@ -203,7 +204,7 @@ def inner_optimizer(task: str, size: int, optimizer: str = "task", keras=None):
 #: AD-PSGD take theirs in `local_method`.
 LOCAL_METHODS = {"localsgd": {}, "localsgd_avg": {}, "streaming": {"overlap": 1},
                  "streaming8": {"overlap": 1, "bits": 8}, "streaming4": {"overlap": 1, "bits": 4},
-                 "daso": {}, "adpsgd": {}}
+                 "streaming4_avg": {"overlap": 1, "bits": 4}, "daso": {}, "adpsgd": {}}
 
 
 def local_method(method: str, args: argparse.Namespace, optimizer: Any = None, chunks: int = 1):
@@ -230,10 +231,13 @@ def local_method(method: str, args: argparse.Namespace, optimizer: Any = None, c
         # momentum: Local SGD's model averaging); localsgd: DiLoCo's Nesterov 0.7 / 0.9
         outer = tf.keras.optimizers.SGD(1.0) if method == "localsgd_avg" else None
         return LocalSGD(sync_every=args.sync_every, outer_optimizer=outer, sync_every_epoch=False)
+    import tensorflow as tf
+
     from hvdx.streaming_diloco import StreamingDiLoCo
 
-    return StreamingDiLoCo(sync_every=args.sync_every, fragments=args.fragments, sync_every_epoch=False,
-                           **LOCAL_METHODS[method])
+    outer = tf.keras.optimizers.SGD(1.0) if method.endswith("_avg") else None  # as localsgd_avg's
+    return StreamingDiLoCo(sync_every=args.sync_every, outer_optimizer=outer, fragments=args.fragments,
+                           sync_every_epoch=False, **LOCAL_METHODS[method])
 
 
 class AnchorView:
