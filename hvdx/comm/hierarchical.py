@@ -14,13 +14,32 @@ from hvdx.comm.registry import register
 from hvdx.node.collectives import check_engine, node_allgather, node_reduce_scatter, node_slices
 from hvdx.topology import Topology
 
-__all__ = ["DEFAULT_FLAT_BELOW", "Hierarchical"]
+__all__ = ["DEFAULT_FLAT_BELOW", "Hierarchical", "average_node_slices"]
 
 
 #: Below this many bytes on the wire a bucket goes through one flat allreduce per gradient
 #: (`Hierarchical.flat_below`): three latency-bound collectives cost more than the inter-node
 #: bytes they save (benchmarks/README.md, train_step.py's hierarchical_sized).
 DEFAULT_FLAT_BELOW = 4 << 20
+
+
+def average_node_slices(mine: tf.Tensor, d: int, dtype: tf.DType, topo: Topology, prefix: str, name: str,
+                        engine: str = "horovod", label: str = "") -> Tuple[tf.Tensor, tf.Tensor]:
+    """2DTAR's cross-node and node steps (shi2021 sec. 5.3) after the node's reduce-scatter:
+    `mine`, this rank's node sum of its slice (`node_slices`) of a d-element buffer, summed
+    in its cross set (all-reduce `{prefix}.ar.{name}`), divided by the number of ranks, and
+    all-gathered inside the node (`{prefix}.ag.{name}`, by `engine`). The collectives move
+    mine's dtype. Returns (this rank's averaged slice, the averaged d-vector), in `dtype`."""
+    (mine,) = timeline.span([mine], label, name, "inter_allreduce", "begin")
+    total = hvd.allreduce(mine, op=hvd.Sum, process_set=topo.cross_set, name=f"{prefix}.ar.{name}")
+    (total,) = timeline.span([total], label, name, "inter_allreduce", "end")
+    averaged = tf.cast(total, dtype) / tf.cast(topo.size, dtype)
+    (averaged,) = timeline.span([averaged], label, name, "intra_allgather", "begin")
+    gathered = node_allgather(tf.cast(averaged, mine.dtype), topo, f"{prefix}.ag.{name}",
+                              engine)  # slices of different lengths: fine
+    (gathered,) = timeline.span([gathered], label, name, "intra_allgather", "end")
+    # [:d] drops a small buffer's padding; otherwise it is the whole tensor (no copy).
+    return averaged, tf.reshape(tf.cast(gathered[:d], dtype), [d])
 
 
 @register("hierarchical", aliases=("2dtar",))
@@ -105,17 +124,8 @@ class Hierarchical(Strategy):
         (sent,) = timeline.span([sent], label, name, "intra_reduce_scatter", "begin")
         mine = node_reduce_scatter(sent, topo, f"hvdx.2dtar.rs.{name}", self.node_engine)
         (mine,) = timeline.span([mine], label, name, "intra_reduce_scatter", "end")
-        (mine,) = timeline.span([mine], label, name, "inter_allreduce", "begin")
-        total = hvd.allreduce(tf.ensure_shape(mine, [length]), op=hvd.Sum, process_set=topo.cross_set,
-                              name=f"hvdx.2dtar.ar.{name}")
-        (total,) = timeline.span([total], label, name, "inter_allreduce", "end")
-        averaged = tf.cast(total, buffer.dtype) / tf.cast(topo.size, buffer.dtype)
-        (averaged,) = timeline.span([averaged], label, name, "intra_allgather", "begin")
-        gathered = node_allgather(tf.cast(averaged, sent.dtype), topo, f"hvdx.2dtar.ag.{name}",
-                                  self.node_engine)  # slices of different lengths: fine
-        (gathered,) = timeline.span([gathered], label, name, "intra_allgather", "end")
-        # [:d] drops a small buffer's padding; otherwise it is the whole tensor (no copy).
-        output = tf.reshape(tf.cast(gathered[:d], buffer.dtype), [d])
+        averaged, output = average_node_slices(tf.ensure_shape(mine, [length]), d, buffer.dtype, topo, "hvdx.2dtar",
+                                               name, self.node_engine, label)
         return Aggregated(output, local_slice=(averaged, offset))
 
     def __repr__(self) -> str:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import time
 from typing import Dict, Optional
 
-import horovod.tensorflow as hvd
 import tensorflow as tf
 
 from hvdx import ops, timeline
 from hvdx.comm.base import Aggregated
+from hvdx.comm.hierarchical import average_node_slices
 from hvdx.comm.registry import register
 from hvdx.comm.sparse import TopKStrategy
-from hvdx.node.collectives import check_engine, node_allgather, node_reduce_scatter_parts, node_slices
+from hvdx.node.collectives import check_engine, node_reduce_scatter_parts, node_slices
 from hvdx.topology import barrier
 
 __all__ = ["HiTopK"]
@@ -76,21 +76,19 @@ class HiTopK(TopKStrategy):
     def _dense_aggregate(self, buffer: tf.Tensor, name: str, residual_scale: Optional[tf.Tensor] = None
                          ) -> Aggregated:
         """A warm-up stage at `dense_from` or above, by 2DTAR with error feedback: the node's
-        reduce-scatter (step 1), the residual added to this rank's slice, a float32 all-reduce
-        of the slice in the cross set, the node's all-gather of the averaged slices."""
+        reduce-scatter (step 1), the residual added to this rank's slice, then
+        `average_node_slices` in float32 (all-reduce in the cross set, node all-gather)."""
         topo = self.topology
         d = int(buffer.shape[0])
         slices = node_slices(d, topo.local_size)
         offset, slice_length = slices[topo.local_set.rank()]
-        (buffer,) = timeline.span([buffer], self.progress_label, name, "dense warm-up (2DTAR)", "begin")
+        label = self.progress_label
+        (buffer,) = timeline.span([buffer], label, name, "reduce_scatter", "begin")
         parts = node_reduce_scatter_parts(buffer, topo, f"hvdx.hitopk.rs.{name}", self.node_engine)
+        parts = timeline.span(parts, label, name, "reduce_scatter", "end")
         acc, velocity = self._accumulate([tf.ensure_shape(p, [slice_length]) for p in parts], name, residual_scale,
                                          self.residual_length(d))
-        summed = hvd.allreduce(acc, op=hvd.Sum, process_set=topo.cross_set, name=f"hvdx.hitopk.dense.{name}")
-        averaged = summed / tf.cast(topo.size, summed.dtype)
-        gathered = node_allgather(averaged, topo, f"hvdx.hitopk.dense.ag.{name}", self.node_engine)
-        total = tf.reshape(gathered[:d], [d])  # [:d]: a small buffer's padding
-        (total,) = timeline.span([total], self.progress_label, name, "dense warm-up (2DTAR)", "end")
+        _, total = average_node_slices(acc, d, tf.float32, topo, "hvdx.hitopk.dense", name, self.node_engine, label)
         mine = (total[offset:offset + slice_length] if offset + slice_length <= d else total[offset:], offset)
         updates = self._dense_updates(name, acc, velocity, offset, self.residual_length(d), residual_scale)
         return Aggregated(total, updates, local_slice=mine, finite=self._finite(total))
