@@ -9,10 +9,10 @@ Deep Gradient Compression's convergence aids (`hvdx.comm.dgc`) are options of ev
 strategy: `momentum` (momentum correction), `momentum_masking`, `clip_norm` (local
 gradient clipping), `warmup_steps` / `warmup_density` (density warm-up) and
 `residual_decay`. They are applied here, around the selection, so each strategy only
-says how its pairs travel (`_sparse_aggregate`), and how it averages densely the warm-up's
-stages whose pairs would cost more than the dense buffer (`dense_from`, `_dense_aggregate`). So is `dense_below`: a bucket's gradients
-of fewer elements (biases, batch norm, small layers) are sent whole every step, beside the
-top-k of the rest, in the same exchange.
+says how its pairs travel (`_sparse_aggregate`) and how it averages the warm-up's stages
+whose pairs would cost more than the dense buffer (`dense_from`, `_dense_aggregate`). So is
+`dense_below`: a bucket's gradients of fewer elements (biases, batch norm, small layers) are
+sent whole every step, beside the top-k of the rest, in the same exchange.
 
 Which aids a sparse strategy applies by default for an optimizer is decided here too
 (`TopKStrategy.defaults_for`, from the optimizer's `hvdx.comm.traits.OptimizerTraits`),
@@ -303,9 +303,8 @@ class TopKStrategy(Strategy):
         if tf.executing_eagerly():
             output, finite, local, values = branch(warmup.stage(int(counter.numpy())))()
         else:
-            output, finite, local, values = tf.switch_case(warmup.stage(counter), [branch(i) for i, _ in
-                                                                                   enumerate(densities)],
-                                                           name="density_warmup")
+            branches = [branch(stage) for stage in range(len(densities))]
+            output, finite, local, values = tf.switch_case(warmup.stage(counter), branches, name="density_warmup")
         first = built[0]
         updates = [(variable, value) for (variable, _), value in zip(first.updates, values)]
         updates.append((counter, counter + 1))
