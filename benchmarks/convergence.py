@@ -222,20 +222,17 @@ def local_method(method: str, args: argparse.Namespace, optimizer: Any = None, c
         # average_every_epoch gives a user), counted in the training time
         return ADPSGD(topology="exponential", average_every_epoch=True, timeout=300.0,
                       name=f"conv.adpsgd.{args.seed}")
-    if method in ("localsgd", "localsgd_avg"):
-        import tensorflow as tf
-
-        from hvdx.localsgd import LocalSGD
-
-        # localsgd_avg: the outer step is the ranks' average itself (outer SGD at rate 1, no
-        # momentum: Local SGD's model averaging); localsgd: DiLoCo's Nesterov 0.7 / 0.9
-        outer = tf.keras.optimizers.SGD(1.0) if method == "localsgd_avg" else None
-        return LocalSGD(sync_every=args.sync_every, outer_optimizer=outer, sync_every_epoch=False)
     import tensorflow as tf
 
+    # *_avg: the outer step is the ranks' average itself (outer SGD at rate 1, no momentum:
+    # Local SGD's model averaging); otherwise DiLoCo's Nesterov 0.7 / 0.9
+    outer = tf.keras.optimizers.SGD(1.0) if method.endswith("_avg") else None
+    if method in ("localsgd", "localsgd_avg"):
+        from hvdx.localsgd import LocalSGD
+
+        return LocalSGD(sync_every=args.sync_every, outer_optimizer=outer, sync_every_epoch=False)
     from hvdx.streaming_diloco import StreamingDiLoCo
 
-    outer = tf.keras.optimizers.SGD(1.0) if method.endswith("_avg") else None  # as localsgd_avg's
     return StreamingDiLoCo(sync_every=args.sync_every, outer_optimizer=outer, fragments=args.fragments,
                            sync_every_epoch=False, **LOCAL_METHODS[method])
 
