@@ -317,14 +317,15 @@ class DistributedOptimizer(keras2.optimizers.Optimizer, metaclass=EitherKeras):
         # optimizer applies the aggregate without a momentum of its own.
         corrected = self._core.momentum_corrected
         trusted = self._optimizer.trust_applied(True) if self._core.local_trust else contextlib.nullcontext()
+        variables = [v for _, v in grads_and_vars]
         if self._agg_helper is None:
-            with self._momentum.read_by_step(zero=corrected), trusted:  # the step reads the momentum variable
+            with self._momentum.read_by_step(corrected, variables), trusted:  # the step reads the momentum variable
                 return self._apply(grads_and_vars)
 
         def skip():
             return self.iterations.assign_add(1)
 
-        with self._momentum.read_by_step(zero=corrected), trusted:
+        with self._momentum.read_by_step(corrected, variables), trusted:
             return tf.cond(self._agg_helper.applies_now(), lambda: self._apply(grads_and_vars), skip)
 
     def _apply(self, grads_and_vars):

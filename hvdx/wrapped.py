@@ -24,7 +24,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 import tensorflow as tf
 
@@ -166,17 +166,43 @@ class Momentum:
             self.get().assign(float(value))
 
     @contextlib.contextmanager
-    def read_by_step(self, zero: bool = False) -> Iterator[None]:
+    def read_by_step(self, zero: bool = False, variables: Sequence = ()) -> Iterator[None]:
         """Where `held`, the wrapped optimizer's `momentum` is the variable inside (set
         without tracking, so no checkpoint sees it); with `zero`, 0 instead (DGC's momentum
-        correction: the strategy applied the momentum before aggregating)."""
+        correction: the strategy applied the momentum before aggregating).
+
+        With `zero`, Keras 2's SGD also steps without its momentum slots: its step otherwise
+        computes m = -lr g + 0 m, assigns m and adds it (three more passes over every
+        variable than var += -lr g, as Keras 3's SGD does at momentum 0). It is built on
+        `variables` first (as its apply_gradients would), and the slots keep their values
+        for when the momentum is its own again (a strategy switch).
+
+        Args:
+          zero: apply without momentum.
+          variables: the variables the step applies to (built on, where not built yet).
+        """
         if not self.held:
             yield
             return
         number = self._optimizer.__dict__["momentum"]
         variable = tf.zeros([], tf.float32) if zero else self.get()
         object.__setattr__(self._optimizer, "momentum", variable)
+        slots = self._slots_set_aside(variables) if zero else None
         try:
             yield
         finally:
             object.__setattr__(self._optimizer, "momentum", number)
+            if slots is not None:
+                self._optimizer.momentums = slots
+
+    def _slots_set_aside(self, variables: Sequence) -> Optional[list]:
+        """Keras 2 SGD's momentum slots, replaced by None in the optimizer (built on
+        `variables` first); None for any other optimizer."""
+        optimizer = self._optimizer
+        if not isinstance(optimizer, keras2.optimizers.SGD) or not variables:
+            return None
+        with tf.name_scope(optimizer.name or "optimizer"), tf.init_scope():
+            optimizer.build(list(variables))  # a no-op where built
+        slots = optimizer.momentums
+        optimizer.momentums = [None] * len(slots)
+        return slots

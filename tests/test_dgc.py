@@ -359,6 +359,33 @@ def test_momentum_correction_with_a_momentum_the_wrapper_cannot_zero_is_refused(
                                   communication=comm.HiTopK(momentum=0.9))
 
 
+@pytest.mark.keras2  # Keras 2's SGD
+def test_a_momentum_corrected_step_leaves_keras2_sgds_momentum_slots_alone(one_rank):
+    """DGC sec. 3.2: the strategy holds the velocity and the wrapped SGD applies the aggregate
+    with momentum 0, i.e. w -= lr u. Keras 2's SGD would still compute, assign and add its
+    momentum slot (m = -lr u + 0 m; w += m: three more passes over every variable); the
+    traced step reads no slot, the slots keep their values, and a switch to a dense strategy
+    steps with them again."""
+    g = tf.constant([[1.0, -2.0], [3.0, 0.5]])
+    w = tf.Variable(tf.ones([2, 2]))
+    sgd = tf.keras.optimizers.SGD(0.1, momentum=0.9)
+    opt = hvdx.DistributedOptimizer(sgd, communication=comm.HiTopK(density=1.0, momentum=0.9,
+                                                                   momentum_masking=False))
+    step = tf.function(lambda: opt.apply_gradients([(g, w)]))
+    step()
+    (slot,) = sgd.momentums
+    assert not any(outer is slot.handle for outer, _ in step.get_concrete_function().graph.captures)
+    np.testing.assert_allclose(w.numpy(), 1 - 0.1 * g.numpy(), rtol=1e-6)  # velocity g after one step
+    np.testing.assert_array_equal(slot.numpy(), 0)
+    step()  # velocity 0.9 g + g
+    np.testing.assert_allclose(w.numpy(), 1 - 0.1 * (2.9 * g.numpy()), rtol=1e-6)
+    np.testing.assert_array_equal(slot.numpy(), 0)
+    assert [v.ref() for v in sgd.momentums] == [slot.ref()]  # the optimizer's own slots after the trace
+    opt.set_communication("allreduce")  # its momentum its own again: m = -lr g + 0.9 m
+    tf.function(lambda: opt.apply_gradients([(g, w)]))()
+    np.testing.assert_allclose(slot.numpy(), -0.1 * g.numpy(), rtol=1e-6)
+
+
 def test_hitopk_with_momentum_sgd_gets_momentum_correction_by_default(one_rank):
     """The default that benchmarks/convergence.py measured (small ResNet, momentum SGD, 2x2,
     density 0.01: 0.51 test accuracy without, 0.94 with; Horovod 0.96)."""
