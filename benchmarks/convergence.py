@@ -29,7 +29,8 @@ The compressors beside top-k (issue 66), at their defaults: `powersgd` (rank 4),
 (8 bits), `lowbit4` (4 bits).
 The local methods (issue 68), each rank stepping its task's optimizer alone between
 synchronisations of --sync-every steps: `localsgd` (hvdx.localsgd.LocalSGD: DiLoCo, blocking,
-float32), `localsgd_avg` (the same with outer SGD at rate 1 and no momentum: the outer step is
+float32; DiLoCo's outer Nesterov step given explicitly, here and in every method but the
+`_avg` ones), `localsgd_avg` (the same with outer SGD at rate 1 and no momentum: the outer step is
 the ranks' average, Local SGD's model averaging), `streaming`
 (hvdx.streaming_diloco.StreamingDiLoCo: --fragments fragments, one step of overlap, float32
 across nodes), `streaming8`, `streaming4` (8- and 4-bit outer gradients), `streaming4_avg`
@@ -225,8 +226,10 @@ def local_method(method: str, args: argparse.Namespace, optimizer: Any = None, c
     import tensorflow as tf
 
     # *_avg: the outer step is the ranks' average itself (outer SGD at rate 1, no momentum:
-    # Local SGD's model averaging); otherwise DiLoCo's Nesterov 0.7 / 0.9
-    outer = tf.keras.optimizers.SGD(1.0) if method.endswith("_avg") else None
+    # Local SGD's model averaging); otherwise DiLoCo's Nesterov 0.7 / 0.9, given explicitly
+    # (the library's default over the tasks' momentum SGD is the average)
+    outer = (tf.keras.optimizers.SGD(1.0) if method.endswith("_avg")
+             else tf.keras.optimizers.SGD(0.7, momentum=0.9, nesterov=True))
     if method in ("localsgd", "localsgd_avg"):
         from hvdx.localsgd import LocalSGD
 

@@ -8,7 +8,7 @@ Jaggi, "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020, arXiv 1808.0721
 One synchronisation, on every rank (DiLoCo Algorithm 1, lines 8-12):
 
     delta = x_anchor - mean over ranks of x_local      (the pseudo-gradient: one fused allreduce)
-    x_anchor <- outer_optimizer.apply(delta, x_anchor)  (default SGD(0.7, momentum=0.9, nesterov=True))
+    x_anchor <- outer_optimizer.apply(delta, x_anchor)  (default: `default_outer_optimizer(inner)`)
     x_local <- x_anchor                                 (every rank the same model again)
 
 The inner optimizer's state (momentum, Adam's moments) stays each rank's own; the outer one's
@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 import tensorflow as tf
 
 from hvdx.arguments import integer
+from hvdx.comm.traits import traits_of
 from hvdx.legacy_keras import is_keras3_object, keras_of
 from hvdx.lifecycle import TrainingMethod
 from hvdx.variables import build_optimizer, tf_variable
@@ -48,10 +49,45 @@ __all__ = ["LocalSGD", "default_outer_optimizer"]
 SYNC_NAME = "hvdx.localsgd.sync"  # the one allreduce's name, the same on every rank and every sync
 
 
-def default_outer_optimizer() -> Any:
-    """DiLoCo's outer optimizer (sec. 3): Nesterov momentum 0.9, learning rate 0.7, of tf.keras
-    (Keras 3 from TensorFlow 2.16 on unless $TF_USE_LEGACY_KERAS=1, else Keras 2)."""
+def default_outer_optimizer(inner: Any = None) -> Any:
+    """The outer optimizer for an inner one, of tf.keras (Keras 3 from TensorFlow 2.16 on unless
+    $TF_USE_LEGACY_KERAS=1, else Keras 2).
+
+    Over an inner optimizer with heavy-ball momentum (SGD or LARS with momentum > 0): SGD(1.0),
+    each synchronisation the ranks' average (Lin et al. Algorithm 1). DiLoCo's Nesterov outer
+    step over such an inner optimizer diverged in hvdx's runs (blocking, 2x2: every seed by 300
+    steps; streaming 4-bit, 3x2: 1 seed of 5; docs/streaming_diloco.md): the inner momentum
+    already carries the outer gradient's direction, and the outer momentum multiplies it again.
+    Otherwise (the Adam family, DiLoCo's own inner AdamW; plain SGD; an unknown or no
+    optimizer): DiLoCo's (sec. 3), SGD(0.7, momentum=0.9, nesterov=True).
+
+    Args:
+      inner: the inner optimizer (each rank's own), or None.
+    Returns:
+      a new, unbuilt tf.keras SGD.
+    """
+    if _heavy_ball(inner):
+        return tf.keras.optimizers.SGD(learning_rate=1.0)
     return tf.keras.optimizers.SGD(learning_rate=0.7, momentum=0.9, nesterov=True)
+
+
+def _heavy_ball(optimizer: Any) -> bool:
+    """Whether `optimizer` (a LossScaleOptimizer's inner one) steps with a heavy-ball momentum
+    > 0 on the gradient (its traits'; a legacy SGD's momentum hyper-parameter read as a number)."""
+    while getattr(optimizer, "inner_optimizer", None) is not None:  # mixed precision's loss scaler
+        optimizer = optimizer.inner_optimizer
+    if optimizer is None:
+        return False
+    traits = traits_of(optimizer)
+    if traits.adaptive:
+        return False
+    momentum = traits.momentum
+    if momentum is None:
+        try:
+            momentum = float(getattr(optimizer, "momentum", 0.0) or 0.0)
+        except (TypeError, ValueError):
+            return False
+    return momentum > 0
 
 
 def check_outer_optimizer(optimizer: Any) -> Any:
@@ -77,10 +113,9 @@ class LocalSGD(TrainingMethod):
     Args:
       sync_every: local steps between two synchronisations (DiLoCo's H; Lin et al.'s H).
       outer_optimizer: a plain Keras optimizer (of either Keras, whatever the model's) applied
-        to the pseudo-gradients (default `default_outer_optimizer()`); `SGD(1.0)` makes each
-        synchronisation a plain average of the ranks' models: take it over an inner
-        optimizer with momentum, under which DiLoCo's Nesterov outer step diverged
-        (docs/streaming_diloco.md#which-method-for-which-link).
+        to the pseudo-gradients. None (default): `default_outer_optimizer(optimizer)` at the
+        first `start()` (None before it): SGD(1.0), a plain average of the ranks' models,
+        over an inner optimizer with momentum; DiLoCo's Nesterov SGD(0.7, 0.9) otherwise.
       sync_every_epoch: also synchronise at each epoch's end when local steps are pending
         (True: validation and checkpoints see one model on every rank; the window of that
         outer step is shorter). False: only every `sync_every` steps, counted across epochs.
@@ -108,10 +143,11 @@ class LocalSGD(TrainingMethod):
 
     def __init__(self, sync_every: int = 8, outer_optimizer: Any = None, *, sync_every_epoch: bool = True) -> None:
         sync_every = integer(sync_every, "sync_every", 1, expected="a positive number of local steps (an int)")
-        outer = check_outer_optimizer(outer_optimizer if outer_optimizer is not None else default_outer_optimizer())
-        self.check_optimizer(outer)
+        if outer_optimizer is not None:
+            self.check_optimizer(check_outer_optimizer(outer_optimizer))
         self.sync_every, self.sync_every_epoch = sync_every, bool(sync_every_epoch)
-        self.outer_optimizer = outer
+        self.outer_optimizer: Any = outer_optimizer  # None: chosen at the first start()
+        self._restored_outer: Optional[Dict[str, Any]] = None  # a config restore() took before it
         self.variables: List[tf.Variable] = []  # the model's (a Keras 3 variable's tf.Variable)
         self.anchor: List[Any] = []  # variables of the outer optimizer's Keras (`_anchor_values`: their tf.Variables)
         self.steps = 0           # local steps of this run (every rank the same)
@@ -132,6 +168,10 @@ class LocalSGD(TrainingMethod):
         if self.variables and [id(v) for v in variables] != [id(v) for v in self.variables]:
             raise ValueError("LocalSGD averages the variables of its first start(); this one passed other variables "
                              "(use one LocalSGD per model)")
+        if self.outer_optimizer is None:
+            self.outer_optimizer = (tf.keras.optimizers.deserialize(dict(self._restored_outer))
+                                    if self._restored_outer is not None else default_outer_optimizer(optimizer))
+            self._restored_outer = None
         if not self.anchor:
             self.variables = variables
             self.anchor = self._make_anchor(variables)
@@ -221,9 +261,12 @@ class LocalSGD(TrainingMethod):
         self.pending = 0
 
     def state(self) -> Dict[str, Any]:
-        """{"steps", "outer_steps", "sync_every", "outer_optimizer": its Keras config} (JSON)."""
+        """{"steps", "outer_steps", "sync_every", "outer_optimizer": its Keras config (None before
+        the first start() chose the default)} (JSON)."""
+        outer = self.outer_optimizer
+        config = keras_of(outer).optimizers.serialize(outer) if outer is not None else self._restored_outer
         return {"steps": self.steps, "outer_steps": self.outer_steps, "sync_every": self.sync_every,
-                "outer_optimizer": keras_of(self.outer_optimizer).optimizers.serialize(self.outer_optimizer)}
+                "outer_optimizer": config}
 
     def restore(self, state: Mapping[str, Any]) -> None:
         """Takes back a `state()`: the counts, `sync_every` and the outer optimizer (rebuilt from
@@ -231,6 +274,9 @@ class LocalSGD(TrainingMethod):
         self.steps, self.outer_steps = int(state["steps"]), int(state["outer_steps"])
         self.sync_every = int(state["sync_every"])
         config = state.get("outer_optimizer")
+        if self.outer_optimizer is None:  # the first start() builds it from the config (tf.keras', as the default)
+            self._restored_outer = dict(config) if config is not None else None
+            return
         keras = keras_of(self.outer_optimizer)
         if config is not None and config != keras.optimizers.serialize(self.outer_optimizer):
             self.outer_optimizer = keras.optimizers.deserialize(dict(config))

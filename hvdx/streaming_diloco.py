@@ -187,8 +187,9 @@ class StreamingDiLoCo(LocalSGD):
 
     Args:
       sync_every: H, local steps between two synchronisations of one fragment.
-      outer_optimizer: as `LocalSGD`'s (default DiLoCo's Nesterov SGD(0.7, momentum 0.9)); it
-        is built on every anchor variable at `start()` and takes one step per fragment
+      outer_optimizer: as `LocalSGD`'s (default `default_outer_optimizer(optimizer)` at the
+        first `start()`: the ranks' average over an inner optimizer with momentum, else
+        DiLoCo's Nesterov SGD(0.7, momentum 0.9)); it is built on every anchor variable at `start()` and takes one step per fragment
         exchange (its `iterations` count fragment steps).
       fragments: P, the number of fragments (1 <= P <= H, at most the number of trainable
         variables; `plan_fragments` deals the variables).

@@ -43,14 +43,17 @@ def test_a_synchronisation_moves_the_anchor_by_the_outer_optimizer_on_the_pseudo
 
 
 def test_the_default_outer_optimizer_is_dilocos_nesterov_momentum(one_rank):
+    """DiLoCo sec. 3's outer step where the inner optimizer has no heavy-ball momentum (here
+    none is given to start())."""
     import tensorflow as tf
 
     from hvdx.localsgd import LocalSGD
     method = LocalSGD(sync_every=1)
-    config = method.outer_optimizer.get_config()
-    assert (config["learning_rate"], config["momentum"], config["nesterov"]) == (pytest.approx(0.7), 0.9, True)
+    assert method.outer_optimizer is None  # chosen at the first start(), from the inner optimizer
     var = tf.Variable(np.zeros(2, np.float32))
     method.start([var])
+    config = method.outer_optimizer.get_config()
+    assert (config["learning_rate"], config["momentum"], config["nesterov"]) == (pytest.approx(0.7), 0.9, True)
     anchor, velocity = np.zeros(2), np.zeros(2)
     for local in ([1.0, -2.0], [0.5, 0.5], [2.0, 0.0]):
         _sgd_step(var, np.asarray(local) + anchor)        # this round's local progress from the anchor
@@ -59,6 +62,38 @@ def test_the_default_outer_optimizer_is_dilocos_nesterov_momentum(one_rank):
         velocity = 0.9 * velocity - 0.7 * delta          # Keras' SGD with Nesterov momentum
         anchor = anchor + 0.9 * velocity - 0.7 * delta
         np.testing.assert_allclose(var.numpy(), anchor, rtol=1e-6)
+
+
+def test_over_an_inner_optimizer_with_momentum_the_default_outer_step_is_the_average(one_rank):
+    """Outer Nesterov momentum over inner heavy-ball momentum diverged in hvdx's runs
+    (docs/streaming_diloco.md): over SGD or LARS with momentum the default outer optimizer is
+    SGD(1.0), Lin et al.'s averaging; over Adam, plain SGD, or none, DiLoCo's."""
+    import tensorflow as tf
+
+    from hvdx.localsgd import LocalSGD, default_outer_optimizer
+    from hvdx.optimizers import LARS
+    from hvdx.streaming_diloco import StreamingDiLoCo
+
+    def outer(inner):
+        config = default_outer_optimizer(inner).get_config()
+        return float(config["learning_rate"]), float(config["momentum"]), bool(config["nesterov"])
+
+    average, diloco = (1.0, 0.0, False), (pytest.approx(0.7), 0.9, True)
+    assert outer(tf.keras.optimizers.SGD(0.1, momentum=0.9)) == average
+    assert outer(tf.keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True)) == average
+    assert outer(LARS(0.1, momentum=0.9)) == average
+    assert outer(tf.keras.mixed_precision.LossScaleOptimizer(tf.keras.optimizers.SGD(0.1, momentum=0.9))) == average
+    for inner in (tf.keras.optimizers.SGD(0.1), tf.keras.optimizers.Adam(), tf.keras.optimizers.AdamW(), None):
+        assert outer(inner) == diloco, inner
+    for cls in (LocalSGD, StreamingDiLoCo):  # what start() takes, the model's optimizer, decides
+        method = cls(sync_every=4).start([tf.Variable(np.zeros(2, np.float32)) for _ in range(3)],
+                                         tf.keras.optimizers.SGD(0.1, momentum=0.9))
+        assert method.outer_optimizer.get_config()["momentum"] == 0.0
+        method.close()
+    given = tf.keras.optimizers.SGD(0.5, momentum=0.5)  # a given one is kept
+    method = LocalSGD(outer_optimizer=given).start([tf.Variable(np.zeros(2, np.float32))],
+                                                   tf.keras.optimizers.SGD(0.1, momentum=0.9))
+    assert method.outer_optimizer is given
 
 
 def test_outer_sgd_of_rate_one_is_periodic_model_averaging(one_rank):
@@ -140,7 +175,9 @@ def test_state_round_trips_through_json(one_rank):
     other = LocalSGD(sync_every=7)                           # another configuration: the state's wins
     other.restore(state)
     assert other.state() == state
-    assert other.outer_optimizer.get_config()["momentum"] == 0.5
+    other.start([tf.Variable(np.zeros(2, np.float32))], tf.keras.optimizers.SGD(0.1, momentum=0.9))
+    assert other.outer_optimizer.get_config()["momentum"] == 0.5  # the state's, not the default's
+    assert other.state() == state
 
 
 def test_fit_through_the_one_callback_trains_and_counts(one_rank):
