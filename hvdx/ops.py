@@ -19,8 +19,8 @@ import tensorflow as tf
 
 from hvdx.arguments import integer, is_integer
 
-__all__ = ["build_info", "error_feedback", "gpu_problems", "library_path", "load_library", "mstopk", "shared_read",
-           "shared_update", "sparse_accumulate", "stateless_mstopk"]
+__all__ = ["build_info", "dequantize", "error_feedback", "gpu_problems", "library_path", "load_library", "mstopk",
+           "quantize", "shared_read", "shared_update", "sparse_accumulate", "stateless_mstopk"]
 
 _MARKER = b"hvdx-build-info:"
 _LIBRARY_ENV = "HVDX_OPS_LIBRARY"  # overrides where the library is looked for
@@ -363,6 +363,48 @@ def error_feedback(grads: Union[TensorLike, Sequence[TensorLike]], residual: Ten
                                         velocity=tf.zeros([0], tf.float32) if velocity is None else tensors[-1],
                                         momentum=float(momentum), decay=float(decay), name=name)
     return acc, (None if velocity is None else out)
+
+
+def _check_quantized(bits: int, chunk: int) -> None:
+    if bits not in (8, 4) or isinstance(bits, bool):
+        raise ValueError(f"bits must be 8 or 4, got {bits!r}")
+    if not is_integer(chunk) or chunk < 2 or chunk % 2:
+        raise ValueError(f"chunk must be an even int >= 2, got {chunk!r}")
+
+
+def quantize(x: TensorLike, bits: int, chunk: int, name: Optional[str] = None) -> Tuple[tf.Tensor, tf.Tensor]:
+    """The chunked low-bit codes of `x` in one pass (CPU; csrc/kernels/quantize.h): per chunk
+    s = max|x| / L, L = 2^(bits-1) - 1, and q = clip(round_half_even(x / s), -L, L) (0 where s
+    is 0); hvdx/comm/wire.py's `quantize`, bit for bit for finite x.
+
+    Args:
+      x: 1-D float32, a length that is a multiple of `chunk`.
+      bits: 8 or 4.
+      chunk: values per scale, an even int >= 2.
+
+    Returns:
+      (packed, dequantized): the uint8 codes (int8, or two q + 8 nibbles a byte, the first
+      high) then the float32 scales' bytes; q * s, what the receiver decodes.
+
+    Raises:
+      ValueError: bits, chunk or a length known not to be a multiple of chunk.
+    """
+    _check_quantized(bits, chunk)
+    x = tf.convert_to_tensor(x, tf.float32)
+    if x.shape.rank is not None and (x.shape.rank != 1 or (x.shape[0] is not None and x.shape[0] % chunk)):
+        raise ValueError(f"quantize: a 1-D tensor whose length is a multiple of chunk = {chunk}, got shape {x.shape}")
+    return tuple(_ops.hvdx_quantize(x, bits=int(bits), chunk=int(chunk), name=name))
+
+
+def dequantize(packed: TensorLike, bits: int, chunk: int, name: Optional[str] = None) -> tf.Tensor:
+    """The float32 values of `quantize`'s packed bytes (the same bits and chunk): q * s.
+
+    Raises:
+      ValueError: bits or chunk (a packed length that is not whole chunks: InvalidArgumentError
+        when it runs).
+    """
+    _check_quantized(bits, chunk)
+    return _ops.hvdx_dequantize(tf.convert_to_tensor(packed, tf.uint8), bits=int(bits), chunk=int(chunk), name=name)
 
 
 # -- the shared model (hvdx.asynchronous; csrc/kernels/shared_model.cc) ---------------------------
