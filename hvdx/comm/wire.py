@@ -25,6 +25,7 @@ from typing import Any, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
+from hvdx import ops
 from hvdx.arguments import integer, is_integer
 
 __all__ = ["BITS", "DEFAULT_CHUNK", "VALUE_CHUNK", "WIRE_DTYPES", "check_bits", "check_chunk", "check_dtype",
@@ -156,9 +157,13 @@ def _levels(bits: int) -> int:
 
 def quantize(x: tf.Tensor, bits: int, chunk: int) -> Tuple[tf.Tensor, tf.Tensor]:
     """(the packed bytes, the dequantized values) of a 1-D float32 `x` of a length that is a
-    multiple of `chunk`: per chunk s = max|x| / L, q = round(x / s) (0 where s is 0), bytes
-    = the q as int8 (8 bits) or two 4-bit codes q + 8 to a byte (4 bits), then the scales'
-    float32 bytes. A non-finite x makes its chunk's scale non-finite."""
+    multiple of `chunk`: per chunk s = max|x| / L, q = round(x / s) (half to even; 0 where s is
+    0), bytes = the q as int8 (8 bits) or two 4-bit codes q + 8 to a byte (4 bits), then the
+    scales' float32 bytes. A non-finite x makes its chunk's scale non-finite. On a job without
+    a GPU, hvdx's one-pass kernel (`hvdx.ops.quantize`), else TensorFlow's element-wise ops:
+    the same bytes, and the same values up to the sign of a zero."""
+    if _one_pass_kernels():
+        return ops.quantize(x, bits, chunk)
     rows = tf.reshape(x, [-1, chunk])
     level = float(_levels(bits))
     scale = tf.reduce_max(tf.abs(rows), axis=1) / level
@@ -175,6 +180,8 @@ def quantize(x: tf.Tensor, bits: int, chunk: int) -> Tuple[tf.Tensor, tf.Tensor]
 
 def dequantize(packed: tf.Tensor, length: int, bits: int, chunk: int) -> tf.Tensor:
     """The `length` float32 values of `quantize`'s bytes (`length` a multiple of `chunk`)."""
+    if _one_pass_kernels():
+        return tf.ensure_shape(ops.dequantize(packed, bits, chunk), [length])
     code_bytes = length if bits == 8 else length // 2
     codes, scales = packed[:code_bytes], packed[code_bytes:]
     if bits == 8:
@@ -183,6 +190,12 @@ def dequantize(packed: tf.Tensor, length: int, bits: int, chunk: int) -> tf.Tens
         q = tf.cast(tf.reshape(tf.stack([codes // 16, codes % 16], axis=1), [-1]), tf.float32) - 8.0
     scale = tf.bitcast(tf.reshape(scales, [-1, 4]), tf.float32)
     return tf.reshape(tf.reshape(q, [-1, chunk]) * scale[:, None], [-1])
+
+
+def _one_pass_kernels() -> bool:
+    """Whether `quantize` / `dequantize` run hvdx's CPU kernels: where TensorFlow sees no GPU
+    (they have no CUDA kernel yet, and a CPU op in a GPU step would copy the values across)."""
+    return not tf.config.list_logical_devices("GPU")
 
 
 #: The most values of a quantized packet that share one scale (`value_chunking`).
