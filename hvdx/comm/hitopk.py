@@ -88,8 +88,10 @@ class HiTopK(TopKStrategy):
         parts = timeline.span(parts, label, name, "reduce_scatter", "end")
         acc, velocity = self._accumulate([tf.ensure_shape(p, [slice_length]) for p in parts], name, residual_scale,
                                          self.residual_length(d))
-        _, total = average_node_slices(acc, d, tf.float32, topo, "hvdx.hitopk.dense", name, self.node_engine, label)
-        mine = (total[offset:offset + slice_length] if offset + slice_length <= d else total[offset:], offset)
+        averaged, total = average_node_slices(acc, d, tf.float32, topo, "hvdx.hitopk.dense", name, self.node_engine,
+                                              label)
+        # a small buffer's last slices are partly or wholly padding (node_slices): only the first d count
+        mine = (averaged if offset + slice_length <= d else averaged[:max(d - offset, 0)], offset)
         updates = self._dense_updates(name, acc, velocity, offset, self.residual_length(d), residual_scale)
         return Aggregated(total, updates, local_slice=mine, finite=self._finite(total))
 
