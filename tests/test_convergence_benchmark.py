@@ -20,29 +20,29 @@ def test_convergence_benchmark_writes_json_plot_and_table_with_keras3_beside_ker
     aided = "hitopk+mc+clip+warmup"
     local = ["streaming4", "daso", "adpsgd"]
     proc = subprocess.run([sys.executable, str(harness.ROOT / "benchmarks" / "convergence.py"), "--smoke", "--local",
-                           "--tasks", "resnet", "--methods", ",".join(["horovod", "allreduce", aided, *local]),
+                           "--tasks", "mlp", "--methods", ",".join(["horovod", "allreduce", aided, *local]),
                            "--keras", "2,3",
                            "--out", str(tmp_path), "--readme", str(readme)],
                           capture_output=True, text=True, timeout=600, env=harness.test_env(str(tmp_path)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "convergence.json").read_text())
     assert result["topology"] == {"nodes": 2, "ranks_per_node": 2}
-    runs = result["tasks"]["resnet"]
+    runs = result["tasks"]["mlp"]
     assert sorted(runs) == sorted(["allreduce", "allreduce@keras3", aided, f"{aided}@keras3", "horovod",
                                    *local, *(f"{m}@keras3" for m in local)])
     for run in runs.values():
         assert run["steps"] == [4, 6] and all(0 <= a <= 1 for a in run["accuracy"])
         assert run["seconds"][1] > run["seconds"][0] > 0
-    stats = result["by_seed"]["1234"]["resnet"]
+    stats = result["by_seed"]["1234"]["mlp"]
     assert stats["daso"]["stats"]["blocking"]["count"] >= 1  # DASO's first and last chunks block
     assert stats["adpsgd@keras3"]["stats"]["steps"] >= 4     # the gossip took every local step
     assert stats["streaming4"]["stats"]["bytes_sent"]["cross"] > 0
-    assert result["summary"]["resnet"]["horovod"]["gap_points"] == 0
+    assert result["summary"]["mlp"]["horovod"]["gap_points"] == 0
     assert [(r["keras"], r["method"]) for r in result["vs_allreduce"]] == [(2, aided), (3, aided)]
     assert (tmp_path / "convergence.png").stat().st_size > 10_000
     text = readme.read_text()
-    assert "<!-- convergence:begin -->" in text and f"| resnet | {aided}@keras3 |" in text
-    assert f"| resnet | 3 | {aided} |" in text
+    assert "<!-- convergence:begin -->" in text and f"| mlp | {aided}@keras3 |" in text
+    assert f"| mlp | 3 | {aided} |" in text
 
 
 def test_hitopk_is_judged_against_allreduce_of_the_same_keras():
