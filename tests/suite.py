@@ -130,9 +130,9 @@ SAME_ON_BOTH_STACKS = ("3x2",)
 #: Check modules whose checks are `slow` on every topology (CI's second stack skips them): the
 #: training methods and transports whose multi-rank part is hvdx's own (its Python schedules,
 #: its sockets and shared memory, hvdx's op library): their TensorFlow and Keras calls run
-#: in-process on both stacks, and the checks kept there (the optimizer and its strategies, the
-#: training path, checkpoints, Horovod's own tests and examples, the recipe) run Horovod's
-#: collectives built against each TensorFlow.
+#: in-process on both stacks. (CI's second stack runs only the multi-rank tests marked
+#: `second_stack`: the optimizer and its strategies, checkpoints and mixed precision on 2x2,
+#: Horovod's own tests, elastic example and `--mpi` launch, on Horovod built against TF 2.15.)
 METHODS_SAME_ON_BOTH_STACKS = ("adpsgd", "asynchronous", "daso", "daso_transport", "datacache", "lars",
                                "lars_sparse", "localsgd", "node_shm", "streaming_diloco")
 

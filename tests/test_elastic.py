@@ -279,6 +279,7 @@ def test_hitopk_keras_training_runs_flat_when_a_node_loses_one_rank_then_even_ag
     assert len({r["part"] for r in ranks}) <= 2 and all(r["part"] >= 1347 // 2 - 1 for r in ranks), ranks
 
 
+@pytest.mark.second_stack
 @pytest.mark.multirank
 def test_horovods_elastic_example_runs_on_when_a_node_comes_back(tmp_path):
     """Horovod's elastic Keras example's pattern, Adam and a one-step `fit` before
@@ -370,6 +371,7 @@ def test_a_rendezvous_waits_for_a_late_rank_beyond_the_collective_timeout(tmp_pa
     assert (job.output or "").count("SUM 3") == 2, (job.output or "")[-3000:]
 
 
+@pytest.mark.second_stack
 @pytest.mark.multirank
 def test_hitopk_keras_training_survives_a_killed_rank(tmp_path):
     """Rank 3 of 2x2 SIGKILLs itself after epoch 1 (a preempted process): the survivors'

@@ -412,6 +412,7 @@ def test_warmup_callback_runs_with_hvdx_callbacks_and_lars():
 HABITS = suite.check("horovod_api.habits", "2x1", timeout=420)
 
 
+@pytest.mark.second_stack
 @suite.runs(HABITS)
 @pytest.mark.parametrize("kind", ["v1_graph", "v1_eager"])
 def test_v1_optimizer_averages_over_two_ranks(ranks, kind):

@@ -145,6 +145,7 @@ EXAMPLES = {"tensorflow2_keras_mnist.py": (), "tensorflow2_mnist.py": (),
             "tensorflow2_synthetic_benchmark.py": (*SYNTHETIC_ARGS, "--num-warmup-batches", "1")}
 
 
+@pytest.mark.second_stack
 @suite.runs(*[suite.check("upstream.pytest", topology, env=env, phases=phases, timeout=600,
                           setup=adapted("test_tensorflow2_keras.py"))
               for topology, env, phases in KERAS_TESTS.values()], ids=list(KERAS_TESTS))

@@ -206,6 +206,7 @@ def test_mpirun_one_node_of_four_trains_the_demo_to_the_end():
     assert_trained(train_digits(command, np=4), nodes=1, per_node=4)
 
 
+@pytest.mark.second_stack
 @pytest.mark.multirank
 @needs_mpi
 def test_horovodrun_mpi_trains_the_demo_to_the_end():

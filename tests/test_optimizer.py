@@ -1,5 +1,7 @@
 """hvdx.DistributedOptimizer trains like Horovod's, with every aggregation strategy
 (tests/multirank/check_optimizer.py)."""
+import pytest
+
 from tests import harness, suite
 
 
@@ -24,6 +26,7 @@ CHECKS = [suite.check("optimizer.training", "2x2", epochs=EPOCHS_3X2 if SECOND_S
           suite.check("optimizer.training", "3x2", epochs=EPOCHS_3X2, accuracy_bar=False, timeout=480)]
 
 
+@pytest.mark.second_stack
 @suite.runs(*CHECKS)
 def test_distributed_optimizer(ranks):
     data = ranks

@@ -15,6 +15,7 @@ def on_2x2(check: str):
     return suite.runs(suite.check(f"training_path.{check}", "2x2"))
 
 
+@pytest.mark.second_stack
 @on_2x2("mixed_precision")
 def test_mixed_precision_does_not_hang_and_ranks_stay_identical(ranks):
     """1. Keras' loss scaler decides on the averaged gradients: rank 1's overflows skip the
@@ -70,6 +71,7 @@ def test_ranks_that_disagree_fail_clearly_on_every_rank(ranks, case, needle):
         assert r[case]["seconds"] < 30, r[case]
 
 
+@pytest.mark.second_stack
 @on_2x2("checkpoints")
 @pytest.mark.parametrize("fmt", ["keras", "savedmodel", "h5", "checkpoint"])
 @pytest.mark.parametrize("kind", ["new", "legacy"])
