@@ -16,8 +16,8 @@
   the others, those that launch ranks themselves run after those that launch nothing: the
   one-process tests keep one core busy beside the suite's launch, and the launching ones, which
   want both cores, meet fewer of the suite's launches still running.
-- Tests that launch are marked `multirank`; benchmark smoke tests and multi-rank runs whose code is the
-  same on both stacks `slow` (pyproject.toml).
+- Tests that launch are marked `multirank`, those CI's second stack runs too `second_stack`,
+  long runs and benchmark smoke tests `slow` (pyproject.toml).
 """
 import os
 import resource

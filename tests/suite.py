@@ -122,37 +122,21 @@ def check(name: str, topology: str, *, timeout: float = 300, env: Optional[Dict[
     return Check(name, topology, tuple(sorted(frozen.items())), tuple(sorted((env or {}).items())), setup, timeout)
 
 
-#: Topologies whose checks are `slow` (CI's second stack skips them): what three nodes can break
-#: beyond two is hvdx's planning (process sets, slices, rings: Python, the same on both stacks);
-#: the stacks' collectives (Horovod built against each TensorFlow) are checked on 2x2 on both.
-SAME_ON_BOTH_STACKS = ("3x2",)
-
-#: Check modules whose checks are `slow` on every topology (CI's second stack skips them): the
-#: training methods and transports whose multi-rank part is hvdx's own (its Python schedules,
-#: its sockets and shared memory, hvdx's op library): their TensorFlow and Keras calls run
-#: in-process on both stacks. (CI's second stack runs only the multi-rank tests marked
-#: `second_stack`: the optimizer and its strategies, checkpoints and mixed precision on 2x2,
-#: Horovod's own tests, elastic example and `--mpi` launch, on Horovod built against TF 2.15.)
-METHODS_SAME_ON_BOTH_STACKS = ("adpsgd", "asynchronous", "daso", "daso_transport", "datacache", "lars",
-                               "lars_sparse", "localsgd", "node_shm", "streaming_diloco")
+_PARAM = type(pytest.param(None))  # what pytest.param returns
 
 
-def same_on_both_stacks(check: Check) -> bool:
-    """Whether `check` is `slow`: its topology is in SAME_ON_BOTH_STACKS or its module in
-    METHODS_SAME_ON_BOTH_STACKS."""
-    return check.topology in SAME_ON_BOTH_STACKS or check.name.split(".")[0] in METHODS_SAME_ON_BOTH_STACKS
-
-
-def runs(*checks: Check, ids: Optional[Sequence[str]] = None):
-    """Parametrizes a test by `checks`: its `ranks` fixture is the check's `RankResults`;
-    marks it `multirank`, and a check `same_on_both_stacks` `slow`. `ids` default to the
-    topologies."""
+def runs(*checks: Any, ids: Optional[Sequence[str]] = None):
+    """Parametrizes a test by `checks`: its `ranks` fixture is the check's `RankResults`; marks
+    it `multirank`. A check may come as `pytest.param(check, marks=...)` to carry marks of its
+    own (`second_stack` on one topology of a test). `ids` default to the topologies."""
+    planned = [c.values[0] if isinstance(c, _PARAM) else c for c in checks]
+    if not all(isinstance(c, Check) for c in planned):
+        raise TypeError(f"suite.runs takes Checks (suite.check) or pytest.param(Check), got {checks!r}")
     if ids is None:
-        ids = [c.topology for c in checks]
-    params = [pytest.param(c, marks=pytest.mark.slow) if same_on_both_stacks(c) else c for c in checks]
+        ids = [c.topology for c in planned]
 
     def mark(test):
-        test = pytest.mark.parametrize("ranks", params, indirect=True, ids=list(ids))(test)
+        test = pytest.mark.parametrize("ranks", list(checks), indirect=True, ids=list(ids))(test)
         return pytest.mark.multirank(test)
 
     return mark

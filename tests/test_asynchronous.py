@@ -405,7 +405,6 @@ def test_every_rank_ends_with_the_same_shared_model_and_checkpoints_hold_it(rank
         assert data["segments_left"] == [], (rank, data)
 
 
-@pytest.mark.slow  # the claim is the methods' (the same code on both stacks); their steps run on both
 @suite.runs(suite.check("asynchronous.convergence", "2x2", timeout=900))
 def test_digits_asynchronous_methods_match_synchronous_sgd_at_equal_epochs(ranks):
     data = ranks[0]

@@ -192,7 +192,6 @@ def test_a_horovodrun_job_needs_nodes_of_the_cluster():
 
 
 @needs_namespaces
-@pytest.mark.slow  # the emulated cluster is Python, the same on both stacks; the 2x2 job above runs on both
 @pytest.mark.multirank
 def test_a_horovodrun_job_relaunched_on_the_node_left_runs_there_only(leaves_nothing_behind, tmp_path):
     """A fixed-size job as a user launches one (horovodrun -np 2 -H node1:2, its ssh the UTS

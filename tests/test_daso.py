@@ -205,7 +205,6 @@ def test_checkpoint_in_the_middle_of_a_cycle_continues_identically(ranks):
         assert result["max_difference"] == 0.0
 
 
-@pytest.mark.slow  # the claim is DASO's (the same code on both stacks); its steps run on both (blocking, mixed)
 @running("convergence")
 def test_converges_on_digits_within_one_point_of_horovod(ranks):
     results = ranks.every()

@@ -237,7 +237,6 @@ def _elastic_digits(tmp_path, communication: str, schedule: str, datacache: bool
     return job, json.loads((tmp_path / "elastic.json").read_text())
 
 
-@pytest.mark.slow  # hvdx's flat planning and DataCache's split are Python; Horovod's patched part runs on both stacks below
 @pytest.mark.multirank
 def test_hitopk_keras_training_runs_flat_when_a_node_loses_one_rank_then_even_again(tmp_path):
     """2x2 -> nodes of 2 and 1 ranks: hvdx runs flat (every rank a node of its own, one
@@ -395,7 +394,6 @@ ELASTIC_METHODS = os.environ.get("HVDX_ELASTIC_METHODS", "daso").split(",")
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # the methods' code is the same on both stacks; Horovod's (patched) part is the test above
 @KERAS3_ONLY
 @pytest.mark.parametrize("method", ELASTIC_METHODS)  # LARS(pto): the DAWNBench test below
 def test_training_methods_and_lars_survive_a_membership_change(tmp_path, method):
@@ -419,7 +417,6 @@ def test_training_methods_and_lars_survive_a_membership_change(tmp_path, method)
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # hvdx's parts are the same on both stacks; Horovod's (patched) part is tested on both above
 def test_the_dawnbench_recipe_goes_on_when_a_node_leaves_and_comes_back(tmp_path):
     """examples/dawnbench.py --elastic (LARS with the parallel tensor operator, HiTopK then
     2DTAR, DataCache, a checkpoint per epoch) as a user runs it (tf.keras as TensorFlow makes
@@ -483,7 +480,6 @@ def test_the_dawnbench_recipe_goes_on_when_a_node_leaves_and_comes_back(tmp_path
 
 
 @pytest.mark.multirank
-@pytest.mark.slow  # the launcher and hvdx's run are Python; Horovod's patched part is tested on both stacks above
 def test_a_node_preempted_on_the_emulated_cluster_leaves_and_rejoins(tmp_path):
     """The emulated cluster's elastic mode, as benchmarks/elastic.py runs it: horovodrun in the
     switch namespace, each node's workers in its own namespace on its own core; node 1 is

@@ -22,7 +22,6 @@ def test_reports_which_rank_failed_and_why():
     assert job.results[0]["ok"] and job.results[0]["data"] == {"size_seen": 2}
 
 
-@pytest.mark.slow  # the harness's own timeout (Python, the same on both stacks)
 @pytest.mark.multirank
 def test_times_out_instead_of_hanging():
     # rank 0 never writes a result, whether the timeout finds it asleep or still starting: 10 s
@@ -66,7 +65,7 @@ def test_command_lines_of_both_launchers():
         "--nodes", "3", "--ranks-per-node", "2", "--rate", "1gbit", "--"]
 
 
-@pytest.mark.slow  # the harness's own timeout (Python, the same on both stacks)
+@pytest.mark.slow  # waits out the harness's timeout
 def test_run_kills_the_whole_process_tree_when_the_timeout_expires():
     """A grandchild in a session of its own is killed too (Horovod's launcher starts ranks so)."""
     script = ("import subprocess, time; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "

@@ -197,7 +197,6 @@ def assert_trained(out: dict, nodes: int, per_node: int) -> None:
     assert accuracy > 0.85, text  # an MLP on the digits reaches ~0.9 in a few epochs
 
 
-@pytest.mark.slow  # Horovod's MPI build for each stack runs in the horovodrun --mpi test below
 @pytest.mark.multirank
 @needs_mpi
 def test_mpirun_one_node_of_four_trains_the_demo_to_the_end():
@@ -217,7 +216,6 @@ def test_horovodrun_mpi_trains_the_demo_to_the_end():
     assert_trained(train_digits(command, np=4), nodes=1, per_node=4)
 
 
-@pytest.mark.slow  # the emulated nodes are Python; Horovod's MPI build runs on both stacks in the test above
 @pytest.mark.multirank
 @needs_emulation
 def test_mpirun_two_emulated_nodes_of_two_train_the_demo_to_the_end():
@@ -247,7 +245,6 @@ hvdx.barrier()
 """
 
 
-@pytest.mark.slow  # AD-PSGD's transport under MPI's placement: Python, the same on both stacks
 @pytest.mark.multirank
 @needs_emulation
 def test_mpirun_two_emulated_nodes_run_adpsgd_to_the_same_average_model(tmp_path):
@@ -331,7 +328,6 @@ def test_srun_two_nodes_of_two_trains_the_demo_to_the_end(local_slurm):
     assert_trained(train_digits(command, np=4, env=local_slurm.environment(harness.test_env())), nodes=2, per_node=2)
 
 
-@pytest.mark.slow  # sbatch's script around the srun above (SLURM's and hvdx's launcher code, the same on both stacks)
 @pytest.mark.multirank
 @needs_slurm
 def test_sbatch_script_as_a_user_writes_it_trains_the_demo(local_slurm, tmp_path):

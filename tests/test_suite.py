@@ -55,7 +55,6 @@ def test_a_launch_whose_ranks_stop_reporting_is_stopped_saying_where(tmp_path):
         f"rank 1 was in 00-a (barrier after it) for more than {10 + suite.GRACE} s"
 
 
-@pytest.mark.slow  # the suite's own bookkeeping (Python, the same on both stacks); every launch uses it
 @pytest.mark.multirank
 def test_one_launch_runs_every_check_and_failures_stay_with_their_check(tmp_path):
     """On 1x2: a check fails on rank 1, the next hangs on rank 0 (5 s timeout): each fails

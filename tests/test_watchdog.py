@@ -5,7 +5,6 @@ plus a few seconds; a slow but progressing job runs to the end.
 The launched scenarios are tests/multirank/stall_worker.py's, one horovodrun job each (a stall
 ends its job); the bound is 4 s, so that they stay short."""
 import re
-import sys
 import time
 
 import pytest
@@ -259,7 +258,6 @@ def test_an_extra_step_with_the_hitopk_tape_ends_the_job_on_2x2():
     assert "topology.py" in out and "in barrier" in out  # where the others wait
 
 
-@pytest.mark.slow  # the watchdog's part is Python; the HiTopK tape's case above runs on both stacks
 @pytest.mark.multirank
 def test_an_extra_step_with_the_hierarchical_tape_ends_the_job():
     _stalled("extra-step", "hierarchical", np=2, hosts=harness.hosts(2, 1), expect_rank=1,
@@ -279,7 +277,6 @@ def test_a_rank_that_stops_issuing_collectives_is_named():
     assert "rank 1: in no hvdx collective, at stall_worker.py" in out
 
 
-@pytest.mark.slow  # DASO's transport and the watchdog are Python, the same on both stacks
 @pytest.mark.multirank
 def test_a_daso_peer_that_stalls_without_dying_is_named():
     out = _stalled("daso-sleep", np=2, hosts=harness.hosts(2, 1), expect_rank=1,
@@ -311,7 +308,6 @@ def test_horovods_mismatched_data_types_is_explained_in_steps():
         out[-4000:]
 
 
-@pytest.mark.slow  # the watchdog's bound is Python, the same on both stacks
 @pytest.mark.multirank
 def test_a_15x_straggler_runs_to_the_end():
     # the fast rank waits about 1.4 s per step for the straggler: 6 waits, each under the
