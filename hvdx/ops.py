@@ -373,7 +373,7 @@ def _check_quantized(bits: int, chunk: int) -> None:
 
 
 def quantize(x: TensorLike, bits: int, chunk: int, name: Optional[str] = None) -> Tuple[tf.Tensor, tf.Tensor]:
-    """The chunked low-bit codes of `x` in one pass (CPU; csrc/kernels/quantize.h): per chunk
+    """The chunked low-bit codes of `x` in one pass (CPU and CUDA; csrc/kernels/quantize.h): per chunk
     s = max|x| / L, L = 2^(bits-1) - 1, and q = clip(round_half_even(x / s), -L, L) (0 where s
     is 0); hvdx/comm/wire.py's `quantize`, bit for bit for finite x.
 

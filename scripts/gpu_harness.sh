@@ -9,7 +9,8 @@
 #                    normal, Laplace, Student-t(3), Cauchy, exact zeros, ties, NaN/Inf, d from
 #                    1 to 2^28; sparse accumulation equal to np.add.at and error feedback to
 #                    its float32 reference, CPU = GPU bit for
-#                    bit; every GPU result equal on a second run; injected launch errors (a
+#                    bit; the wire's quantize / dequantize equal to their NumPy form, CPU = GPU
+#                    bit for bit (NaN payloads aside); every GPU result equal on a second run; injected launch errors (a
 #                    too-large grid, an invalid pointer) returned as errors;
 #      report.md, bench.json, fig6.png
 #                    Figure 6: MSTopK vs torch.topk, CuPy argpartition and one read of x,
@@ -28,7 +29,7 @@
 #   scripts/gpu_harness.sh [OUT]        (default: $OUT, else /tmp/hvdx-gpu-harness)
 #   scripts/gpu_harness.sh --quick [OUT]   small sizes only (a smoke run, ~2 minutes)
 #   scripts/gpu_harness.sh --kernels mstopk [OUT]   one kernel's checks and benchmark
-#                                          (mstopk, sparse_accumulate, error_feedback; default all)
+#                                          (mstopk, sparse_accumulate, error_feedback, quantize; default all)
 # Environment: PYTHON (default python3), HVDX_HARNESS_CUDA_ARCHITECTURES (default native).
 set -uo pipefail
 

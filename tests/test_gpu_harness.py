@@ -85,6 +85,24 @@ def test_error_feedback_in_the_harness_equals_its_reference_and_the_tensorflow_o
         harness.error_feedback_cpu([grads[0]] * 9, residual)
 
 
+def test_quantize_in_the_harness_equals_its_equations_and_the_tensorflow_op(harness):
+    """kernels/quantize.h's codes: the NumPy form of its equations (ties to even, zero and
+    non-finite chunks), its own decoding, and the op's bytes, on every case but 25M."""
+    import tensorflow as tf
+
+    from hvdx import ops
+    result = checks.check_quantize(harness, checks.quantize_cases()[:-1], gpu=False, seed=5, threads=2)
+    assert result["failures"] == [] and len(result["cases"]) == 10
+    assert all(row["cpu_vs_reference"] == "equal" and row["cpu_decode"] == "equal" for row in result["cases"])
+    for bits in (8, 4):
+        x = checks.quantize_input(dict(n=1024 * 9, bits=bits, chunk=1024, what="special"), np.random.default_rng(6))
+        x[4 * 1024:5 * 1024] = 1.0  # not the denormals' chunk: TensorFlow's CPU threads flush them to zero
+        packed, dequantized = ops.quantize(tf.constant(x), bits, 1024)
+        mine = harness.quantize_cpu(x, bits, 1024, threads=3)
+        assert mine[0].tobytes() == packed.numpy().tobytes()
+        assert checks._values_differ(mine[1], dequantized.numpy()) == 0
+
+
 def test_sparse_accumulation_adds_every_element_s_entries_in_their_order(harness):
     result = checks.check_sparse(harness, checks.sparse_cases(4)[:-1], gpu=False, seed=4, threads=2)
     assert result["failures"] == [] and len(result["cases"]) == 7
@@ -120,6 +138,8 @@ def test_a_cpu_only_harness_answers_gpu_calls_with_unimplemented(harness):
         harness.mstopk_gpu(np.ones(4, np.float32), 2)
     with pytest.raises(lib.HarnessError, match="built without CUDA"):
         harness.check("hvdx_error_feedback_gpu", None, 1, None, None, 0.0, 1.0, None, None, 0, None)
+    with pytest.raises(lib.HarnessError, match="built without CUDA"):
+        harness.quantize_gpu(np.ones(4, np.float32), 8, 2)
 
 
 def _python_without_tensorflow():

@@ -8,6 +8,7 @@
 #include "kernels/device.h"
 #include "kernels/error_feedback.h"
 #include "kernels/mstopk.h"
+#include "kernels/quantize.h"
 #include "kernels/sparse_accumulate.h"
 
 namespace {
@@ -80,6 +81,17 @@ int hvdx_error_feedback_cpu(const float* const* grads, int count, const float* r
   return Report(status, msg, msg_size);
 }
 
+int hvdx_quantize_cpu(const float* x, int64_t n, int bits, int chunk, uint8_t* packed, float* dequantized,
+                      int threads, char* msg, size_t msg_size) {
+  return Report(hvdx::functor::Quantize<CpuDevice>()(Device(threads), x, n, bits, chunk, packed, dequantized), msg,
+                msg_size);
+}
+
+int hvdx_dequantize_cpu(const uint8_t* packed, int64_t n, int bits, int chunk, float* out, int threads, char* msg,
+                        size_t msg_size) {
+  return Report(hvdx::functor::Dequantize<CpuDevice>()(Device(threads), packed, n, bits, chunk, out), msg, msg_size);
+}
+
 #if !GOOGLE_CUDA
 int hvdx_harness_has_cuda(void) { return 0; }
 int64_t hvdx_mstopk_gpu_scratch_bytes(int64_t) { return -1; }
@@ -94,6 +106,12 @@ int hvdx_sparse_accumulate_gpu(const float*, const void*, int, int64_t, const fl
 }
 int hvdx_error_feedback_gpu(const float* const*, int, const float*, const float*, float, float, float*, float*, int64_t,
                             void*, char* msg, size_t msg_size) {
+  return hvdx::harness::NoCuda(msg, msg_size);
+}
+int hvdx_quantize_gpu(const float*, int64_t, int, int, uint8_t*, float*, void*, char* msg, size_t msg_size) {
+  return hvdx::harness::NoCuda(msg, msg_size);
+}
+int hvdx_dequantize_gpu(const uint8_t*, int64_t, int, int, float*, void*, char* msg, size_t msg_size) {
   return hvdx::harness::NoCuda(msg, msg_size);
 }
 int hvdx_cuda_malloc(void**, int64_t, char* msg, size_t msg_size) { return hvdx::harness::NoCuda(msg, msg_size); }

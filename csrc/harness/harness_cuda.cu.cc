@@ -10,6 +10,7 @@
 #include "kernels/error_feedback.h"
 #include "kernels/gpu_launch.h"
 #include "kernels/mstopk.h"
+#include "kernels/quantize.h"
 #include "kernels/sparse_accumulate.h"
 
 namespace {
@@ -85,6 +86,18 @@ int hvdx_error_feedback_gpu(const float* const* grads, int count, const float* r
                                                          decay, acc, velocity_out, n);
   }
   return Report(status, msg, msg_size);
+}
+
+int hvdx_quantize_gpu(const float* x, int64_t n, int bits, int chunk, uint8_t* packed, float* dequantized,
+                      void* stream, char* msg, size_t msg_size) {
+  return Report(hvdx::functor::Quantize<GpuDevice>()(GpuDevice(Stream(stream)), x, n, bits, chunk, packed, dequantized),
+                msg, msg_size);
+}
+
+int hvdx_dequantize_gpu(const uint8_t* packed, int64_t n, int bits, int chunk, float* out, void* stream, char* msg,
+                        size_t msg_size) {
+  return Report(hvdx::functor::Dequantize<GpuDevice>()(GpuDevice(Stream(stream)), packed, n, bits, chunk, out), msg,
+                msg_size);
 }
 
 int hvdx_cuda_malloc(void** ptr, int64_t bytes, char* msg, size_t msg_size) {

@@ -1,6 +1,6 @@
 /* The C ABI of hvdx's TensorFlow-free kernel harness (libhvdx_harness.so, built from
  * csrc/harness/CMakeLists.txt). It calls the very functors the TensorFlow ops call
- * (csrc/kernels/: mstopk, sparse_accumulate, error_feedback .{h,cc,cu.cc}) on raw float32
+ * (csrc/kernels/: mstopk, sparse_accumulate, error_feedback, quantize .{h,cc,cu.cc}) on raw float32
  * buffers, so that they can be checked and timed where TensorFlow cannot run.
  *
  * Every function that can fail returns 0 on success, else the status code of the
@@ -21,7 +21,7 @@
 extern "C" {
 #endif
 
-#define HVDX_HARNESS_ABI 1
+#define HVDX_HARNESS_ABI 2
 
 int hvdx_harness_abi(void);     /* HVDX_HARNESS_ABI */
 int hvdx_harness_has_cuda(void); /* 1 when the CUDA kernels are built in */
@@ -56,6 +56,19 @@ int hvdx_error_feedback_cpu(const float* const* grads, int count, const float* r
 int hvdx_error_feedback_gpu(const float* const* grads, int count, const float* residual, const float* velocity,
                             float momentum, float decay, float* acc, float* velocity_out, int64_t n, void* stream,
                             char* msg, size_t msg_size);
+
+/* The wire's chunked low-bit codes (kernels/quantize.h): n values (a multiple of chunk,
+ * an even number >= 2) to bits (8 or 4) each plus a float32 scale per chunk, into packed
+ * (n * bits / 8 + 4 * n / chunk bytes: the codes, then the scales) and dequantized (n
+ * floats, q * s); dequantize decodes packed into out (n floats). */
+int hvdx_quantize_cpu(const float* x, int64_t n, int bits, int chunk, uint8_t* packed, float* dequantized,
+                      int threads, char* msg, size_t msg_size);
+int hvdx_dequantize_cpu(const uint8_t* packed, int64_t n, int bits, int chunk, float* out, int threads, char* msg,
+                        size_t msg_size);
+int hvdx_quantize_gpu(const float* x, int64_t n, int bits, int chunk, uint8_t* packed, float* dequantized,
+                      void* stream, char* msg, size_t msg_size);
+int hvdx_dequantize_gpu(const uint8_t* packed, int64_t n, int bits, int chunk, float* out, void* stream, char* msg,
+                        size_t msg_size);
 
 /* Plain CUDA helpers, so that a driver needs no CuPy or PyTorch to move data. kind:
  * 1 host to device, 2 device to host, 3 device to device. */

@@ -1,8 +1,8 @@
 // Functors of HvdxQuantize / HvdxDequantize: the chunked low-bit codes of hvdx's wire
 // (hvdx/comm/wire.py `quantize` / `dequantize`; LowBit, top-k values as codes, streaming
 // DiLoCo's outer gradients), one pass over the values where TensorFlow's element-wise ops
-// take about ten. CPU only for now (quantize.cc); on a GPU hvdx/comm/wire.py keeps
-// TensorFlow's ops.
+// take about ten. CPU: quantize.cc; CUDA: quantize.cu.cc (the same bytes; the same values,
+// a NaN's payload aside).
 #ifndef HVDX_KERNELS_QUANTIZE_H_
 #define HVDX_KERNELS_QUANTIZE_H_
 
@@ -31,11 +31,13 @@ inline Status CheckQuantized(int64_t n, int bits, int chunk) {
 // For each chunk c of x (n values, n a multiple of chunk), with L = 2^(bits-1) - 1:
 //   s = max |x_i| / L                      (NaN if the chunk holds a NaN; inf if an inf)
 //   q_i = clip(round_half_even(x_i / s), -L, L)   (0 where s == 0 or s is not finite)
-//   dequantized_i = q_i * s                (what the receiver decodes, bit for bit)
+//   dequantized_i = q_i * s                (what the receiver decodes; its -0.0 decodes as 0.0)
 //   codes: q_i as int8 (8 bits), or (q_2j + 8) * 16 + (q_2j+1 + 8) a byte (4 bits)
 // packed = the codes, then the scales' bytes (QuantizedBytes(n) in all). Every product and
 // quotient is float32, rounded as written: the same bits as hvdx/comm/wire.py's TensorFlow
-// form for finite x; a non-finite chunk decodes to NaN everywhere.
+// form for finite x; a non-finite chunk decodes to NaN everywhere (which NaN is the device's).
+// Denormals are values like any other, unless the thread flushes them to zero (TensorFlow's
+// CPU threads do: a chunk of denormals then has s = 0 and codes 0).
 template <typename Device>
 struct Quantize {
   Status operator()(const Device& d, const float* x, int64_t n, int bits, int chunk, uint8_t* packed,

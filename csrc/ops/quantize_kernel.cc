@@ -1,6 +1,9 @@
-// The OpKernels of HvdxQuantize / HvdxDequantize (CPU): check the inputs, allocate the outputs
-// and call the functors of csrc/kernels/quantize.{h,cc}.
+// The OpKernels of HvdxQuantize / HvdxDequantize, shared by CPU and GPU: check the inputs,
+// allocate the outputs and call the functors of csrc/kernels/quantize.{h,cc,cu.cc}.
 #define EIGEN_USE_THREADS
+#if GOOGLE_CUDA
+#define EIGEN_USE_GPU
+#endif
 
 #include <cstdint>
 
@@ -18,7 +21,9 @@ using ::tensorflow::Tensor;
 using ::tensorflow::TensorShape;
 using ::tensorflow::TensorShapeUtils;
 using CPUDevice = Eigen::ThreadPoolDevice;
+using GPUDevice = Eigen::GpuDevice;
 
+template <typename Device>
 class QuantizeOp : public OpKernel {
  public:
   explicit QuantizeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -37,7 +42,7 @@ class QuantizeOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({functor::QuantizedBytes(n, bits_, chunk_)}), &packed));
     Tensor* dequantized = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, x.shape(), &dequantized));
-    OP_REQUIRES_OK(ctx, functor::Quantize<CPUDevice>()(ctx->eigen_device<CPUDevice>(), x.flat<float>().data(), n,
+    OP_REQUIRES_OK(ctx, functor::Quantize<Device>()(ctx->eigen_device<Device>(), x.flat<float>().data(), n,
                                                        bits_, chunk_, packed->flat<uint8_t>().data(),
                                                        dequantized->flat<float>().data()));
   }
@@ -47,6 +52,7 @@ class QuantizeOp : public OpKernel {
   int chunk_ = 1024;
 };
 
+template <typename Device>
 class DequantizeOp : public OpKernel {
  public:
   explicit DequantizeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -67,7 +73,7 @@ class DequantizeOp : public OpKernel {
     const int64_t n = bytes / per_chunk * chunk_;
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n}), &out));
-    OP_REQUIRES_OK(ctx, functor::Dequantize<CPUDevice>()(ctx->eigen_device<CPUDevice>(),
+    OP_REQUIRES_OK(ctx, functor::Dequantize<Device>()(ctx->eigen_device<Device>(),
                                                          packed.flat<uint8_t>().data(), n, bits_, chunk_,
                                                          out->flat<float>().data()));
   }
@@ -77,7 +83,12 @@ class DequantizeOp : public OpKernel {
   int chunk_ = 1024;
 };
 
-REGISTER_KERNEL_BUILDER(Name("HvdxQuantize").Device(::tensorflow::DEVICE_CPU), QuantizeOp);
-REGISTER_KERNEL_BUILDER(Name("HvdxDequantize").Device(::tensorflow::DEVICE_CPU), DequantizeOp);
+REGISTER_KERNEL_BUILDER(Name("HvdxQuantize").Device(::tensorflow::DEVICE_CPU), QuantizeOp<CPUDevice>);
+REGISTER_KERNEL_BUILDER(Name("HvdxDequantize").Device(::tensorflow::DEVICE_CPU), DequantizeOp<CPUDevice>);
+#if GOOGLE_CUDA
+// The GPU functors are explicitly specialized in quantize.cu.cc.
+REGISTER_KERNEL_BUILDER(Name("HvdxQuantize").Device(::tensorflow::DEVICE_GPU), QuantizeOp<GPUDevice>);
+REGISTER_KERNEL_BUILDER(Name("HvdxDequantize").Device(::tensorflow::DEVICE_GPU), DequantizeOp<GPUDevice>);
+#endif
 
 }  // namespace hvdx

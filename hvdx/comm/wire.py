@@ -159,9 +159,10 @@ def quantize(x: tf.Tensor, bits: int, chunk: int) -> Tuple[tf.Tensor, tf.Tensor]
     """(the packed bytes, the dequantized values) of a 1-D float32 `x` of a length that is a
     multiple of `chunk`: per chunk s = max|x| / L, q = round(x / s) (half to even; 0 where s is
     0), bytes = the q as int8 (8 bits) or two 4-bit codes q + 8 to a byte (4 bits), then the
-    scales' float32 bytes. A non-finite x makes its chunk's scale non-finite. On a job without
-    a GPU, hvdx's one-pass kernel (`hvdx.ops.quantize`), else TensorFlow's element-wise ops:
-    the same bytes, and the same values up to the sign of a zero."""
+    scales' float32 bytes. A non-finite x makes its chunk's scale non-finite. hvdx's one-pass
+    kernel (`hvdx.ops.quantize`, CPU and CUDA), else TensorFlow's element-wise ops (a GPU job
+    with an op library built without CUDA): the same bytes, and the same values up to the sign
+    of a zero."""
     if _one_pass_kernels():
         return ops.quantize(x, bits, chunk)
     rows = tf.reshape(x, [-1, chunk])
@@ -193,9 +194,10 @@ def dequantize(packed: tf.Tensor, length: int, bits: int, chunk: int) -> tf.Tens
 
 
 def _one_pass_kernels() -> bool:
-    """Whether `quantize` / `dequantize` run hvdx's CPU kernels: where TensorFlow sees no GPU
-    (they have no CUDA kernel yet, and a CPU op in a GPU step would copy the values across)."""
-    return not tf.config.list_logical_devices("GPU")
+    """Whether `quantize` / `dequantize` run hvdx's kernels: where TensorFlow sees no GPU, or
+    the op library has its CUDA kernels (built without them, the op would run on the CPU and
+    copy a GPU step's values across; TensorFlow's element-wise ops stay on the GPU)."""
+    return not tf.config.list_logical_devices("GPU") or bool(ops.build_info().get("cuda"))
 
 
 #: The most values of a quantized packet that share one scale (`value_chunking`).

@@ -244,6 +244,99 @@ def check_error_feedback(h: Harness, cases: Sequence[dict], gpu: bool, seed: int
     return {"cases": results, "failures": failures}
 
 
+def quantize_cases() -> List[dict]:
+    """(n, bits, chunk, what): empty, one chunk of 2, ties at half steps, zero and non-finite
+    chunks, a chunk wider than a block's threads, LowBit's 5.2M at chunk 1024, 25M at 4 bits."""
+    return [dict(n=n, bits=b, chunk=c, what=w) for n, b, c, w in (
+        (0, 8, 1024, "normal"), (2, 8, 2, "normal"), (2, 4, 2, "normal"), (64 * 33, 8, 64, "ties"),
+        (64 * 33, 4, 64, "ties"), (1024 * 9, 8, 1024, "special"), (1024 * 9, 4, 1024, "special"),
+        (4096 * 5, 8, 4096, "normal"), (4096 * 5, 4, 4096, "laplace"), (1024 * 5120, 8, 1024, "normal"),
+        (256 * 97_657, 4, 256, "normal"))]
+
+
+def quantize_input(case: dict, rng: np.random.Generator) -> np.ndarray:
+    """The case's values: normal or Laplace, `ties` (multiples of half a step: round half to
+    even decides), `special` (a chunk of zeros, one of -0.0, one with a NaN, one with an inf,
+    one of denormals, the rest normal)."""
+    n, chunk, level = case["n"], case["chunk"], 2 ** (case["bits"] - 1) - 1
+    if case["what"] == "laplace":
+        return rng.laplace(size=n).astype(np.float32)
+    x = rng.standard_normal(n).astype(np.float32)
+    if case["what"] == "ties" and n:
+        x = (rng.integers(-2 * level, 2 * level + 1, n) / 2).astype(np.float32)
+        x[::chunk] = level  # each chunk's max |x| is level: s = 1, x / s exact
+    elif case["what"] == "special" and n >= 5 * chunk:
+        x[:chunk] = 0.0
+        x[chunk:2 * chunk] = -0.0
+        x[2 * chunk + 3] = np.nan
+        x[3 * chunk + 5] = -np.inf
+        x[4 * chunk:5 * chunk] = (rng.standard_normal(chunk) * 1e-40).astype(np.float32)
+    return x
+
+
+def quantize_reference(x: np.ndarray, bits: int, chunk: int):
+    """(packed, dequantized) by kernels/quantize.h's equations in NumPy float32."""
+    level = np.float32(2 ** (bits - 1) - 1)
+    rows = x.reshape(-1, chunk)
+    high = (rows.view(np.uint32) & np.uint32(0x7FFFFFFF)).max(axis=1, initial=0)
+    with np.errstate(all="ignore"):
+        scale = high.view(np.float32) / level
+        scale[high > 0x7F800000] = np.float32("nan")
+        zero = (scale == 0) | ~np.isfinite(scale)
+        q = np.clip(np.rint(rows / scale[:, None]), -level, level).astype(np.float32)
+        q[zero] = 0.0
+        dequantized = (q * scale[:, None]).reshape(-1)
+    if bits == 8:
+        codes = q.reshape(-1).astype(np.int8).view(np.uint8)
+    else:
+        pairs = (q.reshape(-1, 2) + 8).astype(np.uint8)
+        codes = pairs[:, 0] * 16 + pairs[:, 1]
+    return np.concatenate([codes, scale.astype("<f4").view(np.uint8)]), dequantized
+
+
+def _values_differ(got: np.ndarray, want: np.ndarray, zero_sign: bool = True) -> int:
+    """Elements whose bits differ, a NaN equal to any NaN (its payload is the device's);
+    zero_sign=False: -0.0 equal to 0.0 too (a code of 0 decodes to +0.0 whatever q's sign)."""
+    nan = np.isnan(got)
+    unequal = got.view(np.uint32) != want.view(np.uint32) if zero_sign else got != want
+    return int(np.count_nonzero(nan != np.isnan(want)) + np.count_nonzero(unequal & ~nan))
+
+
+def check_quantize(h: Harness, cases: Sequence[dict], gpu: bool, seed: int = 0, threads: int = 0) -> dict:
+    """CPU quantize vs quantize_reference and CPU dequantize of its bytes vs its values; the
+    GPU's bytes and values vs the CPU's, the GPU's dequantize of the CPU's bytes, a second GPU run."""
+    rng = np.random.default_rng(seed)
+    results, failures = [], []
+
+    def differ(got, want, zero_sign: bool = True) -> Union[str, List[str]]:
+        wrong = []
+        if got[0] is not None and not np.array_equal(got[0], want[0]):
+            wrong.append(f"{int(np.count_nonzero(got[0] != want[0]))} packed bytes differ")
+        values = _values_differ(got[1], want[1], zero_sign)
+        if values:
+            wrong.append(f"{values} values differ")
+        return wrong or "equal"
+
+    for case in cases:
+        n, bits, chunk = case["n"], case["bits"], case["chunk"]
+        x = quantize_input(case, rng)
+        row = dict(case)
+        cpu = h.quantize_cpu(x, bits, chunk, threads=threads)
+        row["cpu_vs_reference"] = differ(cpu, quantize_reference(x, bits, chunk))
+        decoded = h.dequantize_cpu(cpu[0], n, bits, chunk, threads=threads)
+        row["cpu_decode"] = differ((None, decoded), cpu, zero_sign=False)
+        if gpu:
+            first, second = h.quantize_gpu(x, bits, chunk), h.quantize_gpu(x, bits, chunk)
+            row["gpu_vs_cpu"] = differ(first, cpu)
+            row["gpu_run_to_run"] = differ(second, first)
+            row["gpu_decode_vs_cpu"] = differ((None, h.dequantize_gpu(cpu[0], n, bits, chunk)), (None, decoded))
+        for field in ("cpu_vs_reference", "cpu_decode", "gpu_vs_cpu", "gpu_run_to_run", "gpu_decode_vs_cpu"):
+            if isinstance(row.get(field), list):
+                failures.append({"case": case, "check": field, "differences": row[field]})
+        results.append(row)
+    return {"cases": results, "failures": failures}
+
+
 def check_argument_errors(h: Harness) -> dict:
     """Bad arguments come back as status 3 with the op's message, on the CPU."""
     outcomes = {}
@@ -251,14 +344,16 @@ def check_argument_errors(h: Harness) -> dict:
     for name, call in (
             ("negative_k", lambda: h.mstopk_cpu(x, -1)),
             ("index_out_of_range", lambda: h.sparse_accumulate_cpu(np.ones(2, np.float32),
-                                                                   np.array([0, 10], np.int32), 10))):
+                                                                   np.array([0, 10], np.int32), 10)),
+            ("quantize_ragged", lambda: h.quantize_cpu(np.ones(10, np.float32), 8, 4))):
         try:
             call()
             outcomes[name] = {"code": 0, "message": "no error"}
         except HarnessError as err:
             outcomes[name] = {"code": err.code, "message": err.message}
     ok = outcomes["negative_k"]["code"] == 3 and "k must be >= 0" in outcomes["negative_k"]["message"] and \
-        outcomes["index_out_of_range"]["code"] == 3 and "out of range" in outcomes["index_out_of_range"]["message"]
+        outcomes["index_out_of_range"]["code"] == 3 and "out of range" in outcomes["index_out_of_range"]["message"] and \
+        outcomes["quantize_ragged"]["code"] == 3 and "multiple of chunk" in outcomes["quantize_ragged"]["message"]
     return {"outcomes": outcomes, "failures": [] if ok else [outcomes]}
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "csrc" / "harness"
-ABI = 1
+ABI = 2
 MSG = 1024
 CODES = {3: "invalid argument", 12: "unimplemented", 13: "internal"}
 
@@ -132,6 +132,10 @@ class Harness:
             "hvdx_sparse_accumulate_gpu": (i32, [p, p, i32, i64, p, p, i64, p, p, p, sz]),
             "hvdx_error_feedback_cpu": (i32, [p, i32, p, p, f32, f32, p, p, i64, i32, p, sz]),
             "hvdx_error_feedback_gpu": (i32, [p, i32, p, p, f32, f32, p, p, i64, p, p, sz]),
+            "hvdx_quantize_cpu": (i32, [p, i64, i32, i32, p, p, i32, p, sz]),
+            "hvdx_dequantize_cpu": (i32, [p, i64, i32, i32, p, i32, p, sz]),
+            "hvdx_quantize_gpu": (i32, [p, i64, i32, i32, p, p, p, p, sz]),
+            "hvdx_dequantize_gpu": (i32, [p, i64, i32, i32, p, p, p, sz]),
             "hvdx_cuda_malloc": (i32, [ctypes.POINTER(ctypes.c_void_p), i64, p, sz]),
             "hvdx_cuda_free": (i32, [p, p, sz]),
             "hvdx_cuda_memcpy": (i32, [p, p, i64, i32, p, sz]),
@@ -203,6 +207,22 @@ class Harness:
                    None if velocity is None else velocity.ctypes.data, momentum, decay, acc.ctypes.data,
                    None if out is None else out.ctypes.data, n, threads)
         return acc, out
+
+    def quantize_cpu(self, x: np.ndarray, bits: int, chunk: int, threads: int = 0) -> Tuple[np.ndarray, np.ndarray]:
+        """(packed, dequantized) of the wire's quantize CPU functor on float32 x (1-D)."""
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        packed = np.empty(quantized_bytes(x.size, bits, chunk), np.uint8)
+        dequantized = np.empty(x.size, np.float32)
+        self.check("hvdx_quantize_cpu", x.ctypes.data, x.size, bits, chunk, packed.ctypes.data,
+                   dequantized.ctypes.data, threads)
+        return packed, dequantized
+
+    def dequantize_cpu(self, packed: np.ndarray, n: int, bits: int, chunk: int, threads: int = 0) -> np.ndarray:
+        """The n float32 values of quantize's packed bytes (CPU functor)."""
+        packed = np.ascontiguousarray(packed, np.uint8)
+        out = np.empty(n, np.float32)
+        self.check("hvdx_dequantize_cpu", packed.ctypes.data, n, bits, chunk, out.ctypes.data, threads)
+        return out
 
     # -- GPU ------------------------------------------------------------------------------
     def require_cuda(self) -> None:
@@ -300,6 +320,36 @@ class Harness:
         finally:
             for b in [*buffers, acc, out]:
                 b.free()
+
+
+    def quantize_gpu(self, x: np.ndarray, bits: int, chunk: int) -> Tuple[np.ndarray, np.ndarray]:
+        """quantize's CUDA functor on a copy of x on the GPU; synchronises, raises on error."""
+        self.require_cuda()
+        x = np.ascontiguousarray(x, np.float32).reshape(-1)
+        nbytes = quantized_bytes(x.size, bits, chunk)
+        with DeviceBuffer.upload(self, x) as dx, DeviceBuffer(self, nbytes) as dp, \
+                DeviceBuffer(self, 4 * x.size) as dd:
+            code = self.call("hvdx_quantize_gpu", dx.ptr, x.size, bits, chunk, dp.ptr or None, dd.ptr or None, 0)
+            if code != 0:
+                raise HarnessError(code, self.last_message)
+            self.sync()
+            return dp.download(np.uint8, nbytes), dd.download(np.float32, x.size)
+
+    def dequantize_gpu(self, packed: np.ndarray, n: int, bits: int, chunk: int) -> np.ndarray:
+        """dequantize's CUDA functor on a copy of packed on the GPU; synchronises, raises on error."""
+        self.require_cuda()
+        with DeviceBuffer.upload(self, np.ascontiguousarray(packed, np.uint8)) as dp, \
+                DeviceBuffer(self, 4 * n) as dout:
+            code = self.call("hvdx_dequantize_gpu", dp.ptr or None, n, bits, chunk, dout.ptr or None, 0)
+            if code != 0:
+                raise HarnessError(code, self.last_message)
+            self.sync()
+            return dout.download(np.float32, n)
+
+
+def quantized_bytes(n: int, bits: int, chunk: int) -> int:
+    """The packed bytes of n values at `bits` with a float32 scale per chunk (kernels/quantize.h)."""
+    return n * bits // 8 + 4 * (n // chunk) if chunk > 0 else 0
 
 
 class DeviceBuffer:

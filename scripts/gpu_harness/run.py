@@ -8,7 +8,7 @@ writing the results under --out:
     build.log      CMake's output
 
     python3 -m scripts.gpu_harness.run --out DIR [--lib PATH | --build-dir DIR]
-        [--cpu-only] [--quick] [--skip-bench] [--sanitizer-subset] [--kernels mstopk,sparse_accumulate,error_feedback]
+        [--cpu-only] [--quick] [--skip-bench] [--sanitizer-subset] [--kernels mstopk,sparse_accumulate,error_feedback,quantize]
 
 Exit status 1 when a check failed. summary.json is rewritten after each part, and a crash
 of the process (a segmentation fault in a kernel's host code) prints the Python stack
@@ -40,7 +40,7 @@ CPU_ONLY_SIZES = [1, 17, 4097, 65_537, 1_000_003]
 SANITIZER_SIZES = [1, 4097, 100_003]
 DENSITIES = [0.001, 0.01, 0.1]
 LARGEST = 2**28   # one case at the largest d (normal, density 0.001, int64 indices)
-KERNELS = ("mstopk", "sparse_accumulate", "error_feedback")
+KERNELS = ("mstopk", "sparse_accumulate", "error_feedback", "quantize")
 
 
 def gpu_name() -> str:
@@ -121,7 +121,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     empty: dict = {"cases": [], "failures": []}
     summary["kernels"] = kernels
-    summary["mstopk"] = summary["sparse_accumulate"] = summary["error_feedback"] = empty
+    summary["mstopk"] = summary["sparse_accumulate"] = summary["error_feedback"] = summary["quantize"] = empty
     if "mstopk" in kernels:
         small = [d for d in sizes if d <= 1 << 20]
         cases = checks.mstopk_cases(small, dists, densities, args.seed)
@@ -147,20 +147,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log(f"error feedback parity: {len(ef_cases)} cases")
         summary["error_feedback"] = checks.check_error_feedback(h, ef_cases, gpu, seed=args.seed, threads=args.threads)
         save()
+    if "quantize" in kernels:
+        q_cases = checks.quantize_cases()
+        if args.quick or args.sanitizer_subset:
+            q_cases = [c for c in q_cases if c["n"] <= 1 << 20]
+        log(f"quantize / dequantize parity: {len(q_cases)} cases")
+        summary["quantize"] = checks.check_quantize(h, q_cases, gpu, seed=args.seed, threads=args.threads)
+        save()
     summary["argument_errors"] = checks.check_argument_errors(h)
     if gpu and not args.sanitizer_subset:
         log("injected launch errors")
         summary["injected_errors"] = checks.check_injected_errors(h, str(lib_path), kernels=kernels)
-    for part in ("mstopk", "sparse_accumulate", "error_feedback", "argument_errors", "injected_errors"):
+    for part in ("mstopk", "sparse_accumulate", "error_feedback", "quantize", "argument_errors", "injected_errors"):
         for failure in summary.get(part, {}).get("failures", []):
             summary["failures"].append({"part": part, **failure})
-    n_cases = sum(len(summary[part]["cases"]) for part in ("mstopk", "sparse_accumulate", "error_feedback"))
+    n_cases = sum(len(summary[part]["cases"]) for part in ("mstopk", "sparse_accumulate", "error_feedback",
+                                                           "quantize"))
     log(f"checks: {n_cases} cases, {len(summary['failures'])} failures")
     save()  # kept if the bench is cut
     report = [f"# hvdx kernel harness: {'GPU' if gpu else 'CPU'} run ({', '.join(kernels)})", "",
               f"Checks: {n_cases} parity cases (MSTopK vs tests/mstopk_reference.py"
               f"{', GPU vs CPU bit for bit, GPU run to run' if gpu else ''}; sparse accumulation vs np.add.at; "
-              f"error feedback vs its float32 reference), "
+              f"error feedback vs its float32 reference; quantize / dequantize vs their NumPy form), "
               f"**{len(summary['failures'])} failures**.", ""]
     if gpu and not args.skip_bench and not args.sanitizer_subset:
         device = gpu_name()
