@@ -70,7 +70,9 @@ def run(benchmark: str, stack: str, out: Path) -> float:
         SystemExit: the run failed (its exit status in the message).
     """
     out.mkdir(parents=True, exist_ok=True)
-    command = [str(venv_python(stack)), *COMMANDS[benchmark], "--out", str(out)]
+    # Its own README section goes beside its results: the benchmark's section of
+    # benchmarks/README.md belongs to its own full runs, not to this reduced one.
+    command = [str(venv_python(stack)), *COMMANDS[benchmark], "--out", str(out), "--readme", str(out / "README.md")]
     print(f"[stacks] {stack}: {' '.join(command)}", flush=True)
     env = {k: v for k, v in os.environ.items() if k != "TF_USE_LEGACY_KERAS"}
     env.update(HVDX_STACK=stack, TF_CPP_MIN_LOG_LEVEL="2")
