@@ -329,9 +329,7 @@ class Harness:
         nbytes = quantized_bytes(x.size, bits, chunk)
         with DeviceBuffer.upload(self, x) as dx, DeviceBuffer(self, nbytes) as dp, \
                 DeviceBuffer(self, 4 * x.size) as dd:
-            code = self.call("hvdx_quantize_gpu", dx.ptr, x.size, bits, chunk, dp.ptr or None, dd.ptr or None, 0)
-            if code != 0:
-                raise HarnessError(code, self.last_message)
+            self.check("hvdx_quantize_gpu", dx.ptr, x.size, bits, chunk, dp.ptr or None, dd.ptr or None, 0)
             self.sync()
             return dp.download(np.uint8, nbytes), dd.download(np.float32, x.size)
 
@@ -340,9 +338,7 @@ class Harness:
         self.require_cuda()
         with DeviceBuffer.upload(self, np.ascontiguousarray(packed, np.uint8)) as dp, \
                 DeviceBuffer(self, 4 * n) as dout:
-            code = self.call("hvdx_dequantize_gpu", dp.ptr or None, n, bits, chunk, dout.ptr or None, 0)
-            if code != 0:
-                raise HarnessError(code, self.last_message)
+            self.check("hvdx_dequantize_gpu", dp.ptr or None, n, bits, chunk, dout.ptr or None, 0)
             self.sync()
             return dout.download(np.float32, n)
 
